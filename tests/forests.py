@@ -1,0 +1,52 @@
+"""Batches with prefix structure for the exactness tests: named nasty shapes, a seeded random
+forest generator and a hypothesis strategy. Small vocabularies make sharing happen by itself."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+
+def _rand(rng, n, vocab=50):
+    return [int(x) for x in rng.integers(0, vocab, n)]
+
+
+def nasty_forests(seed: int = 0) -> dict[str, list[list[int]]]:
+    rng = np.random.default_rng(seed)
+    p = _rand(rng, 12)
+    chain = _rand(rng, 40)
+    return {
+        "single-sequence": [_rand(rng, 17)],
+        "identical-duplicates": [p + [1, 2, 3]] * 3,
+        "prefix-of-another": [p, p + _rand(rng, 9), p[:5]],
+        "single-tokens": [[7], [7], [3], p, [7]],
+        "deep-chain": [chain[: 4 * (i + 1)] for i in range(10)],
+        "no-sharing": [[100 + i] + _rand(rng, 5 + i) for i in range(4)],
+        "grpo": [p + _rand(rng, int(rng.integers(1, 9))) for _ in range(5)],
+        "tree": [p + a + b for a in (_rand(rng, 6), _rand(rng, 6)) for b in (_rand(rng, 4), [9])],
+    }
+
+
+def random_forest(rng: np.random.Generator, max_seqs: int = 8, max_len: int = 24) -> list[list[int]]:
+    """Sequences grown from each other: extensions, prefixes, duplicates and fresh roots."""
+    seqs: list[list[int]] = []
+    for _ in range(int(rng.integers(1, max_seqs + 1))):
+        op = rng.integers(0, 4) if seqs else 0
+        base = seqs[int(rng.integers(0, len(seqs)))] if seqs else []
+        if op == 0:  # fresh root with a tiny vocabulary (accidental shared runs)
+            new = _rand(rng, int(rng.integers(1, max_len)), vocab=3)
+        elif op == 1:  # branch off a random point of an existing sequence
+            cut = int(rng.integers(0, len(base) + 1))
+            new = base[:cut] + _rand(rng, int(rng.integers(1, 8)))
+        elif op == 2:  # a prefix of an existing sequence
+            new = base[: int(rng.integers(1, len(base) + 1))]
+        else:  # an identical duplicate
+            new = list(base)
+        seqs.append(new[:max_len] or [0])
+    return seqs
+
+
+@st.composite
+def forests(draw, max_seqs: int = 8, max_len: int = 24):
+    seed = draw(st.integers(0, 2**32 - 1))
+    return random_forest(np.random.default_rng(seed), max_seqs, max_len)

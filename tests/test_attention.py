@@ -1,0 +1,138 @@
+"""CPU tree-attention backends vs. per-sequence causal attention: outputs and gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from attention_oracle import compare_with_unshared, random_qkv
+from forests import forests, nasty_forests
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_mcore import plan_prefix_tree, tree_attention
+from ps_mcore.attention import resolve_backend
+
+CPU_BACKENDS = ("reference", "chunked")
+
+
+def assert_matches(plan, backend, hq, hkv, d, dtype=torch.float32, seed=0, tol=None):
+    out, ref, got, want = compare_with_unshared(plan, backend, hq, hkv, d, dtype, seed=seed)
+    rtol, atol = tol or (1e-5, 1e-5)
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=f"d{name} differs")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seqs=forests(),
+    backend=st.sampled_from(CPU_BACKENDS),
+    gqa=st.sampled_from([(2, 2), (8, 2), (7, 1)]),
+    d=st.sampled_from([8, 24]),
+    min_prefix_len=st.sampled_from([1, 3, 8]),
+)
+def test_random_forests(seqs, backend, gqa, d, min_prefix_len):
+    plan = plan_prefix_tree(seqs, min_prefix_len=min_prefix_len)
+    assert_matches(plan, backend, *gqa, d)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", list(nasty_forests()))
+def test_nasty_shapes(name, backend):
+    plan = plan_prefix_tree(nasty_forests()[name], min_prefix_len=1)
+    assert_matches(plan, backend, 4, 1, 16)
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 7])
+@pytest.mark.parametrize("d", [64, 80])
+def test_gqa_ratios_and_head_dims(ratio, d):
+    plan = plan_prefix_tree(nasty_forests()["tree"], min_prefix_len=1)
+    for backend in CPU_BACKENDS:
+        assert_matches(plan, backend, 2 * ratio, 2, d, seed=ratio + d)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_bfloat16(backend):
+    plan = plan_prefix_tree(nasty_forests()["grpo"], min_prefix_len=1)
+    out, ref, got, want = compare_with_unshared(plan, backend, 4, 2, 64, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got)
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert rel(out, ref) < 1e-2
+    assert all(rel(a, b) < 2e-2 for a, b in zip(got, want))
+
+
+def test_flex_forward_on_cpu():
+    plan = plan_prefix_tree(nasty_forests()["tree"], min_prefix_len=1)
+    with torch.no_grad():
+        out, ref, _, _ = compare_with_unshared(plan, "flex", 4, 2, 16, torch.float32, grads=False)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    q, k, v = random_qkv(plan, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="forward only"):
+        tree_attention(q, k, v, plan, backend="flex")
+
+
+def test_trivial_plan_equals_plain_varlen_causal():
+    seqs = nasty_forests()["no-sharing"]
+    plan = plan_prefix_tree(seqs)
+    assert plan.is_trivial
+    assert_matches(plan, "chunked", 4, 2, 16)
+
+
+def test_softmax_scale_is_honoured():
+    plan = plan_prefix_tree(nasty_forests()["grpo"], min_prefix_len=1)
+    q, k, v = random_qkv(plan, 2, 2, 8, torch.float32)
+    a = tree_attention(q, k, v, plan, backend="chunked", softmax_scale=0.3)
+    b = tree_attention(q * (0.3 * np.sqrt(8)), k, v, plan, backend="reference")
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_on_cpu_is_exact_math():
+    q = torch.zeros(3, 2, 8)
+    assert resolve_backend("auto", q) == "chunked"
+
+
+def test_bad_inputs():
+    plan = plan_prefix_tree([[1, 2, 3], [1, 2, 4]], min_prefix_len=1)
+    t = plan.num_tokens
+    q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+    cases = [
+        ((q[None], k, v, plan), "expects q"),
+        ((q, k, v[:, :1], plan), "shapes differ"),
+        ((q[:-1], k, v, plan), "T=4"),
+        ((q[..., :4], k, v, plan), "head dims"),
+        ((torch.randn(t, 3, 8), k, v, plan), "Hq % Hkv"),
+        ((q.double(), k, v, plan), "dtype"),
+        ((q.long(), k.long(), v.long(), plan), "floating"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            tree_attention(*args)
+    with pytest.raises(ValueError, match="unknown tree attention backend"):
+        tree_attention(q, k, v, plan, backend="magic")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan, backend="varlen")
+    with pytest.raises(TypeError, match="TreePlan"):
+        tree_attention(q, k, v, "plan")
+
+
+def test_gathered_kv_is_not_saved_for_backward():
+    """Activation memory must scale with T: the custom function saves q/k/v/out, not the
+    gathered per-node contexts."""
+    seqs = [[1] * 64 + [i] * 8 for i in range(2, 10)]  # 8 leaves under a 64-token prompt
+    plan = plan_prefix_tree(seqs)
+    q, k, v = random_qkv(plan, 2, 2, 8, torch.float32)
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        tree_attention(q, k, v, plan, backend="chunked")
+    contexts = plan.kv_index.numel()
+    assert contexts > 4 * plan.num_tokens
+    assert max(saved) <= plan.num_tokens * 2 * 8 < contexts * 2 * 8
