@@ -1,0 +1,160 @@
+"""Tree attention vs. the unshared varlen baseline (and flex, PrefixGrouper), fwd+bwd.
+
+    python benchmarks/attention.py [--heads 16 --kv-heads 2 --head-dim 128] [--out FILE]
+
+For every standard workload: (a) the unshared baseline, varlen flash attention over all N tokens
+with one segment per sequence (the same flash kernel and call path as the tree, no gather);
+(b) tree ``varlen`` (gather-KV, same kernel); (c) tree ``flex``; (d) PrefixGrouper
+(pip ``prefix-grouper``, the same varlen kernel underneath) on the GRPO workloads. Ideal
+speedup = attention-FLOP ratio; measured/ideal = speedup / ideal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import environment, markdown_table, peak_mib, time_ms  # noqa: E402
+
+from ps_mcore import plan_prefix_tree, tree_attention  # noqa: E402
+from ps_mcore.workloads import WORKLOADS, make_workload  # noqa: E402
+
+GRPO = ("grpo-long-prompt", "grpo-wide", "grpo-math")
+
+
+def fwd_bwd(fn, inputs, grad):
+    def step():
+        for x in inputs:
+            x.grad = None
+        fn(*inputs).backward(grad)
+
+    return step
+
+
+def leaves(shape_q, shape_kv, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda s: torch.randn(s, device="cuda", dtype=dtype, generator=g).requires_grad_()  # noqa: E731
+    return mk(shape_q), mk(shape_kv), mk(shape_kv)
+
+
+def prefix_grouper_step(w, hq, hkv, d, dtype):
+    """PrefixGrouper's grouped layout [G, H, prefix+suffixes, D], its ungroup/group and two
+    attention calls, with varlen flash underneath (what its flash_attention_2 path does)."""
+    from prefix_grouper import PrefixGrouper
+
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(w.group_ids):
+        groups.setdefault(g, []).append(i)
+    info = [[w.prompt_lens[m[0]]] + [len(w.sequences[i]) - w.prompt_lens[i] for i in m] for m in groups.values()]
+    pg = PrefixGrouper(info, device="cuda")
+    g, length = pg.x_shape
+
+    def attn(q, k, v, mask, *args, **kwargs):  # q [b, H, Lq, D], mask [b, Lk] (True = token)
+        lq = q.size(2)
+        qmask = mask[:, -lq:]
+        cu_q = torch.nn.functional.pad(qmask.sum(1).cumsum(0), (1, 0)).int()
+        cu_k = torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0)).int()
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(
+            q.transpose(1, 2)[qmask], k.transpose(1, 2)[mask], v.transpose(1, 2)[mask],
+            cu_q, cu_k, int(qmask.sum(1).max()), int(mask.sum(1).max()), window_size=(-1, 0),
+        )
+        full = out.new_zeros(q.size(0), lq, q.size(1), q.size(3))
+        full[qmask] = out
+        return full
+
+    q, k, v = leaves((g, hq, length, d), (g, hkv, length, d), dtype, 0)
+    grad = torch.randn(g, length, hq, d, device="cuda", dtype=dtype)
+    return fwd_bwd(lambda q, k, v: pg.forward(attn, q, k, v), (q, k, v), grad)
+
+
+def profile(step, title: str) -> None:
+    """Print where the time of one step goes (CUDA kernels, summed over 5 steps)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(title)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+def run(args) -> str:
+    torch._dynamo.config.cache_size_limit = 64
+    dtype = torch.bfloat16
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    headers = ["workload", "N", "T", "dedup", "ideal", "base ms", "varlen ms", "speedup",
+               "meas/ideal", "flex ms", "PG ms", "base MiB", "varlen MiB", "flex MiB", "PG MiB"]
+    rows = []
+    for i, name in enumerate(args.workloads):
+        print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
+        w = make_workload(name, seed=args.seed)
+        plan = plan_prefix_tree(w.sequences).to("cuda")
+        base_plan = plan_prefix_tree(w.sequences, min_prefix_len=10**9).to("cuda")  # unshared
+        stats = plan.stats()
+        n, t = stats["N"], stats["T"]
+
+        qb, kb, vb = leaves((n, hq, d), (n, hkv, d), dtype, 1)
+        gb = torch.randn(n, hq, d, device="cuda", dtype=dtype)
+        base = fwd_bwd(lambda q, k, v: tree_attention(q, k, v, base_plan, backend="varlen"), (qb, kb, vb), gb)
+
+        qt, kt, vt = leaves((t, hq, d), (t, hkv, d), dtype, 2)
+        gt = torch.randn(t, hq, d, device="cuda", dtype=dtype)
+        tree = {
+            backend: fwd_bwd(lambda q, k, v, b=backend: tree_attention(q, k, v, plan, backend=b), (qt, kt, vt), gt)
+            for backend in ("varlen", "flex")
+        }
+        if name in args.profile:
+            profile(tree["varlen"], f"tree varlen fwd+bwd, {name}")
+        ms = {"base": time_ms(base, args.warmup, args.iters)}
+        mem = {"base": peak_mib(base)}
+        for backend, step in tree.items():
+            ms[backend] = time_ms(step, args.warmup, args.iters)
+            mem[backend] = peak_mib(step)
+        ms["pg"] = mem["pg"] = float("nan")
+        if name in GRPO and not args.no_prefix_grouper:
+            step = prefix_grouper_step(w, hq, hkv, d, dtype)
+            ms["pg"], mem["pg"] = time_ms(step, args.warmup, args.iters), peak_mib(step)
+        ideal = stats["attn_flop_ratio"]
+        speedup = ms["base"] / ms["varlen"]
+        rows.append([name, n, t, stats["dedup"], ideal, ms["base"], ms["varlen"], speedup,
+                     speedup / ideal, ms["flex"], ms["pg"], mem["base"], mem["varlen"],
+                     mem["flex"], mem["pg"]])
+        del qb, kb, vb, qt, kt, vt, tree, base
+        torch.cuda.empty_cache()
+    title = f"Attention only, fwd+bwd, bf16, Hq={hq}, Hkv={hkv}, D={d}"
+    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-prefix-grouper", action="store_true")
+    p.add_argument("--profile", nargs="*", default=[], help="workloads to profile (kernel table)")
+    p.add_argument("--out", help="also write the table (markdown) here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/attention.py needs a CUDA GPU")
+    report = run(args)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+
+
+if __name__ == "__main__":
+    main()
