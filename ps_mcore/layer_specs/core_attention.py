@@ -1,0 +1,177 @@
+"""``TreeCoreAttention``: Megatron's core-attention protocol on top of ``tree_attention``.
+
+One module serves every batch a GPT model sees:
+
+* ``TreePackedSeqParams`` (a prefix forest): ``tree_attention`` over the plan.
+* ordinary THD ``PackedSeqParams``: per-sequence causal attention through the same varlen
+  kernels (a plan without sharing whose nodes are the sequences).
+* no packed params (sbhd): causal SDPA, plus the boolean ``attention_mask`` if one is given.
+
+Megatron (0.13-0.19) builds core attention with keywords ``config, layer_number,
+attn_mask_type, attention_type, cp_comm_type, softmax_scale`` and ``pg_collection`` (0.15+)
+or ``model_comm_pgs`` (0.13/0.14); unknown keywords are accepted and ignored. From 0.16, the
+config handed here may have a rewritten ``num_query_groups`` (when it is < TP), so head counts
+are read from the tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from ps_mcore.attention import BACKENDS, tree_attention
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd
+
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+def _check_config(config, attention_type: str, attn_mask_type) -> None:
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise NotImplementedError(
+            "TreeCoreAttention does not support context parallelism (context_parallel_size="
+            f"{config.context_parallel_size}): a tree needs every rank to see its ancestors' K/V"
+        )
+    if attention_type != "self":
+        raise NotImplementedError(f"TreeCoreAttention is self attention only, got {attention_type!r}")
+    if attn_mask_type not in _CAUSAL_TYPES:
+        raise NotImplementedError(
+            f"TreeCoreAttention computes causal attention; attn_mask_type={attn_mask_type} is not supported"
+        )
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        raise NotImplementedError(
+            f"softmax_type={config.softmax_type!r} (attention sinks) is not supported by TreeCoreAttention"
+        )
+    if getattr(config, "window_size", None) is not None:
+        raise NotImplementedError(
+            f"sliding-window attention (window_size={config.window_size}) is not supported by TreeCoreAttention"
+        )
+
+
+class TreeCoreAttention(MegatronModule):
+    """Core attention for prefix trees, packed batches and plain causal batches.
+
+    Args:
+        config: the layer's ``TransformerConfig``.
+        layer_number: 1-based layer index.
+        attn_mask_type: ``causal`` or ``padding_causal``.
+        attention_type: must be ``"self"``.
+        attention_dropout: overrides ``config.attention_dropout`` (must be 0 in training).
+        softmax_scale: defaults to ``1/sqrt(head_dim)``. ``apply_query_key_layer_scaling``
+            divides Megatron's matmul scale by the layer number and multiplies the softmax
+            input back by it, so the effective scale is unchanged: our kernels use it directly.
+        backend: a ``tree_attention`` backend; default ``config.tree_attention_backend`` if
+            that attribute is set, else ``"auto"``.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        backend: str | None = None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        _check_config(config, attention_type, attn_mask_type)
+        self.layer_number = max(1, int(layer_number))
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.dropout_p = float(
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+        if backend is None:
+            backend = getattr(config, "tree_attention_backend", None) or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown tree attention backend {backend!r}; expected one of {BACKENDS}")
+        self.backend = backend
+
+    def _scale(self, head_dim: int) -> float:
+        return 1.0 / math.sqrt(head_dim) if self.softmax_scale is None else self.softmax_scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """thd: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``;
+        sbhd: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``."""
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by TreeCoreAttention")
+        if attn_mask_type is not None and attn_mask_type not in _CAUSAL_TYPES:
+            raise NotImplementedError(f"attn_mask_type={attn_mask_type} is not supported (causal only)")
+        if self.training and self.dropout_p > 0:
+            raise ValueError(
+                f"attention dropout {self.dropout_p} is not supported by TreeCoreAttention in "
+                "training (set attention_dropout=0.0, as RL fine-tuning configs do)"
+            )
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise NotImplementedError(
+                    f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' is supported"
+                )
+            return self._thd(query, key, value, packed_seq_params)
+        return self._sbhd(query, key, value, attention_mask)
+
+    def _thd(self, q, k, v, psp) -> torch.Tensor:
+        if q.dim() != 3:
+            raise ValueError(f"thd core attention expects q [t, heads, dim], got {tuple(q.shape)}")
+        rows = q.size(0)
+        scale = self._scale(q.size(-1))
+        plan = getattr(psp, "plan", None)
+        if plan is None:  # ordinary packed batch: one node per sequence, no gather
+            plan = plan_for_thd(psp, rows, q.device)
+            return tree_attention(q, k, v, plan, self.backend, scale).reshape(rows, -1)
+        t = plan.num_tokens
+        expected = psp.num_rows if isinstance(psp, TreePackedSeqParams) else t
+        if rows != expected:
+            raise ValueError(
+                f"core attention got {rows} rows but the packed params describe {expected} "
+                f"(T={t} plan tokens + padding); pad input_ids with TreePackedSeqParams.pad_rows"
+            )
+        out = tree_attention(q[:t], k[:t], v[:t], plan, self.backend, scale)
+        if rows > t:  # padding rows: zero output, never mixed with real rows
+            out = torch.cat([out, out.new_zeros((rows - t,) + tuple(out.shape[1:]))], 0)
+        return out.reshape(rows, -1)
+
+    def _sbhd(self, q, k, v, attention_mask) -> torch.Tensor:
+        if q.dim() != 4:
+            raise ValueError(f"sbhd core attention expects q [s, b, heads, dim], got {tuple(q.shape)}")
+        s, b, hq, d = q.shape
+        if k.size(0) != s:
+            raise NotImplementedError(
+                f"query length {s} != key length {k.size(0)} (KV caches are not supported)"
+            )
+        group = hq // k.size(2)
+        # [s, b, h, d] -> [b, h, s, d]; grouped GQA layout: query head i reads kv head i // group.
+        qb = q.permute(1, 2, 0, 3)
+        kb = k.permute(1, 2, 0, 3).repeat_interleave(group, 1)
+        vb = v.permute(1, 2, 0, 3).repeat_interleave(group, 1)
+        scale = self._scale(d)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        else:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"attention_mask must be boolean (True = masked), got {attention_mask.dtype}"
+                )
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            allowed = causal & ~attention_mask
+            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)

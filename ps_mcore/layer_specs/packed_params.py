@@ -1,0 +1,136 @@
+"""``TreePackedSeqParams``: Megatron's ``PackedSeqParams`` carrying a :class:`TreePlan`.
+
+Megatron hands ``packed_seq_params`` untouched from ``GPTModel.forward`` to every layer's self
+attention and core attention (selective recompute included), so the plan travels with it.
+The stock fields describe the packed rows as ONE sequence of T rows (plus, when padded, one
+padding sequence): stock THD code (RoPE, rotary table length) accepts that, the THD RoPE path
+then indexes our per-token table row by row, and no per-node ``.item()`` loop runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ps_mcore.planner import TreePlan, plan_prefix_tree
+
+
+@dataclass
+class TreePackedSeqParams(PackedSeqParams):
+    """Packed-sequence parameters of one prefix-forest micro-batch.
+
+    Attributes (besides the stock ``PackedSeqParams`` fields):
+        plan: the micro-batch's :class:`TreePlan` (T packed tokens).
+        position_ids: ``[T_pad]`` original position of every packed row (padding rows: 0).
+    """
+
+    plan: TreePlan | None = None
+    position_ids: torch.Tensor | None = None
+
+    @classmethod
+    def from_plan(cls, plan: TreePlan, pad_to_multiple_of: int = 1) -> "TreePackedSeqParams":
+        """Parameters for ``plan`` (tensors on the plan's device).
+
+        Args:
+            plan: the micro-batch's plan.
+            pad_to_multiple_of: pad the packed rows to ``T_pad``, a multiple of this (e.g. the
+                TP size for sequence parallelism). Padding rows form their own sequence: they
+                never reach a real row, and their outputs are zero. Pad ``input_ids`` with
+                :meth:`pad_rows`.
+        """
+        if not isinstance(plan, TreePlan):
+            raise TypeError(f"from_plan expects a TreePlan, got {type(plan).__name__}")
+        if (
+            isinstance(pad_to_multiple_of, bool)
+            or not isinstance(pad_to_multiple_of, (int, np.integer))
+            or pad_to_multiple_of < 1
+        ):
+            raise ValueError(
+                f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}"
+            )
+        t = plan.num_tokens
+        t_pad = -(-t // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
+        bounds = [0, t] + ([t_pad] if t_pad > t else [])
+        cu = torch.tensor(bounds, dtype=torch.int32, device=plan.device)
+        positions = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
+        positions[:t] = plan.position_ids
+        # The rotary table GPTModel builds has max(max_seqlen_q, max_seqlen_kv) rows; T covers
+        # every tree depth (max depth <= T).
+        return cls(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=t,
+            max_seqlen_kv=t,
+            plan=plan,
+            position_ids=positions,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        """T_pad, the number of rows the model sees."""
+        return int(self.position_ids.numel())
+
+    @property
+    def num_padding(self) -> int:
+        """T_pad - T."""
+        return self.num_rows - self.plan.num_tokens
+
+    def pad_rows(self, x: torch.Tensor, value=0) -> torch.Tensor:
+        """``[T, ...] -> [T_pad, ...]`` filled with ``value`` (e.g. ``plan.input_ids``)."""
+        if x.size(0) != self.plan.num_tokens:
+            raise ValueError(
+                f"pad_rows expects T={self.plan.num_tokens} rows, got shape {tuple(x.shape)}"
+            )
+        if self.num_padding == 0:
+            return x
+        pad = x.new_full((self.num_padding,) + tuple(x.shape[1:]), value)
+        return torch.cat([x, pad], 0)
+
+
+def segment_plan(lengths: list[int]) -> TreePlan:
+    """A plan without sharing whose nodes are the given row segments, in order.
+
+    Lets ordinary THD batches (standard ``PackedSeqParams``) run through the same kernels:
+    every segment is its own group, so the planner shares nothing and keeps the order.
+    """
+    lengths = [int(n) for n in lengths if int(n) > 0]
+    if not lengths:
+        raise ValueError("packed_seq_params describe no rows (all sequence lengths are 0)")
+    seqs = [np.zeros(n, dtype=np.int64) for n in lengths]
+    return plan_prefix_tree(seqs, min_prefix_len=1, group_ids=range(len(seqs)))
+
+
+def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.device) -> TreePlan:
+    """The plan of an ordinary THD batch of ``rows`` rows (cached on ``packed_seq_params``).
+
+    Sequences are laid out by ``cu_seqlens_q_padded`` when set (TE's convention: padding
+    rows sit at the end of each sequence, so causal masking keeps them from real rows),
+    else by ``cu_seqlens_q``; rows past the last boundary form one extra segment.
+    """
+    cu = packed_seq_params.cu_seqlens_q_padded
+    cu_kv = packed_seq_params.cu_seqlens_kv_padded
+    if cu is None:
+        cu, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+    if cu is None:
+        raise ValueError("THD packed_seq_params need cu_seqlens_q (got None)")
+    key = (id(cu), rows, str(device))
+    cached = packed_seq_params.__dict__.get("_ps_mcore_plan")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if cu_kv is not None and cu_kv is not cu and not torch.equal(cu_kv.cpu(), cu.cpu()):
+        raise NotImplementedError(
+            "THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported"
+        )
+    bounds = cu.tolist()
+    if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds)):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
+    if bounds[-1] > rows:
+        raise ValueError(f"cu_seqlens end at {bounds[-1]} but the input has only {rows} rows")
+    lengths = np.diff(bounds).tolist() + [rows - bounds[-1]]
+    plan = segment_plan(lengths).to(device)
+    packed_seq_params.__dict__["_ps_mcore_plan"] = (key, plan)
+    return plan

@@ -1,0 +1,95 @@
+"""``TreeSelfAttention``: Megatron's ``SelfAttention`` with per-token tree RoPE.
+
+``position_ids`` never reach Megatron's attention: ``GPTModel`` builds a rotary table
+``[S, 1, 1, d]`` and ``Attention.forward`` applies it. For a tree batch we hand the parent
+``table[positions]`` (one row per packed token); in THD with ``freqs.size(0) ==
+cu_seqlens[-1]`` Megatron then uses row i for token i, so every packed token is rotated by
+its original position and rope scaling / interleaving stay Megatron's.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from megatron.core.transformer.attention import SelfAttention
+
+from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+
+_FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
+
+
+def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Tensor:
+    """``[S, 1, 1, d] -> [T_pad, 1, 1, d]``: the table row of every packed token's position."""
+    if table.size(0) < psp.plan.max_seqlen_kv:
+        raise ValueError(
+            f"rotary table has {table.size(0)} rows but the plan reaches position "
+            f"{psp.plan.max_seqlen_kv - 1}; build packed params with TreePackedSeqParams.from_plan"
+        )
+    return table.index_select(0, psp.position_ids.to(table.device))
+
+
+def _tree_rope(rope, psp: TreePackedSeqParams):
+    """A table, or a (q, k) tuple of tables (often one tensor twice: index it once)."""
+    if not isinstance(rope, tuple):
+        return tree_rotary_table(rope, psp)
+    done: dict[int, torch.Tensor] = {}
+    for r in rope:
+        if r is not None and id(r) not in done:
+            done[id(r)] = tree_rotary_table(r, psp)
+    return tuple(None if r is None else done[id(r)] for r in rope)
+
+
+class TreeSelfAttention(SelfAttention):
+    """``SelfAttention`` that applies tree RoPE for :class:`TreePackedSeqParams` batches.
+
+    Parameters and ``state_dict`` keys are the parent's. Other batches go to the parent
+    unchanged.
+    """
+
+    def __init__(self, config, *args, **kwargs):
+        if getattr(config, "apply_rope_fusion", False):
+            raise ValueError(
+                "TreeSelfAttention needs apply_rope_fusion=False: the fused RoPE kernels cannot "
+                "take a per-token position table (tree positions repeat across branches)"
+            )
+        super().__init__(config, *args, **kwargs)
+
+    def _check_tree_batch(self, psp: TreePackedSeqParams, hidden_states: torch.Tensor) -> None:
+        if psp.plan is None or psp.position_ids is None:
+            raise ValueError("TreePackedSeqParams without a plan; build it with from_plan(plan)")
+        rows = hidden_states.size(0)
+        if self.config.sequence_parallel:  # each rank holds T_pad / tp rows before the gather
+            rows *= self.world_size
+        if rows != psp.num_rows:
+            raise ValueError(
+                f"the layer got {rows} rows but the packed params describe {psp.num_rows} "
+                f"(T={psp.plan.num_tokens} plan tokens + {psp.num_padding} padding); pad "
+                "input_ids with TreePackedSeqParams.pad_rows"
+            )
+        if not isinstance(self.core_attention, TreeCoreAttention):
+            raise TypeError(
+                f"a tree batch reached core attention {type(self.core_attention).__name__}, "
+                "which would silently ignore the tree mask; use a tree spec (to_tree_spec). "
+                "Megatron-Bridge replaces core attention when attention_backend='local'."
+            )
+        if getattr(self.config, "mrope_section", None) is not None:
+            raise NotImplementedError("multimodal RoPE (mrope_section) is not supported for tree batches")
+
+    def forward(self, *args, **kwargs):
+        """Same arguments as ``SelfAttention.forward``; returns ``(output, bias)``."""
+        bound = _FORWARD_SIGNATURE.bind(self, *args, **kwargs)
+        arg = bound.arguments
+        if arg.get("inference_context") is not None or arg.get("inference_params") is not None:
+            raise NotImplementedError(
+                "TreeSelfAttention does not support inference KV caches; generate with the stock "
+                "spec (its weights and state_dict keys are identical)"
+            )
+        psp = arg.get("packed_seq_params")
+        if isinstance(psp, TreePackedSeqParams):
+            self._check_tree_batch(psp, arg["hidden_states"])
+            rope = arg.get("rotary_pos_emb")
+            if rope is not None:
+                arg["rotary_pos_emb"] = _tree_rope(rope, psp)
+        return super().forward(*bound.args[1:], **bound.kwargs)

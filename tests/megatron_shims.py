@@ -1,0 +1,126 @@
+"""Test-only shims and helpers to run real megatron-core GPTModels on CPU (gloo).
+
+Shims (never in the library): megatron allocates many buffers on
+``torch.cuda.current_device()`` (RoPE tables, the global memory buffer of the stock
+DotProductAttention, TP all-gathers), so it is pointed at the CPU; the stock attention needs
+an RNG tracker whose ``fork`` does not touch CUDA (``inference_rng_tracker=True``) and an
+explicit causal mask.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB = 128
+
+
+def _cpu_device():
+    return "cpu"
+
+
+def init_cpu_megatron(tp: int = 1) -> None:
+    """gloo (world 1 in-process, or torchrun's world) + megatron parallel state with TP=tp."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    torch.cuda.current_device = _cpu_device
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group("gloo")
+        else:  # an in-process store: no port, so xdist workers cannot collide
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() == tp:
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def tiny_config(kind: str = "qwen2", **overrides):
+    """Tiny fp32 TransformerConfig. qwen2: GQA 4/2 heads, qkv bias, RMSNorm, SwiGLU.
+    qwen3: GQA 6/2 heads, head dim 10 (decoupled from hidden/heads), qk-layernorm."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    common = dict(
+        num_layers=2, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0, layernorm_epsilon=1e-6,
+        use_cpu_initialization=True, params_dtype=torch.float32, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False,
+    )
+    kinds = {
+        "qwen2": dict(hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=96, add_qkv_bias=True),
+        "qwen3": dict(hidden_size=48, num_attention_heads=6, num_query_groups=2, kv_channels=10,
+                      ffn_hidden_size=80, qk_layernorm=True),
+    }
+    if kind not in kinds:
+        raise ValueError(f"unknown tiny config {kind!r}")
+    return TransformerConfig(**{**common, **kinds[kind], **overrides})
+
+
+def layer_spec_args(config) -> dict:
+    return dict(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+
+
+def build_gpt(config, spec, vocab: int = VOCAB):
+    """GPTModel with rope base 1e6 and an untied LM head (Qwen2.5-1.5B+ style)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config, spec, vocab_size=vocab, max_sequence_length=512, position_embedding_type="rope",
+        rotary_base=1_000_000, share_embeddings_and_output_weights=False,
+    )
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> None:
+    """Weights large enough for sharp attention (so RoPE or mask errors show), biases and
+    norm scales away from their 0/1 init (so those paths are exercised)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def causal_mask(length: int) -> torch.Tensor:
+    """``[1, 1, s, s]`` bool, True = masked (the stock DotProductAttention needs it)."""
+    return torch.ones(1, 1, length, length, dtype=torch.bool).triu(1)
+
+
+def stock_forward(model, seq) -> torch.Tensor:
+    """Logits ``[L, V]`` of one sequence through a model, sbhd with an explicit causal mask."""
+    ids = torch.as_tensor(np.asarray(seq), dtype=torch.long)[None]
+    pos = torch.arange(ids.size(1))[None]
+    return model(input_ids=ids, position_ids=pos, attention_mask=causal_mask(ids.size(1)))[0]
+
+
+def shard_(full: torch.Tensor, param: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """This rank's shard of a full TP=1 tensor, following megatron's partition attributes
+    (``partition_stride`` 2 = SwiGLU fc1: each rank holds its slice of gate AND of up)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    chunks = full.chunk(stride * tp, dim)
+    return torch.cat(chunks[rank::tp], dim)
+
+
+def unshard(local: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`shard_`: the full tensor from every rank's shard (all-gather)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return local
+    tp = dist.get_world_size(group)
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = [p.chunk(stride, dim) for p in parts]  # pieces[rank][s]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim)

@@ -1,0 +1,420 @@
+"""Tree layer specs on a real megatron-core GPTModel (CPU, gloo world 1, fp32).
+
+Oracle: the stock local-spec model with the same weights, run on every sequence separately.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_shims import (  # noqa: E402
+    VOCAB, build_gpt, causal_mask, init_cpu_megatron, layer_spec_args, randomize_,
+    stock_forward, tiny_config,
+)
+
+from ps_mcore import plan_prefix_tree  # noqa: E402
+from ps_mcore.logprobs import token_logprobs  # noqa: E402
+
+init_cpu_megatron(1)
+
+from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.attention import SelfAttention  # noqa: E402
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
+
+from ps_mcore.layer_specs import (  # noqa: E402
+    TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, get_gpt_decoder_block_tree_spec,
+    get_gpt_layer_local_tree_spec, get_gpt_layer_with_tree_attention_spec, to_tree_spec,
+    tree_layer_spec,
+)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def assert_grads_close(got: dict, ref: dict) -> None:
+    """Gradients differ only by summation order: absolute tolerance scales with each
+    tensor's magnitude (fp32 sums of ~1e2-sized terms)."""
+    assert got.keys() == ref.keys()
+    for name, r in ref.items():
+        scale = float(r.abs().max())
+        assert scale > 0, f"{name}: zero reference gradient, the test would not test it"
+        torch.testing.assert_close(got[name], r, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+# ----------------------------------------------------------------------------- forests
+
+
+def _random_forest(seed: int) -> list[np.ndarray]:
+    """Sequences grown from random earlier ones at random cut points: branches at every
+    depth, duplicates (cut at the end, nothing appended), prefixes (nothing appended)."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, VOCAB, rng.integers(1, 12)) for _ in range(rng.integers(1, 3))]
+    for _ in range(rng.integers(2, 6)):
+        base = seqs[rng.integers(len(seqs))]
+        cut = int(rng.integers(0, len(base) + 1))
+        tail = rng.integers(0, VOCAB, rng.integers(0, 8) if cut else rng.integers(1, 8))
+        seqs.append(np.concatenate([base[:cut], tail]))
+    return [seqs[i] for i in rng.permutation(len(seqs))]
+
+
+def _nasty() -> dict[str, list[np.ndarray]]:
+    rng = np.random.default_rng(123)
+    a = rng.integers(0, VOCAB, 13)
+    chain = rng.integers(0, VOCAB, 24)
+    return {
+        "single": [a],
+        "duplicates": [a, a.copy(), a.copy()],
+        "prefix_of_another": [a[:5], a, np.concatenate([a, rng.integers(0, VOCAB, 4)])],
+        "single_tokens": [a[:1], a[:1].copy(), rng.integers(0, VOCAB, 1), a[:2]],
+        "deep_chain": [chain[: 4 * (k + 1)] for k in range(6)],
+        "no_sharing": [rng.integers(0, VOCAB, n) for n in (5, 9, 3)],
+    }
+
+
+FORESTS = {**_nasty(), **{f"random{s}": _random_forest(s) for s in range(4)}}
+
+
+def _plan(seqs, **kw):
+    return plan_prefix_tree(seqs, **{"min_prefix_len": 1, **kw})
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def models(request):
+    """(config, stock local-spec model, tree-spec model) with identical random weights."""
+    cfg = tiny_config(request.param)
+    stock = build_gpt(cfg, stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg)))
+    randomize_(stock, seed=7)
+    tree = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    return cfg, stock, tree
+
+
+def _tree_logits(model, plan, pad_to_multiple_of=1):
+    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of)
+    logits = model(
+        input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
+        attention_mask=None, packed_seq_params=psp,
+    )
+    return logits[0]
+
+
+def _stock_logits(model, seqs):
+    return [stock_forward(model, s) for s in seqs]
+
+
+def _ref_logprobs(per_seq_logits, seqs):
+    out = []
+    for lg, s in zip(per_seq_logits, seqs):
+        lp = torch.log_softmax(lg, -1)
+        nxt = torch.as_tensor(np.asarray(s[1:]), dtype=torch.long)
+        out.append(torch.cat([lp[:-1].gather(1, nxt[:, None])[:, 0], lp.new_zeros(1)]))
+    return torch.cat(out)
+
+
+def _grads(model):
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _weights(seqs, seed):
+    """A different weight per sequence, so shared tokens must sum their samples' gradients."""
+    w = torch.from_numpy(np.random.default_rng(seed).uniform(0.2, 2.0, len(seqs))).float()
+    return w, torch.cat([w[i].repeat(len(s)) for i, s in enumerate(seqs)])
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def test_state_dict_keys_identical_and_load_both_ways(models):
+    cfg, stock, tree = models
+    assert list(stock.state_dict()) == list(tree.state_dict())
+    assert [n for n, _ in stock.named_parameters()] == [n for n, _ in tree.named_parameters()]
+    fresh = build_gpt(cfg, stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg)))
+    fresh.load_state_dict(tree.state_dict(), strict=True)
+    for (n, a), b in zip(stock.state_dict().items(), fresh.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), n
+    attn = tree.decoder.layers[0].self_attention
+    assert type(attn) is TreeSelfAttention and type(attn.core_attention) is TreeCoreAttention
+
+
+@pytest.mark.parametrize("forest", list(FORESTS))
+def test_tree_forward_backward_matches_unshared(models, forest):
+    """Logits at every original token, token log-probs and all parameter gradients of a
+    per-sample-weighted token loss equal the stock model's per-sequence runs."""
+    cfg, stock, tree = models
+    seqs = FORESTS[forest]
+    plan = _plan(seqs)
+    if forest not in ("no_sharing", "single"):
+        assert plan.num_tokens < plan.num_input_tokens  # the forest really shares
+    _, w_tok = _weights(seqs, seed=len(forest))
+    probe = torch.randn(plan.num_input_tokens, VOCAB, generator=torch.Generator().manual_seed(3))
+
+    ref_logits = _stock_logits(stock, seqs)
+    ref_lp = _ref_logprobs(ref_logits, seqs)
+    ((w_tok * ref_lp).sum() + 1e-2 * (torch.cat(ref_logits) * probe).sum()).backward()
+    ref_grads = _grads(stock)
+
+    logits = _tree_logits(tree, plan)
+    assert logits.shape == (plan.num_tokens, VOCAB)
+    torch.testing.assert_close(plan.unpack(logits), torch.cat(ref_logits), **TOL)
+    lp, ent = token_logprobs(logits, plan, compute_entropy=True)
+    torch.testing.assert_close(lp, ref_lp, **TOL)
+    ref_ent = torch.cat([torch.distributions.Categorical(logits=x).entropy() for x in ref_logits])
+    torch.testing.assert_close(ent, ref_ent, **TOL)
+    ((w_tok * lp).sum() + 1e-2 * (plan.unpack(logits) * probe).sum()).backward()
+    assert_grads_close(_grads(tree), ref_grads)
+
+
+def test_dissolved_short_prefixes_match(models):
+    """With the default min_prefix_len short shared runs are duplicated, long ones shared."""
+    _, stock, tree = models
+    seqs = FORESTS["random1"] + FORESTS["prefix_of_another"]
+    plan = plan_prefix_tree(seqs, min_prefix_len=8)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plan.unpack(_tree_logits(tree, plan)), torch.cat(_stock_logits(stock, seqs)), **TOL
+        )
+
+
+def test_padding_rows_do_not_affect_real_rows(models):
+    """pad_to_multiple_of (TP multiples): real rows and gradients equal the unpadded run."""
+    _, _, tree = models
+    plan = _plan(FORESTS["random2"])
+    out = {}
+    for pad in (1, 8):
+        logits = _tree_logits(tree, plan, pad)
+        assert logits.size(0) == -(-plan.num_tokens // pad) * pad
+        lp, _ = token_logprobs(logits, plan)
+        lp.sum().backward()
+        out[pad] = (logits[: plan.num_tokens].detach(), _grads(tree))
+    assert plan.num_tokens % 8 != 0  # really padded
+    torch.testing.assert_close(out[8][0], out[1][0], **TOL)
+    assert_grads_close(out[8][1], out[1][1])
+
+
+# ----------------------------------------------------------------------------- unshared batches
+
+
+def test_tree_model_on_sbhd_batches_matches_stock(models):
+    _, stock, tree = models
+    seqs = FORESTS["random0"]
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.as_tensor(s, dtype=torch.long)[None]
+            pos = torch.arange(len(s))[None]
+            ref = stock_forward(stock, s)
+            torch.testing.assert_close(tree(ids, pos, None)[0], ref, **TOL)  # causal, no mask
+            torch.testing.assert_close(tree(ids, pos, causal_mask(len(s)))[0], ref, **TOL)
+        # a batch of two equal-length sequences (b = 2)
+        a, b = seqs[0], np.roll(seqs[0], 1)
+        ids = torch.as_tensor(np.stack([a, b]), dtype=torch.long)
+        got = tree(ids, torch.arange(len(a))[None].expand(2, -1), None)
+        torch.testing.assert_close(got[1], stock_forward(stock, b), **TOL)
+
+
+@pytest.mark.parametrize("pad_each", [1, 4])
+def test_tree_model_on_standard_thd_batches_matches_stock(models, pad_each):
+    """Ordinary PackedSeqParams (verl's THD layout; pad_each > 1: every sequence padded to a
+    multiple, as verl does for TP) through the same model: per-sequence causal attention."""
+    _, stock, tree = models
+    seqs = FORESTS["no_sharing"] + FORESTS["duplicates"]
+    lens = [len(s) for s in seqs]
+    padded = [-(-n // pad_each) * pad_each for n in lens]
+    ids = torch.cat([
+        torch.cat([torch.as_tensor(s, dtype=torch.long), torch.zeros(p - n, dtype=torch.long)])
+        for s, n, p in zip(seqs, lens, padded)
+    ])
+    pos = torch.cat([torch.arange(p) for p in padded])
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32)
+    cu_real = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    psp = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_real if pad_each > 1 else cu,
+        cu_seqlens_kv=cu_real if pad_each > 1 else cu, max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
+        cu_seqlens_q_padded=cu if pad_each > 1 else None,
+        cu_seqlens_kv_padded=cu if pad_each > 1 else None,
+    )
+    with torch.no_grad():
+        logits = tree(ids[None], pos[None], None, packed_seq_params=psp)[0]
+        starts = cu[:-1].tolist()
+        got = torch.cat([logits[s : s + n] for s, n in zip(starts, lens)])
+        torch.testing.assert_close(got, torch.cat(_stock_logits(stock, seqs)), **TOL)
+
+
+# ----------------------------------------------------------------------------- spec conversion
+
+
+def _attn(layer_spec):
+    return layer_spec.submodules.self_attention
+
+
+def test_to_tree_spec_on_local_block_spec():
+    cfg = tiny_config("qwen3", num_layers=3)
+    block = stock_specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    before = [(_attn(s).module, _attn(s).submodules.core_attention) for s in block.layer_specs]
+    tree = to_tree_spec(block, tree_attention_backend="chunked")
+    assert isinstance(tree, TransformerBlockSubmodules) and len(tree.layer_specs) == 3
+    assert tree.layer_norm is block.layer_norm
+    for old, new in zip(block.layer_specs, tree.layer_specs):
+        assert _attn(new).module is TreeSelfAttention
+        core = _attn(new).submodules.core_attention
+        assert core.module is TreeCoreAttention and core.params == {"backend": "chunked"}
+        for field in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"):
+            assert getattr(_attn(new).submodules, field) is getattr(_attn(old).submodules, field)
+        for field in ("input_layernorm", "pre_mlp_layernorm", "mlp", "self_attn_bda", "mlp_bda"):
+            assert getattr(new.submodules, field) is getattr(old.submodules, field)
+        assert new.submodules.sharded_state_dict_keys_map == old.submodules.sharded_state_dict_keys_map
+        assert _attn(new).params == _attn(old).params
+    # the input is untouched and layers that shared one spec still share one
+    assert [(_attn(s).module, _attn(s).submodules.core_attention) for s in block.layer_specs] == before
+    assert len({id(s) for s in tree.layer_specs}) == len({id(s) for s in block.layer_specs})
+    # the builder gives the same and the model builds with stock keys
+    built = get_gpt_decoder_block_tree_spec(cfg, False, normalization="RMSNorm")
+    assert [_attn(s).module for s in built.layer_specs] == [TreeSelfAttention] * 3
+    stock_keys = build_gpt(cfg, block).state_dict().keys()
+    assert list(build_gpt(cfg, built).state_dict().keys()) == list(stock_keys)
+    assert to_tree_spec(tree).layer_specs[0].submodules.self_attention.module is TreeSelfAttention
+
+
+def test_to_tree_spec_moe_pattern_untouched_except_attention():
+    cfg = tiny_config("qwen2", num_layers=4, num_moe_experts=4, moe_layer_freq=[1, 0, 1, 0],
+                      moe_router_topk=2)
+    block = stock_specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    tree = get_gpt_decoder_block_tree_spec(cfg, False, normalization="RMSNorm")
+    assert len(tree.layer_specs) == 4
+    mlp_modules = [s.submodules.mlp.module for s in block.layer_specs]
+    assert mlp_modules[0] is not mlp_modules[1]  # the pattern really mixes MoE and dense
+    for old, new in zip(block.layer_specs, tree.layer_specs):
+        assert new.submodules.mlp.module is old.submodules.mlp.module
+        assert new.submodules.mlp.submodules == old.submodules.mlp.submodules
+        assert new.submodules.pre_mlp_layernorm is old.submodules.pre_mlp_layernorm
+        assert _attn(new).module is TreeSelfAttention
+        assert _attn(new).submodules.core_attention.module is TreeCoreAttention
+
+
+def test_te_specs():
+    if stock_specs.HAVE_TE:
+        spec = get_gpt_layer_with_tree_attention_spec(qk_layernorm=True)
+        stock = stock_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+        assert _attn(spec).module is TreeSelfAttention
+        assert _attn(spec).submodules.linear_qkv is _attn(stock).submodules.linear_qkv
+        assert _attn(to_tree_spec(stock)).submodules.core_attention.module is TreeCoreAttention
+    else:
+        with pytest.raises(ImportError, match="transformer-engine"):
+            get_gpt_layer_with_tree_attention_spec()
+        with pytest.raises(ImportError, match="transformer-engine"):
+            get_gpt_decoder_block_tree_spec(tiny_config(), True)
+        pytest.skip("transformer-engine not installed: TE spec conversion not exercised")
+
+
+def test_to_tree_spec_refusals():
+    cfg = tiny_config()
+    local = stock_specs.get_gpt_layer_local_spec()
+    with pytest.raises(NotImplementedError, match="MLA"):
+        to_tree_spec(stock_specs.get_gpt_layer_local_spec(multi_latent_attention=True))
+    with pytest.raises(ValueError, match="backend"):
+        to_tree_spec(local, tree_attention_backend="bogus")
+    with pytest.raises(TypeError, match="layer ModuleSpec"):
+        to_tree_spec(cfg)
+    custom = type("MySelfAttention", (SelfAttention,), {})
+    other = dataclasses.replace(local, submodules=dataclasses.replace(
+        local.submodules, self_attention=dataclasses.replace(_attn(local), module=custom)))
+    with pytest.raises(NotImplementedError, match="MySelfAttention"):
+        to_tree_spec(other)
+
+
+def _fake_provider(**fields):
+    """A dataclass provider shaped like Megatron-Bridge's GPTModelProvider (no Bridge here)."""
+    def base_spec(config, vp_stage=None):
+        base_spec.calls.append(vp_stage)
+        return stock_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    base_spec.calls = []
+
+    @dataclasses.dataclass
+    class Provider:
+        transformer_layer_spec: object = base_spec
+        attention_backend: object = None
+        apply_rope_fusion: bool = False
+        tree_attention_backend: str | None = None
+
+    return Provider(**fields), base_spec
+
+
+def test_tree_layer_spec_for_megatron_bridge():
+    provider, base = _fake_provider(tree_attention_backend="reference")
+    provider.transformer_layer_spec = tree_layer_spec
+    spec = provider.transformer_layer_spec(provider, vp_stage=1)
+    assert base.calls == [1]
+    assert _attn(spec).module is TreeSelfAttention
+    assert _attn(spec).submodules.core_attention.params == {"backend": "reference"}
+    local = types.SimpleNamespace(name="local")
+    with pytest.raises(ValueError, match="attention_backend='local'"):
+        tree_layer_spec(_fake_provider(attention_backend=local)[0])
+    with pytest.raises(ValueError, match="apply_rope_fusion"):
+        tree_layer_spec(_fake_provider(apply_rope_fusion=True)[0])
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_refusals(models):
+    cfg, _, tree = models
+    plan = _plan(FORESTS["random3"])
+    spec = get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))
+    with pytest.raises(ValueError, match="apply_rope_fusion"):
+        build_gpt(dataclasses.replace(cfg, apply_rope_fusion=True), spec)
+    with pytest.raises(ValueError, match="backend"):
+        TreeCoreAttention(cfg, 1, backend="bogus")
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        TreeCoreAttention(types.SimpleNamespace(context_parallel_size=2), 1)
+    with pytest.raises(NotImplementedError, match="self attention only"):
+        TreeCoreAttention(cfg, 1, attention_type="cross")
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        TreeCoreAttention(dataclasses.replace(cfg, window_size=(4, 0)), 1)
+    with pytest.raises(TypeError, match="TreePlan"):
+        TreePackedSeqParams.from_plan(FORESTS["single"])
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        TreePackedSeqParams.from_plan(plan, 0)
+
+    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=4)
+    ids = plan.input_ids[None]
+    if psp.num_padding:  # unpadded input with padded params
+        with pytest.raises(ValueError, match="pad_rows"):
+            tree(ids, plan.position_ids[None], None, packed_seq_params=psp)
+    core = TreeCoreAttention(cfg, 1)
+    q = torch.zeros(plan.num_tokens, 4, 16)
+    with pytest.raises(NotImplementedError, match="attention_bias"):
+        core(q, q, q, None, attention_bias=torch.zeros(1))
+    with pytest.raises(NotImplementedError, match="qkv_format"):
+        core(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    core_drop = TreeCoreAttention(cfg, 1, attention_dropout=0.1)
+    with pytest.raises(ValueError, match="dropout"):
+        core_drop(q, q, q, None, packed_seq_params=TreePackedSeqParams.from_plan(plan))
+    core_drop.eval()  # evaluation ignores dropout
+    assert core_drop(q, q, q, None, packed_seq_params=TreePackedSeqParams.from_plan(plan)).shape == (
+        plan.num_tokens, 64)
+
+    attn = tree.decoder.layers[0].self_attention
+    hidden = torch.zeros(plan.num_tokens, 1, cfg.hidden_size)
+    with pytest.raises(NotImplementedError, match="KV caches"):
+        attn(hidden, None, inference_context=object())
+    saved = attn.core_attention
+    attn.core_attention = DotProductAttention(cfg, 1, saved.attn_mask_type, "self")
+    try:  # what Megatron-Bridge's attention_backend='local' would do: refused, not ignored
+        with pytest.raises(TypeError, match="silently ignore"):
+            attn(hidden, None, packed_seq_params=TreePackedSeqParams.from_plan(plan))
+    finally:
+        attn.core_attention = saved
