@@ -1,0 +1,283 @@
+"""The ``"prefix_tree"`` attention implementation for Hugging Face transformers.
+
+A model whose config says ``_attn_implementation == "prefix_tree"`` routes every attention
+call here. With a plan (model kwarg ``tree_plan=``) the call runs :func:`tree_attention` on
+the packed forest; without one it runs the implementation the model had before
+(flash_attention_2 / sdpa / eager) with exactly the mask that implementation would have
+built, so unshared batches behave as stock.
+
+Masks: the mask hook registered for ``"prefix_tree"`` returns a :class:`DeferredMask` that
+only holds the mask arguments. A tree call ignores it (no dense ``[T, T]`` mask is ever
+built); an unshared call materialises it once per forward with the base implementation's
+own mask function.
+
+transformers is imported lazily: importing this module registers nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+from ps_mcore.attention import tree_attention
+from ps_mcore.fsdp_bridge.unwrap import unwrap_model
+from ps_mcore.planner import TreePlan
+
+ATTN_NAME = "prefix_tree"
+# Keyword arguments of features the tree kernels do not implement; a plan with any of
+# them set is refused rather than silently ignored.
+_UNSUPPORTED_KWARGS = {
+    "softcap": "attention logit softcapping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+}
+# Packing metadata of HF's own varlen path; it contradicts a tree layout.
+_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
+
+# id(config) -> the implementation the config had before "prefix_tree" (configs are not
+# hashable; a finalizer drops the entry with the config). Kept off the config object so
+# that saving the model does not serialise it.
+_BASE_IMPL: dict[int, str] = {}
+
+
+def _remember_base(config: Any, base: str) -> None:
+    key = id(config)
+    if key not in _BASE_IMPL:
+        weakref.finalize(config, _BASE_IMPL.pop, key, None)
+    _BASE_IMPL[key] = base
+
+
+def base_implementation(config: Any) -> str:
+    """The stock implementation unshared calls of ``config``'s modules use.
+
+    Models switched by :func:`enable_tree_attention` keep their previous one; a config set
+    to ``"prefix_tree"`` some other way (e.g. ``from_pretrained(attn_implementation=...)``)
+    falls back to ``"sdpa"``.
+    """
+    return _BASE_IMPL.get(id(config), "sdpa")
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+class DeferredMask:
+    """Stands in for the mask of one forward until an unshared attention call needs it.
+
+    Holds the keyword arguments transformers' ``create_*_mask`` passed to the mask interface;
+    :meth:`materialize` calls the base implementation's mask function with them (once).
+    """
+
+    def __init__(self, mask_kwargs: dict[str, Any]):
+        self.mask_kwargs = mask_kwargs
+        self._masks: dict[str, Any] = {}
+        self.tree_checked = False  # one-time per-forward checks of a tree call
+
+    @property
+    def padding_mask(self) -> torch.Tensor | None:
+        """The 2-D ``[B, S]`` padding mask the model was called with (None if none)."""
+        return self.mask_kwargs.get("attention_mask")
+
+    def materialize(self, base: str) -> Any:
+        """The mask ``base``'s own mask function builds from the same arguments."""
+        if base not in self._masks:
+            from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+            self._masks[base] = ALL_MASK_ATTENTION_FUNCTIONS[base](**self.mask_kwargs)
+        return self._masks[base]
+
+
+def _deferred_mask(**mask_kwargs: Any) -> DeferredMask:
+    return DeferredMask(mask_kwargs)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+@contextlib.contextmanager
+def _reporting(config: Any, implementation: str) -> Iterator[None]:
+    """Let ``config`` report ``implementation`` for one call: flash attention reads the
+    implementation name from the module's config to pick its kernel."""
+    saved = config._attn_implementation_internal
+    config._attn_implementation_internal = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = saved
+
+
+def _stock_function(module: torch.nn.Module, base: str):
+    if base == "eager":
+        # Eager is not in the interface; every modeling file defines its own.
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise NotImplementedError(
+                f"{type(module).__name__}'s module defines no eager_attention_forward; load the "
+                "model with attn_implementation='sdpa' before enabling prefix_tree attention"
+            )
+        return fn
+    from transformers import AttentionInterface
+
+    return AttentionInterface()[base]
+
+
+def _stock_attention(module, query, key, value, attention_mask, **kwargs):
+    """An unshared call: the base implementation, with the mask it would have built."""
+    base = base_implementation(module.config)
+    if isinstance(attention_mask, DeferredMask):
+        attention_mask = attention_mask.materialize(base)
+    fn = _stock_function(module, base)
+    with _reporting(module.config, base):
+        return fn(module, query, key, value, attention_mask, **kwargs)
+
+
+def _check_tree_call(module, query, key, attention_mask, dropout, plan, kwargs) -> None:
+    if not isinstance(plan, TreePlan):
+        raise TypeError(f"tree_plan must be a TreePlan, got {type(plan).__name__}")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(
+            f"{type(module).__name__} is not causal; prefix-tree attention is for causal decoders"
+        )
+    if query.dim() != 4 or query.size(0) != 1 or query.size(2) != plan.num_tokens:
+        raise ValueError(
+            f"a tree_plan call needs the packed forest as one row [1, H, T={plan.num_tokens}, D]; "
+            f"got query {tuple(query.shape)}. Call the model with input_ids=plan.input_ids[None] "
+            "and position_ids=plan.position_ids[None] (or use forward_tree)"
+        )
+    if key.size(2) != plan.num_tokens:
+        raise ValueError(
+            f"key has {key.size(2)} rows for a plan of T={plan.num_tokens} tokens; a KV cache "
+            "cannot be combined with tree_plan (pass use_cache=False)"
+        )
+    if dropout:
+        raise NotImplementedError(
+            f"attention dropout p={dropout} is not supported by prefix-tree attention; set "
+            "config.attention_dropout=0 (or call model.eval())"
+        )
+    for name, feature in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"prefix-tree attention does not implement {feature} ({name}=)")
+    window = kwargs.get("sliding_window")
+    # A window at least as long as every context masks nothing, so it is exact to ignore.
+    if window is not None and window < plan.max_seqlen_kv:
+        raise NotImplementedError(
+            f"sliding-window attention (window {window}) is not supported by prefix-tree "
+            f"attention for contexts up to {plan.max_seqlen_kv} tokens"
+        )
+    if any(kwargs.get(name) is not None for name in _PACKING_KWARGS):
+        raise ValueError("tree_plan cannot be combined with cu_seq_lens packing kwargs")
+    if isinstance(attention_mask, DeferredMask):
+        _check_once_per_forward(attention_mask, plan, kwargs.get("position_ids"))
+    elif attention_mask is not None:
+        raise ValueError(
+            "tree_plan describes the whole mask; got a prepared attention mask of shape "
+            f"{tuple(attention_mask.shape)}. Pass attention_mask=None"
+        )
+
+
+def _check_once_per_forward(mask: DeferredMask, plan: TreePlan, position_ids) -> None:
+    """Value checks that need a device sync: done on the first layer of each forward only."""
+    if mask.tree_checked:
+        return
+    padding = mask.padding_mask
+    if padding is not None and not bool(padding.all()):
+        raise ValueError("tree_plan cannot be combined with padding (attention_mask has zeros)")
+    if position_ids is not None:
+        expected = plan.to(position_ids.device).position_ids
+        if position_ids.numel() != expected.numel() or not torch.equal(
+            position_ids.reshape(-1), expected
+        ):
+            raise ValueError(
+                "position_ids must be plan.position_ids (tree depths) so RoPE sees each "
+                "token's original position"
+            )
+    mask.tree_checked = True
+
+
+def prefix_tree_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    tree_plan: TreePlan | None = None,
+    tree_backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function (``AttentionInterface`` signature).
+
+    Args:
+        query: ``[1, Hq, T, D]``; key/value ``[1, Hkv, T, D]`` (HF layout, the forest as one row).
+        tree_plan: the micro-batch's plan; None runs the model's stock implementation.
+        tree_backend: :func:`tree_attention` backend ("auto": varlen flash on CUDA).
+
+    Returns:
+        ``([1, T, Hq, D], None)`` as every HF attention function (no attention weights).
+    """
+    if tree_plan is None:
+        return _stock_attention(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    _check_tree_call(module, query, key, attention_mask, dropout, tree_plan, kwargs)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    out = tree_attention(q, k, v, tree_plan, backend=tree_backend, softmax_scale=scaling)
+    return out.unsqueeze(0), None
+
+
+# ----------------------------------------------------------------------------- switching
+
+
+def register_attention() -> None:
+    """Register ``"prefix_tree"`` with transformers' attention and mask interfaces.
+
+    Idempotent. Registration alone changes no model: a model uses it once its config says
+    ``"prefix_tree"`` (see :func:`enable_tree_attention`, :func:`forward_tree`).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, prefix_tree_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _deferred_mask)
+
+
+def attention_configs(model: torch.nn.Module) -> list[Any]:
+    """The config(s) the causal text decoder of ``model`` reads its attention implementation
+    from. Vision towers and other encoders keep theirs: tree attention is for the decoder."""
+    config = unwrap_model(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [config] if text is config else [config, text]
+
+
+def enable_tree_attention(model: torch.nn.Module) -> list[Any]:
+    """Switch ``model`` (an HF model or any wrapper holding one) to ``"prefix_tree"``.
+
+    Calls with ``tree_plan=`` then run tree attention; calls without keep the previous
+    implementation, mask included, so the switch can stay on for the whole run. It must stay
+    on until the backward of every tree forward has run: activation checkpointing recomputes
+    layers during backward and reads the implementation again. Idempotent; returns the
+    configs this call switched.
+    """
+    register_attention()
+    switched = []
+    for config in attention_configs(model):
+        current = config._attn_implementation_internal
+        if current == ATTN_NAME:
+            continue
+        # HF itself treats an unset implementation as eager.
+        _remember_base(config, current or "eager")
+        config._attn_implementation_internal = ATTN_NAME
+        switched.append(config)
+    return switched
+
+
+def disable_tree_attention(model: torch.nn.Module) -> None:
+    """Give ``model``'s decoder back the implementation it had before :func:`enable_tree_attention`."""
+    for config in attention_configs(model):
+        if config._attn_implementation_internal == ATTN_NAME:
+            config._attn_implementation_internal = base_implementation(config)

@@ -1,0 +1,509 @@
+"""HF bridge: real transformers model classes (tiny random configs, fp32, CPU) on packed
+prefix forests vs. each sequence run alone through the stock attention."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")
+
+from ps_mcore import plan_prefix_tree  # noqa: E402
+from ps_mcore.fsdp_bridge import (  # noqa: E402
+    ATTN_NAME,
+    base_implementation,
+    disable_tree_attention,
+    enable_tree_attention,
+    forward_tree,
+    prefix_tree_attention,
+    register_attention,
+    unwrap_model,
+)
+
+VOCAB = 61
+
+# family, query heads, kv heads, head dim: GQA ratios 1, 2 and 3; odd head dims 24 and 40.
+MODELS = {
+    "qwen2-gqa2-d24": ("qwen2", 4, 2, 24),  # qkv bias
+    "qwen3-mha-d40": ("qwen3", 4, 4, 40),  # qk-norm
+    "llama-gqa3-d16": ("llama", 6, 2, 16),
+}
+
+
+def make_config(family: str, heads: int, kv_heads: int, head_dim: int, attn: str = "eager", **extra):
+    common = dict(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+        attn_implementation=attn,
+    )
+    common.update(extra)
+    cls = {
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "llama": transformers.LlamaConfig,
+    }[family]
+    return cls(**common)
+
+
+def make_model(name: str = "qwen2-gqa2-d24", attn: str = "eager", seed: int = 0, **extra):
+    family, heads, kv_heads, head_dim = MODELS[name]
+    config = make_config(family, heads, kv_heads, head_dim, attn, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model.train()  # attention dropout is 0: training mode must still be exact
+    return model
+
+
+# ----------------------------------------------------------------------------- forests
+
+
+def _tokens(rng, n):
+    return rng.integers(0, VOCAB, n).tolist()
+
+
+def random_forest(seed: int, num_seqs: int = 6, alphabet: int = VOCAB) -> list[list[int]]:
+    """Each sequence extends a random prefix (possibly empty or whole) of an earlier one, so
+    duplicates, prefixes of others and branches all occur."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, alphabet, rng.integers(1, 12)).tolist()]
+    while len(seqs) < num_seqs:
+        base = seqs[rng.integers(len(seqs))]
+        cut = int(rng.integers(0, len(base) + 1))
+        tail = rng.integers(0, alphabet, rng.integers(0, 8)).tolist()
+        seq = base[:cut] + tail
+        seqs.append(seq if seq else [int(rng.integers(alphabet))])
+    return seqs
+
+
+def _nasty(name: str) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    a, b = _tokens(rng, 11), _tokens(rng, 9)
+    if name == "single":
+        return [a]
+    if name == "duplicates":
+        return [a, list(a), list(a)]
+    if name == "prefix-of-another":
+        return [a[:5], a, b, a[:1]]
+    if name == "single-tokens":
+        return [[3], [3], [5], a, [a[0]]]
+    if name == "deep-chain":
+        chain, seqs = [], []
+        for step in range(7):
+            chain = chain + _tokens(rng, 1 + step % 3)
+            seqs.append(list(chain))
+        return seqs
+    if name == "no-sharing":
+        return [[1] + a, [2] + b, [4] + a[:3]]
+    if name == "grpo":
+        prompt = _tokens(rng, 8)
+        return [prompt + _tokens(rng, int(n)) for n in (3, 5, 1, 4)]
+    raise ValueError(name)
+
+
+NASTY = ("single", "duplicates", "prefix-of-another", "single-tokens", "deep-chain", "no-sharing", "grpo")
+
+
+# ----------------------------------------------------------------------------- oracle
+
+
+def _sample_weights(seqs, seed=0) -> list[float]:
+    rng = np.random.default_rng(seed + 100)
+    return rng.uniform(-1.0, 2.0, len(seqs)).tolist()
+
+
+def per_sequence_reference(model, seqs, weights, entropy_coef=0.3):
+    """Each sequence alone through the model's stock attention: concatenated logits [N, V],
+    log-probs [N] (0 at each last token), entropy [N], and parameter gradients of the
+    per-sample-weighted loss."""
+    model.zero_grad(set_to_none=True)
+    logits, logprobs, entropy = [], [], []
+    loss = 0.0
+    for seq, w in zip(seqs, weights):
+        ids = torch.tensor(seq)[None]
+        lg = model(input_ids=ids, use_cache=False).logits[0]
+        logp = torch.log_softmax(lg.double(), -1)
+        lp = torch.zeros(len(seq), dtype=torch.float64)
+        lp[:-1] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
+        ent = -(logp.exp() * logp).sum(-1)
+        loss = loss + w * (lp.sum() + entropy_coef * ent.sum())
+        logits.append(lg)
+        logprobs.append(lp)
+        entropy.append(ent)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return torch.cat(logits).detach(), torch.cat(logprobs), torch.cat(entropy).detach(), grads
+
+
+def tree_run(model, plan, weights, entropy_coef=0.3, backend="auto"):
+    model.zero_grad(set_to_none=True)
+    out = forward_tree(model, plan, compute_logprobs=True, compute_entropy=True, backend=backend)
+    w = torch.repeat_interleave(torch.tensor(weights, dtype=torch.float64), torch.tensor(plan.seq_lens))
+    loss = (w * (out.logprobs.double() + entropy_coef * out.entropy.double())).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def assert_grads_close(grads, ref_grads):
+    """Every parameter's gradient, relative to the largest gradient of the model: a gradient
+    that is exactly 0 in theory (q/k of a single-token model) is float noise on both sides."""
+    assert grads.keys() == ref_grads.keys()
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=2e-6 * scale, msg=name)
+
+
+def assert_tree_matches(model, seqs, min_prefix_len=1, backend="auto"):
+    reference_model = copy.deepcopy(model)  # never switched to prefix_tree
+    weights = _sample_weights(seqs)
+    ref_logits, ref_lp, ref_ent, ref_grads = per_sequence_reference(reference_model, seqs, weights)
+
+    plan = plan_prefix_tree(seqs, min_prefix_len=min_prefix_len)
+    out, grads = tree_run(model, plan, weights, backend=backend)
+
+    torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-5, atol=1e-5)
+    mask = plan.next_token_mask
+    torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    assert torch.all(out.logprobs[~mask] == 0)
+    torch.testing.assert_close(out.entropy.double(), ref_ent.double(), rtol=1e-5, atol=1e-5)
+    assert len(grads) == len(list(model.parameters()))
+    assert_grads_close(grads, ref_grads)
+    return plan
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("forest", NASTY)
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_nasty_forests_match_per_sequence(model_name, forest):
+    plan = assert_tree_matches(make_model(model_name), _nasty(forest))
+    if forest in ("duplicates", "prefix-of-another", "deep-chain", "grpo"):
+        assert plan.num_tokens < plan.num_input_tokens  # sharing really happened
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_random_forests_match_per_sequence(model_name, seed):
+    min_prefix_len = 1 + seed % 3
+    assert_tree_matches(make_model(model_name), random_forest(seed), min_prefix_len=min_prefix_len)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=10), min_size=1, max_size=6),
+    min_prefix_len=st.integers(1, 4),
+)
+def test_hypothesis_forests_match_per_sequence(seqs, min_prefix_len):
+    # A 3-letter alphabet makes shared prefixes, duplicates and branch points common.
+    assert_tree_matches(make_model("qwen2-gqa2-d24"), seqs, min_prefix_len=min_prefix_len)
+
+
+def test_reference_backend_and_gradient_checkpointing():
+    """Checkpointed layers recompute in backward: they must still see prefix_tree."""
+    model = make_model("llama-gqa3-d16")
+    reference_model = copy.deepcopy(model)
+    seqs = random_forest(11)
+    weights = _sample_weights(seqs)
+    _, ref_lp, _, ref_grads = per_sequence_reference(reference_model, seqs, weights)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    out, grads = tree_run(model, plan, weights, backend="reference")
+    torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads)
+
+
+def test_sliding_window_wider_than_every_context_is_exact():
+    seqs = _nasty("grpo")
+    model = make_model("qwen2-gqa2-d24", use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    assert_tree_matches(model, seqs)
+
+
+def test_non_default_softmax_scale_gemma3():
+    """Gemma3 scales by query_pre_attn_scalar**-0.5, not head_dim**-0.5: the scale must be
+    the module's, and its wide sliding windows mask nothing here."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, query_pre_attn_scalar=5,
+        sliding_window=512, initializer_range=0.2, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    assert model.model.layers[0].self_attn.scaling != 24**-0.5
+    assert_tree_matches(model, random_forest(8))
+
+
+def test_hidden_states_skip_the_lm_head():
+    model = make_model("qwen3-mha-d40").eval()
+    seqs = _nasty("prefix-of-another")
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    with torch.no_grad():
+        ref = torch.cat([model.model(input_ids=torch.tensor(s)[None]).last_hidden_state[0] for s in seqs])
+        out = forward_tree(model, plan, return_logits=False, return_hidden_states=True)
+        bare = forward_tree(model.model, plan, return_logits=False, return_hidden_states=True)
+    assert out.logits is None and out.logprobs is None
+    torch.testing.assert_close(plan.unpack(out.hidden_states), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bare.hidden_states, out.hidden_states, rtol=0, atol=0)
+
+
+def test_value_head_model():
+    config = make_config("qwen2", 4, 2, 24, num_labels=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForTokenClassification.from_config(config).eval()
+    seqs = _nasty("grpo")
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    with torch.no_grad():
+        ref = torch.cat([model(input_ids=torch.tensor(s)[None]).logits[0] for s in seqs])
+        out = forward_tree(model, plan)
+    assert out.logits.shape == (plan.num_tokens, 1)
+    torch.testing.assert_close(plan.unpack(out.logits), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_peft_lora_wrapper():
+    peft = pytest.importorskip("peft")
+    model = make_model("qwen2-gqa2-d24")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    wrapped = peft.get_peft_model(model, lora)
+    assert unwrap_model(wrapped) is model
+    seqs = random_forest(3)
+    weights = _sample_weights(seqs)
+    ref_logits, ref_lp, _, ref_grads = per_sequence_reference(wrapped, seqs, weights)
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    out, grads = tree_run(wrapped, plan, weights)
+    torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    assert any("lora" in n for n in grads)
+    assert_grads_close(grads, ref_grads)
+
+
+_FSDP_SCRIPT = textwrap.dedent(
+    """
+    import os, socket, torch, torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+    sys_path = {path!r}
+    import sys; sys.path.insert(0, sys_path)
+    from test_fsdp_bridge import make_model, random_forest, per_sequence_reference, _sample_weights
+    from ps_mcore import plan_prefix_tree
+    from ps_mcore.fsdp_bridge import forward_tree, unwrap_model
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    seqs = random_forest(5)
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    for kind in ("fsdp1", "fsdp2"):
+        model = make_model("qwen2-gqa2-d24")
+        ref_logits, ref_lp, _, _ = per_sequence_reference(model, seqs, _sample_weights(seqs))
+        if kind == "fsdp1":
+            wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+        else:
+            for layer in model.model.layers:
+                fully_shard(layer)
+            wrapped = fully_shard(model)
+        assert unwrap_model(wrapped) is model
+        out = forward_tree(wrapped, plan, compute_logprobs=True)
+        torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
+        out.logprobs.sum().backward()
+        assert all(p.grad is not None for p in wrapped.parameters())
+        print(kind, "ok")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_fsdp1_and_fsdp2_wrappers():
+    """Real FSDP (gloo, world size 1) in a subprocess, so no process group leaks into others."""
+    import os
+
+    script = _FSDP_SCRIPT.format(path=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "fsdp1 ok" in proc.stdout and "fsdp2 ok" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- stock fallback
+
+
+def _packed_batch(seqs):
+    """Several sequences in one row, told apart only by position_ids restarting at 0."""
+    ids = torch.tensor([t for s in seqs for t in s])[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    return dict(input_ids=ids, position_ids=pos)
+
+
+def _padded_batch(seqs, left: bool):
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s)
+        mask[i, cols] = 1
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_unshared_batches_fall_back_to_stock_bit_for_bit(attn):
+    model = make_model("llama-gqa3-d16", attn=attn)
+    stock = copy.deepcopy(model)
+    enable_tree_attention(model)
+    assert model.config._attn_implementation == ATTN_NAME
+    assert base_implementation(model.config) == attn
+    seqs = _nasty("prefix-of-another")
+    batches = {
+        "packed": _packed_batch(seqs),
+        "right-padded": _padded_batch(seqs, left=False),
+        "left-padded": _padded_batch(seqs, left=True),
+        "plain": dict(input_ids=torch.tensor(seqs[1])[None]),
+    }
+    for name, batch in batches.items():
+        got = model(**batch, use_cache=False).logits
+        want = stock(**batch, use_cache=False).logits
+        assert torch.equal(got, want), name
+    # gradients too, through the packed (position_ids) path
+    model(**batches["packed"], use_cache=False).logits.square().sum().backward()
+    stock(**batches["packed"], use_cache=False).logits.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), stock.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    disable_tree_attention(model)
+    assert model.config._attn_implementation == attn
+
+
+def test_mixed_calls_after_a_tree_forward():
+    """The switch stays on after forward_tree; the next unshared call is stock again."""
+    model = make_model("qwen2-gqa2-d24", attn="sdpa").eval()
+    stock = copy.deepcopy(model)
+    seqs = _nasty("duplicates")
+    with torch.no_grad():
+        forward_tree(model, plan_prefix_tree(seqs))
+        assert model.config._attn_implementation == ATTN_NAME
+        batch = _padded_batch(seqs + [[1, 2]], left=False)
+        assert torch.equal(model(**batch).logits, stock(**batch).logits)
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def test_registration_is_explicit_and_idempotent():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    code = (
+        "import ps_mcore, ps_mcore.fsdp_bridge\n"
+        "from transformers import AttentionInterface\n"
+        "assert 'prefix_tree' not in AttentionInterface._global_mapping\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    register_attention()
+    size = len(AttentionInterface._global_mapping), len(AttentionMaskInterface._global_mapping)
+    register_attention()
+    assert AttentionInterface._global_mapping[ATTN_NAME] is prefix_tree_attention
+    assert (len(AttentionInterface._global_mapping), len(AttentionMaskInterface._global_mapping)) == size
+
+
+def test_enable_twice_keeps_the_base_implementation():
+    model = make_model(attn="sdpa")
+    assert enable_tree_attention(model) == [model.config]
+    assert enable_tree_attention(model) == []
+    assert base_implementation(model.config) == "sdpa"
+    disable_tree_attention(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+@pytest.fixture
+def small():
+    model = make_model("qwen2-gqa2-d24").eval()
+    seqs = _nasty("grpo")
+    return model, seqs, plan_prefix_tree(seqs, min_prefix_len=1)
+
+
+def test_forward_tree_rejects_bad_arguments(small):
+    model, seqs, plan = small
+    with pytest.raises(TypeError, match="TreePlan"):
+        forward_tree(model, seqs)
+    with pytest.raises(ValueError, match="attention_mask"):
+        forward_tree(model, plan, attention_mask=torch.ones(1, plan.num_tokens))
+    with pytest.raises(ValueError, match="KV cache"):
+        forward_tree(model, plan, use_cache=True)
+    with pytest.raises(ValueError, match="temperature"):
+        forward_tree(model, plan, compute_logprobs=True, temperature=0.0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        forward_tree(model, plan_prefix_tree([[1, 2, VOCAB]]))
+    with pytest.raises(ValueError, match="no logits"):
+        forward_tree(model.model, plan)
+    with pytest.raises(ValueError, match="PreTrainedModel"):
+        forward_tree(torch.nn.Sequential(torch.nn.Linear(2, 2)), plan)
+
+
+def test_direct_model_calls_with_a_plan_are_checked(small):
+    model, _, plan = small
+    enable_tree_attention(model)
+    ids, pos = plan.input_ids[None], plan.position_ids[None]
+    with torch.no_grad():
+        good = model(input_ids=ids, position_ids=pos, tree_plan=plan, use_cache=False).logits
+        via_forward_tree = forward_tree(model, plan).logits
+        assert torch.equal(good[0], via_forward_tree)
+        with pytest.raises(ValueError, match="one row"):
+            model(input_ids=ids.expand(2, -1), position_ids=pos.expand(2, -1), tree_plan=plan)
+        with pytest.raises(ValueError, match="position_ids must be plan.position_ids"):
+            model(input_ids=ids, position_ids=torch.arange(plan.num_tokens)[None], tree_plan=plan)
+        padding = torch.ones_like(ids)
+        padding[0, -1] = 0
+        with pytest.raises(ValueError, match="padding"):
+            model(input_ids=ids, position_ids=pos, attention_mask=padding, tree_plan=plan)
+        with pytest.raises(TypeError, match="TreePlan"):
+            model(input_ids=ids, position_ids=pos, tree_plan="plan")
+
+
+def test_training_dropout_is_refused():
+    model = make_model(attention_dropout=0.1)  # train mode
+    plan = plan_prefix_tree(_nasty("grpo"))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        forward_tree(model, plan)
+    model.eval()
+    assert forward_tree(model, plan).logits.shape == (plan.num_tokens, VOCAB)
+
+
+def test_narrow_sliding_window_is_refused():
+    model = make_model(use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        forward_tree(model, plan_prefix_tree(_nasty("grpo")))
+
+
+def test_softcapping_is_refused():
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=512,
+        attn_logit_softcapping=50.0, attn_implementation="eager",
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        forward_tree(model, plan_prefix_tree(_nasty("grpo")))
+
+
+def test_attention_sinks_are_refused(small):
+    model, _, plan = small
+    attn = model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, plan.num_tokens, 24)
+    kv = torch.zeros(1, 2, plan.num_tokens, 24)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="prepared attention mask"):
+        prefix_tree_attention(attn, q, kv, kv, torch.zeros(1, 1, plan.num_tokens, plan.num_tokens), tree_plan=plan)
+    with pytest.raises(ValueError, match="KV cache"):
+        prefix_tree_attention(attn, q, kv[:, :, :-1], kv[:, :, :-1], None, tree_plan=plan)
