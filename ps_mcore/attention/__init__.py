@@ -5,7 +5,8 @@ Backends:
     chunked    gather-KV per node with a pure-torch kernel, any device (exact fp32 math).
     varlen     gather-KV + varlen FlashAttention (torch's flash kernel or flash-attn), CUDA.
     flex       FlexAttention with a BlockMask from subtree ends (compiled on CUDA).
-    auto       varlen on CUDA for fp16/bf16, else flex on CUDA, else chunked.
+    npu        gather-KV + torch_npu.npu_fusion_attention (TND, bottom-right causal), Ascend.
+    auto       npu on an NPU device, varlen on CUDA for fp16/bf16, else flex on CUDA, else chunked.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ps_mcore.attention.gather_kv import (
 )
 from ps_mcore.planner import TreePlan
 
-BACKENDS = ("auto", "reference", "chunked", "varlen", "flex")
+BACKENDS = ("auto", "reference", "chunked", "varlen", "flex", "npu")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -53,6 +54,8 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown tree attention backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
+        if q.device.type == "npu":
+            return "npu"
         if q.is_cuda and q.dtype in _FLASH_DTYPES and flash_kernel_for(q.device) is not None:
             return "varlen"
         return "flex" if q.is_cuda else "chunked"
@@ -64,6 +67,10 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
             )
         if q.dtype not in _FLASH_DTYPES:
             raise ValueError(f"backend 'varlen' needs fp16 or bf16 inputs, got {q.dtype}")
+    if backend == "npu":
+        from ps_mcore.attention.npu import require_torch_npu
+
+        require_torch_npu()
     if backend == "flex" and not q.is_cuda and torch.is_grad_enabled() and q.requires_grad:
         raise ValueError(
             "backend 'flex' runs forward only off CUDA (FlexAttention has no CPU backward); "
@@ -105,6 +112,10 @@ def tree_attention(
         return gather_kv_attention(q, k, v, plan, scale, MATH_KERNEL)
     if name == "varlen":
         return gather_kv_attention(q, k, v, plan, scale, flash_kernel_for(q.device))
+    if name == "npu":
+        from ps_mcore.attention.npu import NPU_KERNEL
+
+        return gather_kv_attention(q, k, v, plan, scale, NPU_KERNEL)
     from ps_mcore.attention.flex import flex_tree_attention
 
     return flex_tree_attention(q, k, v, plan, scale)
