@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from ps_mcore.table import format_table as markdown_table  # noqa: F401  (one table format)
+
 
 def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
     """Median wall time of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU)."""
@@ -51,16 +53,3 @@ def environment() -> str:
         f"date {datetime.date.today()}, device {gpu}, torch {torch.__version__}, "
         f"python {platform.python_version()}, command `python {' '.join(sys.argv)}`"
     )
-
-
-def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
-    def fmt(x):
-        if isinstance(x, float):
-            return "-" if x != x else f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
-        return str(x)
-
-    cells = [[fmt(x) for x in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(headers), sep] + [line(r) for r in cells])
