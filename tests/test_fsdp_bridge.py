@@ -381,6 +381,31 @@ def test_unshared_batches_fall_back_to_stock_bit_for_bit(attn):
     assert model.config._attn_implementation == attn
 
 
+def test_fallback_reports_the_base_name_to_the_stock_function():
+    """Flash attention reads module.config._attn_implementation to pick its kernel; a
+    registered stand-in checks the fallback shows it the base name, not "prefix_tree"."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    seen = []
+
+    def stand_in(module, *args, **kwargs):
+        seen.append(module.config._attn_implementation)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("ps_test_stand_in", stand_in)
+    AttentionMaskInterface.register("ps_test_stand_in", sdpa_mask)
+    model = make_model("qwen2-gqa2-d24", attn="ps_test_stand_in").eval()
+    stock = copy.deepcopy(model)
+    enable_tree_attention(model)
+    batch = _packed_batch(_nasty("no-sharing"))
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, stock(**batch).logits)
+    assert seen and set(seen) == {"ps_test_stand_in"}
+    assert model.config._attn_implementation == ATTN_NAME
+
+
 def test_mixed_calls_after_a_tree_forward():
     """The switch stays on after forward_tree; the next unshared call is stock again."""
     model = make_model("qwen2-gqa2-d24", attn="sdpa").eval()
@@ -440,6 +465,8 @@ def test_forward_tree_rejects_bad_arguments(small):
         forward_tree(model, plan, attention_mask=torch.ones(1, plan.num_tokens))
     with pytest.raises(ValueError, match="KV cache"):
         forward_tree(model, plan, use_cache=True)
+    with pytest.raises(ValueError, match="return_dict"):
+        forward_tree(model, plan, return_dict=False)
     with pytest.raises(ValueError, match="temperature"):
         forward_tree(model, plan, compute_logprobs=True, temperature=0.0)
     with pytest.raises(ValueError, match="vocab_size"):
@@ -496,7 +523,7 @@ def test_softcapping_is_refused():
         forward_tree(model, plan_prefix_tree(_nasty("grpo")))
 
 
-def test_attention_sinks_are_refused(small):
+def test_unsupported_attention_features_are_refused(small):
     model, _, plan = small
     attn = model.model.layers[0].self_attn
     q = torch.zeros(1, 4, plan.num_tokens, 24)
@@ -507,3 +534,5 @@ def test_attention_sinks_are_refused(small):
         prefix_tree_attention(attn, q, kv, kv, torch.zeros(1, 1, plan.num_tokens, plan.num_tokens), tree_plan=plan)
     with pytest.raises(ValueError, match="KV cache"):
         prefix_tree_attention(attn, q, kv[:, :, :-1], kv[:, :, :-1], None, tree_plan=plan)
+    with pytest.raises(NotImplementedError, match="not causal"):
+        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, is_causal=False)

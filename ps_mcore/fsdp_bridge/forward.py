@@ -45,6 +45,8 @@ def _check_args(plan: Any, model_kwargs: dict, temperature: float) -> None:
         raise ValueError(f"forward_tree builds {clash} from the plan; do not pass them")
     if model_kwargs.get("use_cache"):
         raise ValueError("forward_tree runs without a KV cache; use_cache must be False")
+    if model_kwargs.get("return_dict") is False:
+        raise ValueError("forward_tree reads the model's output by name; do not pass return_dict=False")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
 

@@ -138,7 +138,8 @@ def _stock_attention(module, query, key, value, attention_mask, **kwargs):
 def _check_tree_call(module, query, key, attention_mask, dropout, plan, kwargs) -> None:
     if not isinstance(plan, TreePlan):
         raise TypeError(f"tree_plan must be a TreePlan, got {type(plan).__name__}")
-    if not getattr(module, "is_causal", True):
+    is_causal = kwargs.get("is_causal")
+    if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
         raise NotImplementedError(
             f"{type(module).__name__} is not causal; prefix-tree attention is for causal decoders"
         )
@@ -159,7 +160,8 @@ def _check_tree_call(module, query, key, attention_mask, dropout, plan, kwargs) 
             "config.attention_dropout=0 (or call model.eval())"
         )
     for name, feature in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
+        value = kwargs.get(name)
+        if value is not None and not (isinstance(value, (int, float)) and value == 0):  # 0: off
             raise NotImplementedError(f"prefix-tree attention does not implement {feature} ({name}=)")
     window = kwargs.get("sliding_window")
     # A window at least as long as every context masks nothing, so it is exact to ignore.
