@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, markdown_table, peak_mib, time_ms  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
+from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.fsdp_bridge import disable_tree_attention, forward_tree  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
 from ps_mcore.workloads import WORKLOADS, make_workload  # noqa: E402
@@ -53,17 +54,12 @@ def build_model(dims: dict, layers: int, device: str, dtype: torch.dtype):
     return model.to(dtype).train()
 
 
-def ideal_speedup(config, stats: dict) -> float:
-    """FLOP-weighted ideal: matmul FLOPs scale with tokens, attention FLOPs with pairs."""
-    h, layers = config.hidden_size, config.num_hidden_layers
-    q_dim = config.num_attention_heads * config.head_dim
-    kv_dim = config.num_key_value_heads * config.head_dim
-    per_layer = h * (2 * q_dim + 2 * kv_dim) + 3 * h * config.intermediate_size
-    linear = 2 * (layers * per_layer + h * config.vocab_size)  # per token
-    attention = 2 * 2 * q_dim * layers  # per (query, key) pair: QK^T and PV
-    unshared = stats["N"] * linear + stats["attn_pairs_unshared"] * attention
-    tree = stats["T"] * linear + stats["attn_pairs_tree"] * attention
-    return unshared / tree
+def decoder_shape(config) -> DecoderShape:
+    return DecoderShape(
+        layers=config.num_hidden_layers, hidden=config.hidden_size,
+        heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, ffn=config.intermediate_size, vocab=config.vocab_size,
+    )
 
 
 class Steps:
@@ -148,7 +144,7 @@ def run(args) -> str:
         w = make_workload(name, seed=args.seed, scale=scale, vocab=model.config.vocab_size)
         steps = Steps(model, w.sequences, device)
         stats = steps.plan.stats()
-        ideal = ideal_speedup(model.config, stats)
+        ideal = decoder_shape(model.config).ideal_speedup(stats)
         m = measure(steps, args.warmup, args.iters)
         base = min(("padded", "per-seq"), key=lambda k: m[k][0])
         speedup = m[base][0] / m["tree"][0]
