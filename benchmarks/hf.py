@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, markdown_table, peak_mib, time_ms  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
+from ps_mcore.attention import resolve_backend  # noqa: E402
 from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.fsdp_bridge import disable_tree_attention, forward_tree  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
@@ -155,12 +156,13 @@ def run(args) -> str:
         if device == "cuda":
             torch.cuda.empty_cache()
     c = model.config
+    backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
     title = (
         f"HF Qwen2ForCausalLM ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: hidden {c.hidden_size}, "
         f"{c.num_attention_heads}/{c.num_key_value_heads} heads x {c.head_dim}, vocab {c.vocab_size}, "
         f"{c.num_hidden_layers} layers, random init, {str(dtype).split('.')[-1]}), fwd+bwd with "
         "token log-probs; baseline = the faster of stock sdpa padded batch / per-sequence; "
-        "tree = forward_tree (auto backend); MiB = peak allocated above the model"
+        f"tree = forward_tree (auto backend -> {backend}); MiB = peak allocated above the model"
     )
     return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
 
