@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, peak_mib, time_ms  # noqa: E402
+from common import environment, markdown_table, peak_mib, time_ms, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, tree_attention  # noqa: E402
 from ps_mcore.workloads import WORKLOADS, make_workload  # noqa: E402
@@ -150,10 +150,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/attention.py needs a CUDA GPU")
     report = run(args)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

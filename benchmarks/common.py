@@ -53,3 +53,11 @@ def environment() -> str:
         f"date {datetime.date.today()}, device {gpu}, torch {torch.__version__}, "
         f"python {platform.python_version()}, command `python {' '.join(sys.argv)}`"
     )
+
+
+def write_report(report: str, out: str | None) -> None:
+    """Print the report; also write it to ``out`` (markdown) when given."""
+    print(report)
+    if out:
+        with open(out, "w") as f:
+            f.write(report)

@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, peak_mib, time_ms  # noqa: E402
+from common import environment, markdown_table, peak_mib, time_ms, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
@@ -182,10 +182,7 @@ def main() -> None:
     if args.tiny:
         args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 2)
     report = run(args)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, time_ms  # noqa: E402
+from common import environment, markdown_table, time_ms, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 
@@ -48,10 +48,7 @@ def main() -> None:
             rows.append([f"{num} x {length}", structure, plan.num_input_tokens, plan.num_tokens, ms])
     table = markdown_table(["batch", "structure", "N", "T", "plan ms (median)"], rows)
     report = f"Planner, CPU\n\n{environment()}\n\n{table}\n"
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,203 @@
+"""A megatron-core GPTModel (Qwen2.5-1.5B shapes, random init, bf16): forward + backward with
+the LM head and per-token log-probs, unshared THD batch vs. prefix tree, every standard workload.
+
+    python benchmarks/model.py [--layers 4] [--out FILE]     # CUDA (NCCL world 1)
+    python benchmarks/model.py --tiny                          # CPU smoke run (gloo), tiny dims
+
+One model (tree layer specs, local linear layers) runs both paths:
+  * baseline: the unshared batch packed as THD with standard ``PackedSeqParams`` (one segment
+    per sequence; TreeCoreAttention then runs per-sequence varlen flash, no gather; Megatron's
+    own THD RoPE);
+  * tree: ``TreePackedSeqParams.from_plan`` of the prefix forest (planner defaults).
+Loss: sum over tokens of a per-sample weight x ``token_logprobs``. Ideal = FLOP-weighted
+speedup (``ps_mcore.flops.DecoderShape``: linear FLOPs scale with tokens, attention FLOPs with
+(query, key) pairs; LM head included). MiB = peak allocated above the idle model; the memory
+target is tree <= baseline x T/N + 15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import environment, markdown_table, peak_mib, time_ms  # noqa: E402
+
+from ps_mcore import plan_prefix_tree  # noqa: E402
+from ps_mcore.attention import resolve_backend  # noqa: E402
+from ps_mcore.flops import DecoderShape  # noqa: E402
+from ps_mcore.logprobs import token_logprobs  # noqa: E402
+from ps_mcore.workloads import WORKLOADS, make_workload  # noqa: E402
+
+QWEN25_15B = dict(hidden=1536, heads=12, kv_heads=2, head_dim=128, ffn=8960, vocab=151936)
+TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512)
+UNSHARED = 10**9  # min_prefix_len no run reaches: the plan of the batch as is
+
+
+def init_parallel(device: str) -> None:
+    """torch.distributed (NCCL on CUDA, gloo on CPU; world 1) and Megatron parallel state."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if device == "cpu":  # megatron allocates on torch.cuda.current_device(): point it at the CPU
+        torch.cuda.current_device = lambda: "cpu"
+    if not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    else:  # the CPU has no CUDA RNG to fork
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def build_model(shape: DecoderShape, device: str, dtype: torch.dtype, fusions: bool):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
+
+    config = TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=True, attention_dropout=0.0, hidden_dropout=0.0,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, use_cpu_initialization=device == "cpu",
+        apply_rope_fusion=False,  # tree RoPE needs the unfused path
+        bias_activation_fusion=fusions, bias_dropout_fusion=fusions, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False,
+    )
+    torch.manual_seed(0)
+    model = GPTModel(
+        config, get_gpt_layer_local_tree_spec(normalization="RMSNorm"), vocab_size=shape.vocab,
+        max_sequence_length=1 << 15, position_embedding_type="rope", rotary_base=1_000_000,
+        share_embeddings_and_output_weights=False,
+    )
+    return model.to(device).train()
+
+
+def thd_params(lengths: list[int], device: str):
+    """Standard PackedSeqParams of sequences packed back to back (what verl passes)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.cumsum(torch.tensor([0] + lengths), 0).to(device=device, dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
+class Steps:
+    """The baseline and tree fwd+bwd steps of one workload (one weight per sample)."""
+
+    def __init__(self, model, sequences, device):
+        from ps_mcore.layer_specs import TreePackedSeqParams
+
+        self.model = model
+        self.plan = plan_prefix_tree(sequences).to(device)
+        self.flat = plan_prefix_tree(sequences, min_prefix_len=UNSHARED).to(device)
+        assert self.flat.is_trivial  # rows = the sequences back to back, as in thd_params
+        lengths = [len(s) for s in sequences]
+        self.tree_psp = TreePackedSeqParams.from_plan(self.plan)
+        self.base_psp = thd_params(lengths, device)
+        self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        gen = torch.Generator().manual_seed(1)
+        weights = torch.empty(len(sequences)).uniform_(0.2, 2.0, generator=gen)
+        self.token_weights = torch.repeat_interleave(weights, torch.tensor(lengths)).to(device)
+
+    def _logprobs(self, plan, ids, pos, psp):
+        logits = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=None,
+                            packed_seq_params=psp)[0]
+        return token_logprobs(logits, plan)[0]
+
+    def base_logprobs(self):
+        return self._logprobs(self.flat, self.flat.input_ids, self.base_pos, self.base_psp)
+
+    def tree_logprobs(self):
+        return self._logprobs(self.plan, self.plan.input_ids, self.plan.position_ids, self.tree_psp)
+
+    def _step(self, logprobs_fn) -> None:
+        self.model.zero_grad(set_to_none=True)
+        (logprobs_fn() * self.token_weights).sum().backward()
+
+    def base_step(self) -> None:
+        self._step(self.base_logprobs)
+
+    def tree_step(self) -> None:
+        self._step(self.tree_logprobs)
+
+    @torch.no_grad()
+    def max_logprob_diff(self) -> float:
+        """Tree vs. baseline log-probs (a sanity check of the run, not a test)."""
+        return float((self.tree_logprobs() - self.base_logprobs()).abs().max())
+
+
+def run(args) -> str:
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    shape = DecoderShape(layers=args.layers, **(TINY if args.tiny else QWEN25_15B))
+    scale = 1 / 32 if args.tiny else 1.0
+    init_parallel(device)
+    model = build_model(shape, device, dtype, args.fusions)
+    headers = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "base ms", "tree ms",
+               "speedup", "meas/ideal", "base MiB", "tree MiB", "mem ratio", "T/N",
+               "max |dlogp|"]
+    rows = []
+    for i, name in enumerate(args.workloads):
+        print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
+        w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
+        steps = Steps(model, w.sequences, device)
+        stats = steps.plan.stats()
+        ideal = shape.ideal_speedup(stats)
+        base_ms = time_ms(steps.base_step, args.warmup, args.iters)
+        tree_ms = time_ms(steps.tree_step, args.warmup, args.iters)
+        model.zero_grad(set_to_none=True)
+        base_mib, tree_mib = peak_mib(steps.base_step), peak_mib(steps.tree_step)
+        model.zero_grad(set_to_none=True)
+        speedup = base_ms / tree_ms
+        rows.append([name, stats["N"], stats["T"], stats["dedup"], stats["attn_flop_ratio"],
+                     ideal, base_ms, tree_ms, speedup, speedup / ideal, base_mib, tree_mib,
+                     tree_mib / base_mib, stats["T"] / stats["N"], steps.max_logprob_diff()])
+        del steps
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
+    title = (
+        f"megatron-core GPTModel ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: hidden "
+        f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, ffn {shape.ffn}, "
+        f"vocab {shape.vocab}, {shape.layers} layers, tree local spec, random init, "
+        f"{str(dtype).split('.')[-1]}), fwd+bwd with LM head and token log-probs; baseline = "
+        f"unshared THD (standard PackedSeqParams); tree = TreePackedSeqParams; attention "
+        f"backend auto -> {backend}; MiB = peak allocated above the idle model"
+    )
+    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--fusions", action="store_true",
+                   help="megatron's bias-activation / bias-dropout fusions (torch.compile'd)")
+    p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
+    p.add_argument("--out", help="also write the table (markdown) here")
+    args = p.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("benchmarks/model.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    if args.tiny:
+        args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 2)
+    report = run(args)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
