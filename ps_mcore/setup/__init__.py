@@ -1,0 +1,30 @@
+"""Patchsets that plug ps-mcore into verl without editing verl.
+
+    import prefix_sharing                      # installs every compatible patchset
+    PREFIX_SHARING_PATCHSET=verl080_mcore0161_ms0160 python ...   # only that one
+
+    from ps_mcore import setup
+    setup.install()                            # same, programmatically (idempotent)
+    setup.install("verl080_mcore0161_ms0160")
+    setup.uninstall()                          # verl exactly as before
+
+Patchsets: ``verl080_mcore0161_ms0160`` (verl 0.8.0 Megatron engine, megatron-core 0.16,
+MindSpeed 0.16.0) and ``verl080_fsdp`` (verl 0.8.0 FSDP engines). ``ENABLE_PREFIX_SHARING=0``
+makes every patched path call verl's own code unchanged, read at each call. Importing
+``ps_mcore`` or this package patches nothing.
+"""
+
+from ps_mcore.setup.env import ENABLE_VAR, PATCHSET_VAR, prefix_sharing_enabled, requested_patchsets
+from ps_mcore.setup.registry import PATCHSETS, detect, install, installed, uninstall
+
+__all__ = [
+    "ENABLE_VAR",
+    "PATCHSETS",
+    "PATCHSET_VAR",
+    "detect",
+    "install",
+    "installed",
+    "prefix_sharing_enabled",
+    "requested_patchsets",
+    "uninstall",
+]

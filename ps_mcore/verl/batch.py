@@ -1,0 +1,97 @@
+"""Reading one verl 0.8.0 worker batch (a TensorDict): sequences, prompt lengths, groups,
+and planning it. Shared by the Megatron and FSDP glue and the micro-batcher."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ps_mcore.planner import TreePlan, plan_prefix_tree
+from ps_mcore.verl.config import PrefixGrouperConfig
+
+
+def sequences(data) -> list[np.ndarray]:
+    """The unpadded token sequences (CPU int64 arrays), batch order.
+
+    ``input_ids`` is a jagged nested tensor in verl's no-padding layout, or a padded
+    ``[B, S]`` tensor with ``attention_mask``.
+    """
+    ids = data["input_ids"]
+    if ids.is_nested:
+        values = ids.values().detach().cpu().numpy()
+        offsets = ids.offsets().cpu().numpy()
+        return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    mask = data["attention_mask"].bool().cpu()
+    rows = ids.detach().cpu()
+    return [rows[i][mask[i]].numpy() for i in range(rows.size(0))]
+
+
+def sequence_lengths(data) -> np.ndarray:
+    ids = data["input_ids"]
+    if ids.is_nested:
+        return ids.offsets().diff().cpu().numpy()
+    return data["attention_mask"].sum(-1).cpu().numpy()
+
+
+def prompt_lengths(data) -> np.ndarray | None:
+    """Prompt length per sample (verl's rule, as in ``no_padding_2_padding``), or None."""
+    keys = data.keys()
+    if "prompts" not in keys:
+        return None
+    prompts = data["prompts"]
+    if prompts.is_nested:
+        return prompts.offsets().diff().cpu().numpy()
+    if "attention_mask" not in keys:
+        return None
+    mask = data["attention_mask"]
+    return mask[:, : prompts.shape[1]].sum(-1).cpu().numpy()
+
+
+def group_ids(data) -> list[Any] | None:
+    """Per-sample ``uid`` labels when the batch carries them."""
+    if "uid" not in data.keys():
+        return None
+    return list(data["uid"])
+
+
+def plan_batch(data, config: PrefixGrouperConfig) -> TreePlan:
+    """The micro-batch's :class:`TreePlan` under ``config`` (CPU)."""
+    prompts = prompt_lengths(data)
+    if config.mode == "prompt_only" and prompts is None:
+        raise ValueError(
+            "prefix_grouper.mode=prompt_only needs the batch's 'prompts' to know prompt "
+            "lengths; use mode=arbitrary_prefix for batches without them"
+        )
+    return plan_sequences(sequences(data), config, prompts, group_ids(data))
+
+
+def plan_sequences(
+    seqs: list[np.ndarray],
+    config: PrefixGrouperConfig,
+    prompts: np.ndarray | None,
+    groups: list[Any] | None,
+) -> TreePlan:
+    """Plan pre-read sequences. ``prompt_only`` shares whole prompts within a ``uid`` group;
+    ``arbitrary_prefix`` shares any common prefix, across groups."""
+    if config.mode != "prompt_only":
+        prompts, groups = None, None
+    return plan_prefix_tree(
+        seqs,
+        mode=config.mode,
+        min_prefix_len=config.min_prefix_len,
+        min_group_size=config.min_group_size,
+        prompt_lens=prompts,
+        group_ids=groups,
+    )
+
+
+def saved_fraction(plan: TreePlan) -> float:
+    """1 - T/N: the fraction of token rows the plan does not compute."""
+    return 1.0 - plan.num_tokens / max(plan.num_input_tokens, 1)
+
+
+def nested_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Jagged nested tensor with ``like``'s offsets holding ``values`` ``[N, ...]``."""
+    return torch.nested.nested_tensor_from_jagged(values, offsets=like.offsets().to(values.device))

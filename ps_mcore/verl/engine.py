@@ -1,0 +1,148 @@
+"""Engine-agnostic glue shared by the Megatron and FSDP patchsets: which engine is running
+(a context variable set around ``forward_backward_batch``), prefix-aware
+``prepare_micro_batches`` / ``postprocess_batch_func`` replacements, and the per
+micro-batch token counts that become the ``prefix_sharing/*`` metrics."""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ps_mcore.setup.env import prefix_sharing_enabled
+from ps_mcore.setup.patching import warn_once
+from ps_mcore.verl.config import PrefixSharingSetting, resolve_setting
+from ps_mcore.verl.microbatch import prefix_aware_prepare_micro_batches, restore_order
+from ps_mcore.verl.trainer import TOKENS_IN, TOKENS_PACKED
+
+_ENGINE: contextvars.ContextVar = contextvars.ContextVar("ps_mcore_engine", default=None)
+_MICRO: contextvars.ContextVar = contextvars.ContextVar("ps_mcore_micro_batch", default=None)
+
+
+def active_setting(engine: Any) -> PrefixSharingSetting | None:
+    """The engine's enabled setting, or None (off, or ``ENABLE_PREFIX_SHARING=0`` now)."""
+    if engine is None or not prefix_sharing_enabled():
+        return None
+    return resolve_setting(getattr(engine, "engine_config", None))
+
+
+@dataclass
+class MicroBatchContext:
+    """What the patched model forward of one micro-batch needs from the engine."""
+
+    engine: Any
+    batch: Any
+    setting: PrefixSharingSetting
+    tokens: tuple[int, int] | None = None  # (N, T) once the forward decided
+    notes: list[str] = field(default_factory=list)
+
+    def record(self, n: int, t: int) -> None:
+        self.tokens = (int(n), int(t))
+
+
+def current_micro_batch() -> MicroBatchContext | None:
+    return _MICRO.get()
+
+
+def with_engine_context(original: Callable) -> Callable:
+    """Wrap ``forward_backward_batch`` so helpers called inside know the engine."""
+
+    def forward_backward_batch(self, *args, **kwargs):
+        token = _ENGINE.set(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _ENGINE.reset(token)
+
+    return forward_backward_batch
+
+
+def prefix_aware(stock: Callable) -> Callable:
+    """Replacement for an engine module's ``prepare_micro_batches`` name."""
+
+    def prepare_micro_batches(
+        data,
+        dp_group=None,
+        num_batches_divided_by=None,
+        same_micro_num_in_dp=True,
+        min_num_micro_batch=None,
+        use_dynamic_bsz_balance=True,
+    ):
+        setting = active_setting(_ENGINE.get())
+        if setting is None:
+            return stock(
+                data=data,
+                dp_group=dp_group,
+                num_batches_divided_by=num_batches_divided_by,
+                same_micro_num_in_dp=same_micro_num_in_dp,
+                min_num_micro_batch=min_num_micro_batch,
+                use_dynamic_bsz_balance=use_dynamic_bsz_balance,
+            )
+        return prefix_aware_prepare_micro_batches(
+            data,
+            setting.config,
+            stock,
+            dp_group=dp_group,
+            num_batches_divided_by=num_batches_divided_by,
+            same_micro_num_in_dp=same_micro_num_in_dp,
+            min_num_micro_batch=min_num_micro_batch,
+            use_dynamic_bsz_balance=use_dynamic_bsz_balance,
+        )
+
+    return prepare_micro_batches
+
+
+def restoring(stock: Callable) -> Callable:
+    """Replacement for ``postprocess_batch_func`` that also restores fixed-size batches the
+    micro-batcher reordered (verl restores only dynamic ones)."""
+
+    def postprocess_batch_func(output_lst, indices, data):
+        return restore_order(stock(output_lst=output_lst, indices=indices, data=data), indices, data)
+
+    return postprocess_batch_func
+
+
+def with_token_metrics(postprocess: Callable, tokens: tuple[int, int]) -> Callable:
+    """Add the micro-batch's (N, T) to the metrics its postprocess function returns."""
+
+    def postprocess_micro_batch(*args, **kwargs):
+        loss, output = postprocess(*args, **kwargs)
+        metrics = dict(output.get("metrics") or {})
+        metrics[TOKENS_IN], metrics[TOKENS_PACKED] = tokens
+        output["metrics"] = metrics
+        return loss, output
+
+    return postprocess_micro_batch
+
+
+def run_step_with_context(engine, batch_iter, call: Callable[[Any], tuple]):
+    """Run one ``forward_step`` with its micro-batch published to the model forward.
+
+    ``call(batch_iter)`` runs the stock step; returns its ``(output, postprocess)`` with
+    the token counts added to the postprocess metrics when the forward recorded them.
+    """
+    setting = active_setting(engine)
+    if setting is None:
+        return call(batch_iter)
+    batch = next(batch_iter)
+    micro = MicroBatchContext(engine=engine, batch=batch, setting=setting)
+    token = _MICRO.set(micro)
+    try:
+        output, postprocess = call(iter([batch]))
+    finally:
+        _MICRO.reset(token)
+    if micro.tokens is not None:
+        postprocess = with_token_metrics(postprocess, micro.tokens)
+    elif _fused(batch):
+        warn_once(
+            "fused-kernels",
+            "use_fused_kernels=True: verl's fused forward runs these micro-batches without "
+            "prefix sharing (set actor_rollout_ref.model.use_fused_kernels=False to share)",
+        )
+    return output, postprocess
+
+
+def _fused(batch) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(batch, key="use_fused_kernels", default=False))

@@ -1,0 +1,299 @@
+"""verl 0.8.0 Megatron engine glue: tree specs at model build, the tree forward per
+micro-batch, and the fallbacks.
+
+Forward (wraps what ``verl.models.mcore.get_mcore_engine_forward_fn`` returns): for each
+micro-batch the wrapper plans the nested ``input_ids`` (prompt lengths and ``uid`` for
+``prompt_only``), pads the packed rows to a multiple of TP, runs the model once with
+:class:`~ps_mcore.layer_specs.TreePackedSeqParams`, and turns the packed output into
+verl's jagged tensors (same offsets, row t holds the value for token t+1):
+
+* LM head: ``log_probs`` and ``entropy`` through :func:`ps_mcore.logprobs.token_logprobs`
+  (temperature divides the logits first, vocab-parallel over the TP group), as verl's
+  ``logits_processor`` does. The last row of every sequence predicts nothing; verl's
+  losses never read it (``no_padding_2_padding`` slices ``[off-resp-1, off-1)``) and the
+  tree path returns 0 there.
+* value head: ``values`` [N] per token.
+
+Per micro-batch it runs verl's own forward instead (warning once per reason) when the plan
+saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
+model was not built with tree specs, and for what the tree path does not support: context
+parallelism (static or dynamic), VLM inputs, MTP training, fp8 padding, per-sample
+temperatures, ``calculate_sum_pi_squared`` and distillation top-k. Fused kernels take
+verl's fused forward, which is not patched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ps_mcore.setup.env import prefix_sharing_enabled
+from ps_mcore.setup.patching import info_once, warn_once
+from ps_mcore.verl.batch import nested_like, plan_batch, saved_fraction
+from ps_mcore.verl.config import resolve_setting
+from ps_mcore.verl.engine import current_micro_batch, run_step_with_context
+
+_HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _unwrap(model):
+    from verl.utils.megatron_utils import unwrap_model
+
+    return unwrap_model(model)
+
+
+def has_tree_attention(model) -> bool:
+    """True when the (unwrapped) model's attention layers are ``TreeCoreAttention``."""
+    from ps_mcore.layer_specs import TreeCoreAttention
+
+    inner = _unwrap(model)
+    if inner not in _HAS_TREE:
+        _HAS_TREE[inner] = any(isinstance(m, TreeCoreAttention) for m in inner.modules())
+    return _HAS_TREE[inner]
+
+
+def _batch_flag(batch, key: str) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(batch, key=key, default=False))
+
+
+def _uniform_temperature(args: dict) -> float | None:
+    """The one temperature of the micro-batch (verl's 1e-8 floor applied), else None."""
+    temp = (args.get("logits_processor_args") or {}).get("temperature")
+    if temp is None:
+        return 1.0
+    values = temp.values() if getattr(temp, "is_nested", False) else torch.as_tensor(temp)
+    values = values.reshape(-1)
+    if values.numel() and not torch.all(values == values[0]):
+        return None
+    t = float(values[0]) if values.numel() else 1.0
+    return t if t > 0 else 1e-8
+
+
+def unsupported_reason(model, args: dict, batch) -> str | None:
+    """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
+    from megatron.core import parallel_state as mpu
+
+    if args.get("local_cp_size") is not None or mpu.get_context_parallel_world_size() > 1:
+        return "context parallelism is not supported by tree attention (CP > 1)"
+    if args.get("vision_model") or args.get("multi_modal_inputs"):
+        return "vision-language inputs are not supported"
+    if args.get("mtp_enable_train"):
+        return "multi-token prediction (MTP) training is not supported"
+    if getattr(_unwrap(model).config, "fp8", None):
+        return "fp8 (its THD padding rules) is not supported"
+    if not has_tree_attention(model):
+        return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
+    if not args.get("value_model") and args.get("logits_processor") is not None:
+        if _uniform_temperature(args) is None:
+            return "per-sample temperatures are not supported"
+        if _batch_flag(batch, "calculate_sum_pi_squared"):
+            return "calculate_sum_pi_squared is not supported"
+        if _batch_flag(batch, "distillation_use_topk"):
+            return "distillation top-k logits are not supported"
+    return None
+
+
+# ----------------------------------------------------------------------------- tree forward
+
+
+def _tp_group():
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return mpu.get_tensor_model_parallel_group()
+
+
+def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) -> Any:
+    """One model call on ``plan``; returns what verl's engine forward returns.
+
+    Shapes: model output ``[1, T_pad, V/tp]`` (LM) or ``[1, T_pad, 1]`` (value head);
+    returned tensors are jagged ``[B, j]`` with ``input_ids``'s offsets.
+    """
+    from megatron.core import parallel_state as mpu
+
+    from ps_mcore.layer_specs import TreePackedSeqParams
+    from ps_mcore.logprobs import token_logprobs
+
+    device = input_ids.values().device if input_ids.is_nested else input_ids.device
+    plan = plan.to(device)
+    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=mpu.get_tensor_model_parallel_world_size())
+    output = model(
+        input_ids=psp.pad_rows(plan.input_ids)[None],
+        attention_mask=None,
+        position_ids=psp.position_ids[None],
+        packed_seq_params=psp,
+    )
+    if not _unwrap(model).post_process:
+        return output  # hidden states go to the next pipeline stage as they are
+    rows = output[0, : plan.num_tokens]
+    if args.get("value_model"):
+        return nested_like(plan.unpack(rows[:, 0]), input_ids)
+    if args.get("logits_processor") is None:
+        return nested_like(plan.unpack(rows), input_ids)
+    logprobs, entropy = token_logprobs(
+        rows,
+        plan,
+        temperature=_uniform_temperature(args),
+        compute_entropy=_batch_flag(batch, "calculate_entropy"),
+        tp_group=_tp_group(),
+    )
+    result = {"log_probs": nested_like(logprobs, input_ids)}
+    if entropy is not None:
+        result["entropy"] = nested_like(entropy, input_ids)
+    return result
+
+
+def tree_engine_forward(stock: Callable) -> Callable:
+    """Wrap verl's engine forward function (``gptmodel_forward_model_engine`` signature)."""
+    signature = inspect.signature(stock)
+
+    def forward(*call_args, **call_kwargs):
+        micro = current_micro_batch()
+        if micro is None or not prefix_sharing_enabled():
+            return stock(*call_args, **call_kwargs)
+        bound = signature.bind(*call_args, **call_kwargs)
+        bound.apply_defaults()
+        args = dict(bound.arguments)
+        model, input_ids = args["model"], args["input_ids"]
+        n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
+        reason = unsupported_reason(model, args, micro.batch)
+        if reason is not None:
+            warn_once("megatron:" + reason, f"Megatron micro-batch runs verl's stock forward: {reason}")
+            micro.record(n, n)
+            return stock(*call_args, **call_kwargs)
+        plan = plan_batch(micro.batch, micro.setting.config)
+        if saved_fraction(plan) < micro.setting.config.min_saved_fraction:
+            info_once(
+                "megatron:small-savings",
+                "micro-batches whose plan saves less than min_saved_fraction of their tokens "
+                "run verl's stock forward",
+            )
+            micro.record(n, n)
+            return stock(*call_args, **call_kwargs)
+        micro.record(plan.num_input_tokens, plan.num_tokens)
+        return run_tree_forward(model, plan, input_ids, args, micro.batch)
+
+    return forward
+
+
+# ----------------------------------------------------------------------------- patches
+
+
+def patched_get_forward_fn(original: Callable) -> Callable:
+    """``verl.models.mcore.get_mcore_engine_forward_fn`` returning the wrapped forward."""
+
+    def get_mcore_engine_forward_fn(hf_config):
+        return tree_engine_forward(original(hf_config))
+
+    return get_mcore_engine_forward_fn
+
+
+def patched_forward_step(original: Callable) -> Callable:
+    """``forward_step`` of the LM / value-head engines, publishing the micro-batch."""
+
+    def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
+        def call(it):
+            return original(self, it, model, logits_processor_func, postprocess_micro_batch_func)
+
+        return run_step_with_context(self, batch_iter, call)
+
+    return forward_step
+
+
+ROPE_FUSION_REASON = (
+    "apply_rope_fusion forced to False: fused RoPE kernels cannot take the per-token tree "
+    "positions prefix sharing needs"
+)
+
+
+def _tree_build_refusal(engine) -> str | None:
+    cfg = engine.engine_config
+    if getattr(cfg, "context_parallel_size", 1) > 1 or getattr(cfg, "dynamic_context_parallel", False):
+        return "context parallelism"
+    if getattr(engine, "_qat_enabled", False):
+        return "QAT (its own layer spec)"
+    return None
+
+
+def patched_build_module(original: Callable) -> Callable:
+    """``MegatronEngine._build_megatron_module`` building the model with tree specs."""
+
+    def _build_megatron_module(self):
+        if resolve_setting(self.engine_config) is None or not prefix_sharing_enabled():
+            return original(self)
+        refusal = _tree_build_refusal(self)
+        if refusal is not None:
+            warn_once("build:" + refusal, f"model built with stock specs: {refusal} is not supported by tree attention")
+            return original(self)
+        if self.provider is not None:
+            module = _build_with_bridge_provider(self, original)
+        else:
+            module = _build_with_mbridge(self, original)
+        if not any(has_tree_attention(m) for m in module):
+            warn_once(
+                "build:no-tree",
+                "the bridge built the model without our tree layer spec; prefix sharing falls "
+                "back to verl's stock forward for this model",
+            )
+        return module
+
+    return _build_megatron_module
+
+
+def _build_with_mbridge(engine, original: Callable):
+    """mbridge: ``to_tree_spec`` on the spec its ``_get_transformer_layer_spec`` builds."""
+    from ps_mcore.layer_specs import to_tree_spec
+
+    bridge = engine.bridge
+    bridge.config.apply_rope_fusion = False
+    info_once("rope-fusion", ROPE_FUSION_REASON)
+    stock_spec = bridge._get_transformer_layer_spec
+
+    def _get_transformer_layer_spec(vp_stage=None):
+        return to_tree_spec(stock_spec(vp_stage))
+
+    bridge._get_transformer_layer_spec = _get_transformer_layer_spec  # this instance only
+    try:
+        return original(engine)
+    finally:
+        del bridge._get_transformer_layer_spec
+
+
+def _build_with_bridge_provider(engine, original: Callable):
+    """Megatron-Bridge: ``provider.transformer_layer_spec = tree_layer_spec``."""
+    from ps_mcore.layer_specs import tree_layer_spec
+
+    provider = engine.provider
+    provider.apply_rope_fusion = False  # the provider is the model's config: stays False
+    info_once("rope-fusion", ROPE_FUSION_REASON)
+    stock_spec = provider.transformer_layer_spec
+    provider.transformer_layer_spec = tree_layer_spec
+    try:
+        return original(engine)
+    finally:
+        provider.transformer_layer_spec = stock_spec
+
+
+def install_megatron_patches(patcher) -> None:
+    """Every Megatron-engine patch of the ``verl080_mcore0161_ms0160`` patchset."""
+    import verl.models.mcore as mcore
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    from ps_mcore.verl.engine import prefix_aware, restoring, with_engine_context
+
+    patcher.wrap(mcore, "get_mcore_engine_forward_fn", patched_get_forward_fn)
+    patcher.wrap(impl.MegatronEngine, "forward_backward_batch", with_engine_context)
+    patcher.wrap(impl.MegatronEngine, "_build_megatron_module", patched_build_module)
+    patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", patched_forward_step)
+    patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", patched_forward_step)
+    patcher.wrap(impl, "prepare_micro_batches", prefix_aware)
+    patcher.wrap(impl, "postprocess_batch_func", restoring)

@@ -1,0 +1,267 @@
+"""Prefix-aware micro-batching for verl 0.8.0 engines.
+
+verl's ``prepare_micro_batches`` balances raw token counts and scatters samples that share
+a prefix across micro-batches, so nothing is left to share. Here samples are first grouped
+into *units* (the samples that would share: same prompt within a ``uid`` for
+``prompt_only``, a common prefix of at least ``min_prefix_len`` tokens for
+``arbitrary_prefix``) and units are kept whole:
+
+* dynamic batch size: the token budget counts the deduplicated tokens T of each unit (exact:
+  the unit's plan), so more samples fit; units are balanced by T over as few micro-batches
+  as the budget allows, the count is synced over DP and rounded as verl does, and the
+  workload ordering (``use_dynamic_bsz_balance``) is verl's. A unit larger than the budget
+  is split in its sorted order (its pieces still share within themselves).
+* fixed micro-batch size: samples are ordered unit by unit before verl's chunking (a unit
+  larger than the micro-batch is split at the chunk boundary); when that order is the
+  batch's own order (verl's GRPO batches), the result is exactly verl's.
+
+The returned index lists map every micro-batch back to batch positions; outputs are put
+back in batch order (``postprocess_batch_func`` for dynamic batches, the patched one here
+for reordered fixed-size batches).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from ps_mcore.verl.batch import group_ids, plan_sequences, prompt_lengths, sequences
+from ps_mcore.verl.config import PrefixGrouperConfig
+
+
+# ----------------------------------------------------------------------------- units
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(a.size, b.size)
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+def sharing_units(
+    seqs: list[np.ndarray],
+    config: PrefixGrouperConfig,
+    prompts: np.ndarray | None,
+    groups: list[Any] | None,
+) -> list[list[int]]:
+    """Samples that would share, as sorted index lists ordered by their first index.
+
+    ``arbitrary_prefix`` lists each unit in lexicographic order (so a split keeps
+    neighbours, which share most, together); ``prompt_only`` in batch order.
+    """
+    n = len(seqs)
+    if config.mode == "prompt_only":
+        if prompts is None:
+            raise ValueError("prefix_grouper.mode=prompt_only needs prompt lengths ('prompts')")
+        labels = groups if groups is not None else [None] * n
+        by_key: dict[Any, list[int]] = {}
+        for i in range(n):
+            p = int(prompts[i])
+            key = (labels[i], seqs[i][:p].tobytes()) if p >= config.min_prefix_len else ("single", i)
+            by_key.setdefault(key, []).append(i)
+        units = list(by_key.values())
+    else:
+        order = sorted(range(n), key=lambda i: seqs[i].astype(">i8").tobytes())
+        units, current = [], [order[0]] if order else []
+        for a, b in zip(order, order[1:]):
+            if _lcp(seqs[a], seqs[b]) >= config.min_prefix_len:
+                current.append(b)
+            else:
+                units.append(current)
+                current = [b]
+        if current:
+            units.append(current)
+    units.sort(key=min)
+    return units
+
+
+class _Units:
+    """Units with their exact deduplicated token count and a verl-style workload."""
+
+    def __init__(self, seqs, config, prompts, groups):
+        self.seqs, self.config, self.prompts, self.groups = seqs, config, prompts, groups
+        self.members = sharing_units(seqs, config, prompts, groups)
+        self.tokens = [self._tokens(m) for m in self.members]
+
+    def _tokens(self, members: list[int]) -> int:
+        if len(members) == 1:
+            return int(self.seqs[members[0]].size)
+        plan = plan_sequences(
+            [self.seqs[i] for i in members],
+            self.config,
+            None if self.prompts is None else self.prompts[members],
+            None if self.groups is None else [self.groups[i] for i in members],
+        )
+        return plan.num_tokens
+
+    def workload(self, u: int) -> int:
+        # verl's calculate_workload (24576 * L + L^2) on the unit's packed length.
+        t = self.tokens[u]
+        return 24576 * t + t * t
+
+    def split(self, u: int, budget: int) -> None:
+        """Split unit ``u`` into consecutive pieces of at most ``budget`` tokens (or in two
+        halves when ``budget`` is None)."""
+        members = self.members[u]
+        if budget is None:
+            pieces = [members[: len(members) // 2], members[len(members) // 2 :]]
+        else:
+            pieces, current = [], []
+            for i in members:
+                if current and self._tokens(current + [i]) > budget:
+                    pieces.append(current)
+                    current = []
+                current.append(i)
+            pieces.append(current)
+        self.members[u : u + 1] = pieces
+        self.tokens[u : u + 1] = [self._tokens(p) for p in pieces]
+
+
+# ----------------------------------------------------------------------------- partitions
+
+
+def _balanced(weights: list[int], k: int) -> list[list[int]]:
+    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+
+    return get_seqlen_balanced_partitions(weights, k_partitions=k, equal_size=False)
+
+
+def _fits(parts: list[list[int]], tokens: list[int], budget: int) -> bool:
+    return all(sum(tokens[u] for u in p) <= budget for p in parts)
+
+
+def _local_count(units: _Units, budget: int) -> int:
+    """Fewest micro-batches whose balanced partition respects ``budget``."""
+    k = max(1, math.ceil(sum(units.tokens) / budget))
+    while k < len(units.tokens) and not _fits(_balanced(units.tokens, k), units.tokens, budget):
+        k += 1
+    return min(k, len(units.tokens))
+
+
+def _sync_count(k: int, dp_group, same_micro_num_in_dp: bool, divided_by: int | None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and same_micro_num_in_dp and dp_group is not None:
+        from verl.utils.device import get_device_name
+
+        t = torch.tensor([k], device=get_device_name())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+        k = int(t.cpu().item())
+    if divided_by is not None:
+        k = math.ceil(k / divided_by) * divided_by
+    return k
+
+
+def dynamic_partitions(
+    units: _Units,
+    budget: int,
+    dp_group=None,
+    num_batches_divided_by: int | None = None,
+    same_micro_num_in_dp: bool = True,
+    min_num_micro_batch: int | None = None,
+    use_dynamic_bsz_balance: bool = True,
+) -> list[list[int]]:
+    """Sample index lists per micro-batch (dynamic batch size, dedup-token budget)."""
+    for u in reversed(range(len(units.tokens))):
+        if units.tokens[u] > budget:
+            units.split(u, budget)
+    k = _local_count(units, budget)
+    if min_num_micro_batch is not None:
+        k = max(k, min_num_micro_batch)
+    k = _sync_count(k, dp_group, same_micro_num_in_dp, num_batches_divided_by)
+    if k > len(units.seqs):
+        raise ValueError(
+            f"{k} micro-batches requested (after DP sync / rounding) but the batch has only "
+            f"{len(units.seqs)} samples"
+        )
+    while len(units.tokens) < k:  # more micro-batches than units: split the largest
+        largest = max(range(len(units.tokens)), key=lambda u: (len(units.members[u]) > 1, units.tokens[u]))
+        units.split(largest, None)
+    parts = _balanced(units.tokens, k)
+    if use_dynamic_bsz_balance:
+        work = [sum(units.workload(u) for u in p) for p in parts]
+        order = sorted(range(k), key=lambda j: (work[j], min(parts[j])), reverse=True)
+        parts = [parts[j] for j in order]
+        parts = parts[::2][::-1] + parts[1::2]  # verl: small micro-batches at both ends
+    return [sorted(i for u in p for i in units.members[u]) for p in parts]
+
+
+def fixed_order(units: _Units) -> list[int]:
+    """Batch positions ordered unit by unit (units by first index, members ascending)."""
+    return [i for m in units.members for i in sorted(m)]
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def prefix_aware_prepare_micro_batches(
+    data,
+    config: PrefixGrouperConfig,
+    stock: Callable,
+    dp_group=None,
+    num_batches_divided_by=None,
+    same_micro_num_in_dp=True,
+    min_num_micro_batch=None,
+    use_dynamic_bsz_balance=True,
+):
+    """Drop-in for verl's ``prepare_micro_batches`` keeping sharing units together.
+
+    Returns ``(micro_batches, indices)`` like verl: ``indices`` is None only when the
+    result is verl's own (fixed size, batch already in unit order).
+    """
+    from verl.utils import tensordict_utils as tu
+
+    stock_args = dict(
+        data=data,
+        dp_group=dp_group,
+        num_batches_divided_by=num_batches_divided_by,
+        same_micro_num_in_dp=same_micro_num_in_dp,
+        min_num_micro_batch=min_num_micro_batch,
+        use_dynamic_bsz_balance=use_dynamic_bsz_balance,
+    )
+    if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
+        return stock(**stock_args)  # reward-model pairs: verl's own grouping rule
+    seqs = sequences(data)
+    prompts = prompt_lengths(data)
+    if config.mode == "prompt_only" and prompts is None:
+        return stock(**stock_args)
+    units = _Units(seqs, config, prompts, group_ids(data))
+    use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+    if use_dynamic_bsz:
+        sp_size = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
+        budget = int(data["max_token_len_per_gpu"]) * sp_size
+        longest = max(int(s.size) for s in seqs)
+        if budget < longest:
+            raise ValueError(
+                f"max_token_len ({budget}) is smaller than the longest sequence ({longest})"
+            )
+        parts = dynamic_partitions(
+            units, budget, dp_group, num_batches_divided_by, same_micro_num_in_dp,
+            min_num_micro_batch, use_dynamic_bsz_balance,
+        )
+    else:
+        order = fixed_order(units)
+        if order == list(range(len(seqs))):
+            return stock(**stock_args)
+        mbs = int(data["micro_batch_size_per_gpu"])
+        if len(order) % mbs:
+            raise ValueError(f"data size {len(order)} is not divisible by micro_batch_size_per_gpu {mbs}")
+        parts = [order[a : a + mbs] for a in range(0, len(order), mbs)]
+    return [tu.index_select_tensor_dict(data, p) for p in parts], parts
+
+
+def restore_order(output: dict, indices, data) -> dict:
+    """Put ``model_output`` of a reordered fixed-size batch back in batch order (verl
+    restores only dynamic batches)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.seqlen_balancing import restore_dynamic_batch
+
+    if indices is None or tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        return output
+    model_output = output.get("model_output", {})
+    for key in list(model_output):
+        model_output[key] = restore_dynamic_batch(model_output[key], indices)
+    return output
