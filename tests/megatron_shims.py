@@ -34,12 +34,12 @@ def init_cpu_megatron(tp: int = 1) -> None:
             dist.init_process_group("gloo")
         else:  # an in-process store: no port, so xdist workers cannot collide
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     if ps.model_parallel_is_initialized():
         if ps.get_tensor_model_parallel_world_size() == tp:
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 def tiny_config(kind: str = "qwen2", **overrides):

@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, get_gpt_decoder_block_tree_spec,
     get_gpt_layer_local_tree_spec, get_gpt_layer_with_tree_attention_spec, to_tree_spec,
-    tree_layer_spec,
+    tree_layer_spec, tree_layer_spec_from,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -205,6 +205,32 @@ def test_padding_rows_do_not_affect_real_rows(models):
     assert_grads_close(out[8][1], out[1][1])
 
 
+def test_softmax_scale_and_layer_scaling_as_megatron():
+    """config.softmax_scale and apply_query_key_layer_scaling (which cancels out in the
+    softmax) give the stock attention's numbers; 0.13-style constructor kwargs are accepted."""
+    cfg = tiny_config("qwen2", softmax_scale=0.4, apply_query_key_layer_scaling=True)
+    stock = build_gpt(cfg, stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg)))
+    randomize_(stock, seed=5)
+    tree = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
+    tree.load_state_dict(stock.state_dict())
+    seqs = FORESTS["random1"]
+    plan = _plan(seqs)
+    with torch.no_grad():
+        ref = torch.cat(_stock_logits(stock, seqs))
+        torch.testing.assert_close(plan.unpack(_tree_logits(tree, plan)), ref, **TOL)
+        default = build_gpt(tiny_config("qwen2"), get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
+        default.load_state_dict(stock.state_dict())
+        assert (plan.unpack(_tree_logits(default, plan)) - ref).abs().max() > 1e-2  # scale matters
+    core = TreeCoreAttention(config=cfg, layer_number=2, attn_mask_type=stock_specs.AttnMaskType.causal,
+                             attention_type="self", cp_comm_type=None, softmax_scale=None,
+                             model_comm_pgs=object())
+    assert core.backend == "auto" and core.softmax_scale is None
+    picked = dataclasses.replace(cfg)
+    picked.tree_attention_backend = "reference"  # the config attribute picks the backend
+    assert TreeCoreAttention(picked, 1).backend == "reference"
+    assert TreeCoreAttention(picked, 1, backend="chunked").backend == "chunked"
+
+
 # ----------------------------------------------------------------------------- unshared batches
 
 
@@ -360,6 +386,11 @@ def test_tree_layer_spec_for_megatron_bridge():
     assert base.calls == [1]
     assert _attn(spec).module is TreeSelfAttention
     assert _attn(spec).submodules.core_attention.params == {"backend": "reference"}
+    # an instance-level spec is kept by tree_layer_spec_from
+    custom = stock_specs.get_gpt_layer_local_spec(qk_layernorm=True)
+    spec = tree_layer_spec_from(custom)(provider)
+    assert _attn(spec).module is TreeSelfAttention and base.calls == [1]
+    assert _attn(spec).submodules.q_layernorm is _attn(custom).submodules.q_layernorm
     local = types.SimpleNamespace(name="local")
     with pytest.raises(ValueError, match="attention_backend='local'"):
         tree_layer_spec(_fake_provider(attention_backend=local)[0])
@@ -400,6 +431,19 @@ def test_refusals(models):
         core(q, q, q, None, attention_bias=torch.zeros(1))
     with pytest.raises(NotImplementedError, match="qkv_format"):
         core(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    def thd(cu, cu_kv=None):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                               cu_seqlens_kv=cu if cu_kv is None else torch.tensor(cu_kv, dtype=torch.int32))
+    t = plan.num_tokens
+    with pytest.raises(ValueError, match="non-decreasing"):
+        core(q, q, q, None, packed_seq_params=thd([0, 5, 3, t]))
+    with pytest.raises(ValueError, match="only"):
+        core(q, q, q, None, packed_seq_params=thd([0, t + 1]))
+    with pytest.raises(NotImplementedError, match="cu_seqlens_kv"):
+        core(q, q, q, None, packed_seq_params=thd([0, 2, t], [0, 3, t]))
+    with pytest.raises(ValueError, match="pad_rows expects"):
+        psp.pad_rows(plan.input_ids[:-1])
     core_drop = TreeCoreAttention(cfg, 1, attention_dropout=0.1)
     with pytest.raises(ValueError, match="dropout"):
         core_drop(q, q, q, None, packed_seq_params=TreePackedSeqParams.from_plan(plan))

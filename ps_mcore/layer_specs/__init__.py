@@ -23,6 +23,7 @@ from ps_mcore.layer_specs.specs import (
     get_gpt_layer_with_tree_attention_spec,
     to_tree_spec,
     tree_layer_spec,
+    tree_layer_spec_from,
 )
 from ps_mcore.logprobs import token_logprobs
 
@@ -36,4 +37,5 @@ __all__ = [
     "to_tree_spec",
     "token_logprobs",
     "tree_layer_spec",
+    "tree_layer_spec_from",
 ]

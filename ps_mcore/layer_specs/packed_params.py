@@ -126,7 +126,7 @@ def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.de
             "THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported"
         )
     bounds = cu.tolist()
-    if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds)):
+    if bounds[0] != 0 or any(prev > nxt for prev, nxt in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
     if bounds[-1] > rows:
         raise ValueError(f"cu_seqlens end at {bounds[-1]} but the input has only {rows} rows")

@@ -158,13 +158,7 @@ def _provider_base_spec(provider) -> Callable | Any:
     return base
 
 
-def tree_layer_spec(provider, vp_stage: int | None = None):
-    """Megatron-Bridge ``provider.transformer_layer_spec`` callable: the spec the provider's
-    class builds by default, with tree attention.
-
-    Usage: ``provider.transformer_layer_spec = tree_layer_spec``. Set
-    ``provider.tree_attention_backend`` to pick the backend.
-    """
+def _tree_spec_of(provider, base, vp_stage):
     backend = getattr(provider, "attention_backend", None)
     if getattr(backend, "name", backend) == "local":
         raise ValueError(
@@ -177,6 +171,28 @@ def tree_layer_spec(provider, vp_stage: int | None = None):
             "tree_layer_spec needs provider.apply_rope_fusion = False (fused RoPE cannot take "
             "per-token tree positions)"
         )
-    base = _provider_base_spec(provider)
+    if base is None or base is tree_layer_spec:
+        base = _provider_base_spec(provider)
     spec = base if isinstance(base, (ModuleSpec, TransformerBlockSubmodules)) else _call_spec(base, provider, vp_stage)
     return to_tree_spec(spec, getattr(provider, "tree_attention_backend", None))
+
+
+def tree_layer_spec(provider, vp_stage: int | None = None):
+    """Megatron-Bridge ``provider.transformer_layer_spec`` callable: the spec the provider's
+    class builds by default, with tree attention.
+
+    Usage: ``provider.transformer_layer_spec = tree_layer_spec``. Set
+    ``provider.tree_attention_backend`` to pick the backend. To keep a spec set on the
+    instance, use ``tree_layer_spec_from(provider.transformer_layer_spec)`` instead.
+    """
+    return _tree_spec_of(provider, None, vp_stage)
+
+
+def tree_layer_spec_from(base) -> Callable:
+    """A ``transformer_layer_spec`` callable converting ``base`` (a ModuleSpec, a block spec
+    or a Bridge spec callable) to tree attention."""
+
+    def spec(provider, vp_stage: int | None = None):
+        return _tree_spec_of(provider, base, vp_stage)
+
+    return spec
