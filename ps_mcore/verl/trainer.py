@@ -151,3 +151,36 @@ def reduce_metrics_with_prefix_sharing(original: Callable) -> Callable:
         return original(summarize_token_metrics(metrics))
 
     return reduce_metrics
+
+
+# ----------------------------------------------------------------------------- ref / critic
+
+
+def follow_actor_setting(config) -> None:
+    """Copy ``actor.use_prefix_grouper`` / ``actor.prefix_grouper`` to the ref policy and the
+    critic where they set nothing themselves, so old-log-prob, ref and values passes use the
+    actor's setting (ratios and KL stay consistent)."""
+    from omegaconf import open_dict
+
+    actor = config.actor_rollout_ref.actor
+    targets = [config.actor_rollout_ref.get("ref")]
+    if config.get("critic") is not None:
+        targets.append(config.critic)
+    for node in targets:
+        if node is None:
+            continue
+        with open_dict(node):
+            if "use_prefix_grouper" not in node:
+                node.use_prefix_grouper = actor.get("use_prefix_grouper", False)
+            if "prefix_grouper" not in node and actor.get("prefix_grouper") is not None:
+                node.prefix_grouper = actor.prefix_grouper
+
+
+def init_workers_following_actor(original: Callable) -> Callable:
+    """Trainer ``init_workers`` that first lets ref and critic follow the actor's setting."""
+
+    def init_workers(self, *args, **kwargs):
+        follow_actor_setting(self.config)
+        return original(self, *args, **kwargs)
+
+    return init_workers
