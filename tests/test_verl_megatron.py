@@ -1,0 +1,244 @@
+"""verl 0.8.0 Megatron engine, patched vs stock, on a real tiny megatron-core GPTModel (CPU).
+
+The engine's real ``forward_backward_batch`` / ``forward_step`` / ``postprocess`` run
+verl's real ``gptmodel_forward_model_engine`` (stock) or the patched tree path on verl
+worker TensorDicts (nested input_ids): GRPO groups, step-wise samples, a tree. The model
+uses tree layer specs in both runs (its stock THD path is per-sequence causal attention,
+the only THD attention that runs on CPU). Test-only shims: ``tests/megatron_shims.py``
+(CUDA device, RNG tracker) and a CPU stand-in for megatron's no-pipelining schedule
+(``verl_batches.cpu_forward_backward_func``: megatron's allocates a CUDA counter).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl")
+pytest.importorskip("megatron.core")
+
+from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
+from verl_batches import WORKLOADS, cpu_forward_backward_func, engine_shell, make_batch  # noqa: E402
+
+from ps_mcore import setup  # noqa: E402
+from ps_mcore.verl.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.verl.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+
+MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(scope="module")
+def env():
+    init_cpu_megatron()
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    stock_schedule = impl.get_forward_backward_func
+    impl.get_forward_backward_func = cpu_forward_backward_func
+    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
+
+    cfg = tiny_config("qwen2")
+    model = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
+    randomize_(model)
+    yield impl, model
+    impl.get_forward_backward_func = stock_schedule
+    setup.uninstall()
+
+
+def _setting(mode, **kw):
+    return PrefixSharingSetting(True, PrefixGrouperConfig(mode=mode, min_prefix_len=4, min_saved_fraction=0.0, **kw))
+
+
+def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=None, monkeypatch=None):
+    """One forward(+backward) through the engine; returns (output, grads)."""
+    if patched:
+        setup.install(["verl080_mcore0161_ms0160"])
+    else:
+        setup.uninstall()
+    if monkeypatch is not None and env_value is not None:
+        monkeypatch.setenv("ENABLE_PREFIX_SHARING", env_value)
+    engine = engine_shell(cls or impl.MegatronEngineWithLMHead, model, setting)
+    model.zero_grad(set_to_none=True)
+    out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return out, grads
+
+
+def _seq_last_mask(nested):
+    lens = nested.offsets().diff().tolist()
+    mask = torch.ones(sum(lens), dtype=torch.bool)
+    mask[torch.tensor(np.cumsum(lens) - 1)] = False
+    return mask
+
+
+def _assert_outputs(stock, tree, keys=("log_probs", "entropy")):
+    for key in keys:
+        a, b = stock["model_output"][key], tree["model_output"][key]
+        assert torch.equal(a.offsets(), b.offsets()), key
+        va, vb = a.values().detach(), b.values().detach()
+        if key == "log_probs":  # the last row of a sequence predicts nothing (verl never reads it)
+            keep = _seq_last_mask(a)
+            assert torch.all(vb[~keep] == 0)
+            va, vb = va[keep], vb[keep]
+        torch.testing.assert_close(vb, va, rtol=RTOL, atol=ATOL)
+
+
+def _assert_grads(g_stock, g_tree):
+    assert all(g is not None for g in g_stock)
+    for a, b in zip(g_stock, g_tree):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-6)
+
+
+def _ppo(loss_agg_mode="token-mean"):
+    from verl.workers.config import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    cfg = McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, loss_agg_mode=loss_agg_mode)
+    return partial(ppo_loss, config=cfg)
+
+
+def _tokens(out):
+    return sum(out["metrics"][TOKENS_IN]), sum(out["metrics"][TOKENS_PACKED])
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_log_probs_and_entropy_match_stock(env, workload):
+    impl, model = env
+    rng = np.random.default_rng(1)
+    data = make_batch(WORKLOADS[workload](rng), rng)
+    setting = _setting(MODES[workload])
+    stock, _ = _run(impl, model, data, setting, patched=False)
+    tree, _ = _run(impl, model, data, setting, patched=True)
+    _assert_outputs(stock, tree)
+    n, t = _tokens(tree)
+    assert n == int(data["input_ids"].offsets()[-1]) and t < n  # the tree path really ran
+
+
+@pytest.mark.parametrize(
+    "workload, loss_agg_mode",
+    [("grpo", "token-mean"), ("stepwise", "seq-mean-token-sum"), ("tree", "seq-mean-token-mean"),
+     ("tree", "seq-mean-token-sum-norm")],
+)
+def test_ppo_loss_and_gradients_match_stock(env, workload, loss_agg_mode):
+    impl, model = env
+    rng = np.random.default_rng(2)
+    data = make_batch(WORKLOADS[workload](rng), rng, temperature=0.7)
+    setting = _setting(MODES[workload])
+    loss_fn = _ppo(loss_agg_mode)
+    stock, g_stock = _run(impl, model, data, setting, False, loss_fn)
+    tree, g_tree = _run(impl, model, data, setting, True, loss_fn)
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    _assert_grads(g_stock, g_tree)
+
+
+def test_disabled_by_env_is_bit_identical(env, monkeypatch):
+    impl, model = env
+    rng = np.random.default_rng(3)
+    data = make_batch(WORKLOADS["tree"](rng), rng, use_dynamic_bsz=True, max_token_len_per_gpu=40)
+    setting = _setting("arbitrary_prefix")
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    off, g_off = _run(impl, model, data, setting, True, _ppo(), env_value="0", monkeypatch=monkeypatch)
+    assert off["loss"] == stock["loss"]
+    assert TOKENS_IN not in off["metrics"]
+    assert all(torch.equal(a, b) for a, b in zip(g_stock, g_off))
+    stock_i, _ = _run(impl, model, data, setting, False)
+    off_i, _ = _run(impl, model, data, setting, True, env_value="0", monkeypatch=monkeypatch)
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(stock_i["model_output"][key].values(), off_i["model_output"][key].values())
+
+
+def test_engine_without_setting_is_bit_identical(env):
+    impl, model = env
+    rng = np.random.default_rng(4)
+    data = make_batch(WORKLOADS["grpo"](rng), rng)
+    stock, _ = _run(impl, model, data, None, False)
+    patched, _ = _run(impl, model, data, None, True)
+    assert torch.equal(stock["model_output"]["log_probs"].values(), patched["model_output"]["log_probs"].values())
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_micro_batched_outputs_restored_in_batch_order(env, dynamic):
+    impl, model = env
+    rng = np.random.default_rng(5)
+    samples = WORKLOADS["grpo"](rng, prompts=3, group=2)
+    order = rng.permutation(len(samples))  # groups no longer contiguous
+    samples = [samples[i] for i in order]
+    kw = dict(use_dynamic_bsz=True, max_token_len_per_gpu=45) if dynamic else dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+    data = make_batch(samples, rng, **kw)
+    setting = _setting("prompt_only")
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    tree, g_tree = _run(impl, model, data, setting, True, _ppo())
+    np.testing.assert_allclose(sum(tree["loss"]), sum(stock["loss"]), rtol=RTOL)
+    _assert_grads(g_stock, g_tree)
+    stock_i, _ = _run(impl, model, data, setting, False)
+    tree_i, _ = _run(impl, model, data, setting, True)
+    _assert_outputs(stock_i, tree_i)
+    n, t = _tokens(tree_i)
+    assert t < n and len(tree_i["metrics"][TOKENS_IN]) >= 2  # several micro-batches, all sharing
+
+
+def test_fallback_when_savings_too_small(env):
+    impl, model = env
+    rng = np.random.default_rng(6)
+    samples = [([int(x) for x in rng.integers(1, 128, 6)], [int(x) for x in rng.integers(1, 128, 4)], f"u{i}") for i in range(3)]
+    data = make_batch(samples, rng)
+    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix"))
+    stock, _ = _run(impl, model, data, setting, False)
+    tree, _ = _run(impl, model, data, setting, True)
+    assert torch.equal(stock["model_output"]["log_probs"].values(), tree["model_output"]["log_probs"].values())
+    n, t = _tokens(tree)
+    assert n == t == 30
+
+
+def test_fallback_per_sample_temperature_warns_once(env):
+    impl, model = env
+    rng = np.random.default_rng(7)
+    samples = WORKLOADS["grpo"](rng)
+    data = make_batch(samples, rng)
+    data["temperature"] = torch.linspace(0.5, 1.0, len(samples))
+    setting = _setting("prompt_only")
+    stock, _ = _run(impl, model, data, setting, False)
+    with pytest.warns(UserWarning, match="per-sample temperatures"):
+        tree, _ = _run(impl, model, data, setting, True)
+    assert torch.equal(stock["model_output"]["entropy"].values(), tree["model_output"]["entropy"].values())
+
+
+class _ValueHead(torch.nn.Module):
+    """A value head in place of the LM head (what verl's value-model hook installs)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, 1, bias=False)
+        torch.nn.init.normal_(self.linear.weight, std=0.3, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x, weight=None, runtime_gather_output=None, **_):
+        return self.linear(x), None
+
+
+def test_critic_values_and_value_loss_match_stock(env):
+    impl, _ = env
+    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
+    from verl.workers.config import McoreCriticConfig
+    from verl.workers.utils.losses import value_loss
+
+    cfg = tiny_config("qwen3")
+    critic = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
+    randomize_(critic, seed=3)
+    critic.output_layer = _ValueHead(cfg.hidden_size)
+    rng = np.random.default_rng(8)
+    data = make_batch(WORKLOADS["stepwise"](rng), rng)
+    data["values"] = torch.randn(data["responses"].shape) * data["response_mask"]
+    data["returns"] = torch.randn(data["responses"].shape) * data["response_mask"]
+    setting = _setting("arbitrary_prefix")
+    cls = impl.MegatronEngineWithValueHead
+    stock, _ = _run(impl, critic, data, setting, False, cls=cls)
+    tree, _ = _run(impl, critic, data, setting, True, cls=cls)
+    _assert_outputs(stock, tree, keys=("values",))
+    loss_fn = partial(value_loss, config=McoreCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
+    stock, g_stock = _run(impl, critic, data, setting, False, loss_fn, cls=cls)
+    tree, g_tree = _run(impl, critic, data, setting, True, loss_fn, cls=cls)
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    _assert_grads(g_stock, g_tree)

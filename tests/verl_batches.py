@@ -1,0 +1,142 @@
+"""verl 0.8.0 worker batches for tests: the TensorDict layout ``left_right_2_no_padding``
+produces on the trainer path (nested ``input_ids``/``position_ids``, left-padded
+``prompts``, right-padded ``responses`` and masks, ``uid`` labels), for GRPO groups,
+step-wise agent samples and a branching tree, plus an engine shell around a real
+megatron-core GPTModel that runs verl's real Megatron engine methods."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+VOCAB = 128
+
+
+def _tokens(rng, n):
+    return rng.integers(1, VOCAB, size=n).tolist()
+
+
+def grpo_samples(rng, prompts=2, group=3):
+    """``prompts`` prompts x ``group`` responses: (prompt, response, uid) triples."""
+    out = []
+    for p in range(prompts):
+        prompt = _tokens(rng, int(rng.integers(9, 14)))
+        for _ in range(group):
+            out.append((prompt, _tokens(rng, int(rng.integers(3, 9))), f"uid{p}"))
+    return out
+
+
+def stepwise_samples(rng, steps=4):
+    """One trajectory; sample k = prompt + steps 1..k (each a prefix of the next)."""
+    prompt = _tokens(rng, 7)
+    steps_tokens = [_tokens(rng, int(rng.integers(4, 7))) for _ in range(steps)]
+    return [(prompt, sum(steps_tokens[: k + 1], []), "traj") for k in range(steps)]
+
+
+def tree_samples(rng):
+    """A prompt branching twice (2 x 2 leaves) plus a duplicate leaf and an unrelated one."""
+    prompt = _tokens(rng, 8)
+    out = []
+    for _ in range(2):
+        turn = _tokens(rng, 5)
+        for _ in range(2):
+            out.append((prompt, turn + _tokens(rng, int(rng.integers(2, 6))), "tree"))
+    out.append(out[1])
+    out.append((_tokens(rng, 6), _tokens(rng, 3), "other"))
+    return out
+
+
+WORKLOADS = {"grpo": grpo_samples, "stepwise": stepwise_samples, "tree": tree_samples}
+
+
+def make_batch(samples, rng, temperature=1.0, **non_tensor):
+    """A verl worker TensorDict from (prompt, response, uid) triples."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    from verl.utils import tensordict_utils as tu
+
+    b = len(samples)
+    p_max = max(len(p) for p, _, _ in samples)
+    r_max = max(len(r) for _, r, _ in samples)
+    prompts = torch.zeros(b, p_max, dtype=torch.long)
+    responses = torch.zeros(b, r_max, dtype=torch.long)
+    attention = torch.zeros(b, p_max + r_max, dtype=torch.long)
+    response_mask = torch.zeros(b, r_max, dtype=torch.long)
+    seqs = []
+    for i, (p, r, _) in enumerate(samples):
+        prompts[i, p_max - len(p) :] = torch.tensor(p)
+        responses[i, : len(r)] = torch.tensor(r)
+        attention[i, p_max - len(p) : p_max + len(r)] = 1
+        response_mask[i, : len(r)] = 1
+        seqs.append(torch.tensor(p + r))
+    input_ids = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+    position_ids = torch.nested.as_nested_tensor([torch.arange(len(s)) for s in seqs], layout=torch.jagged)
+    old = torch.from_numpy(rng.normal(-2.0, 0.5, size=(b, r_max)).astype(np.float32)) * response_mask
+    adv = torch.from_numpy(rng.normal(0.0, 1.0, size=(b, r_max)).astype(np.float32)) * response_mask
+    tensors = {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "prompts": prompts,
+        "responses": responses,
+        "attention_mask": attention,
+        "response_mask": response_mask,
+        "loss_mask": response_mask,
+        "old_log_probs": old,
+        "advantages": adv,
+        "uid": NonTensorStack.from_list([NonTensorData(u) for _, _, u in samples]),
+    }
+    meta = dict(
+        temperature=temperature,
+        calculate_entropy=True,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=4096,
+        micro_batch_size_per_gpu=b,
+        global_batch_size=b,
+    )
+    meta.update(non_tensor)
+    return tu.get_tensordict(tensor_dict=tensors, non_tensor_dict=meta)
+
+
+def engine_shell(cls, model, setting=None, use_remove_padding=True):
+    """An instance of verl's engine class ``cls`` around ``model`` without its heavy
+    ``__init__`` (no bridge, checkpoint or optimizer): the attributes its
+    ``forward_backward_batch`` / ``forward_step`` read."""
+    from verl.workers.config import McoreEngineConfig
+
+    from ps_mcore.verl.config import ENGINE_ATTR
+
+    engine = object.__new__(cls)
+    engine_config = McoreEngineConfig(use_remove_padding=use_remove_padding)
+    if setting is not None:
+        object.__setattr__(engine_config, ENGINE_ATTR, setting)
+    engine.engine_config = engine_config
+    engine.model_config = SimpleNamespace(
+        hf_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        mtp=SimpleNamespace(enable=False, enable_train=False),
+    )
+    engine.tf_config = model.config
+    engine.module = [model]
+    engine.mini_layer_topk_idx_list = []
+    return engine
+
+
+def cpu_forward_backward_func():
+    """Test-only stand-in for megatron's no-pipelining schedule (it allocates a CUDA
+    counter): per micro-batch ``forward_step_func`` then its loss function, the loss
+    divided by the micro-batch count before backward, as megatron does."""
+
+    def forward_backward(forward_step_func, data_iterator, model, num_microbatches, forward_only, **_):
+        it = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+        chunk = model[0] if isinstance(model, list) else model
+        reduced = []
+        for _ in range(num_microbatches):
+            output, loss_func = forward_step_func(it, chunk)
+            loss, info = loss_func(output)
+            if not forward_only:
+                (loss / num_microbatches).backward()
+            reduced.append(info)
+        return reduced
+
+    return forward_backward
