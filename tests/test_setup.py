@@ -1,0 +1,141 @@
+"""Patchset activation: install / uninstall restore verl exactly, idempotence, env-var
+selection, bad names, and ``import prefix_sharing`` through verl's own plugin hook."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("verl")
+
+from ps_mcore import setup  # noqa: E402
+from ps_mcore.setup.env import prefix_sharing_enabled, requested_patchsets  # noqa: E402
+
+MCORE = "verl080_mcore0161_ms0160"
+
+
+def _targets():
+    """Every attribute the patchsets touch, as (owner, name) pairs."""
+    import verl.models.mcore as mcore
+    from verl.trainer import main_ppo_sync
+    from verl.trainer.ppo import ray_trainer
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    from ps_mcore.verl.config import actor_config_classes, critic_config_classes
+
+    pairs = [
+        (mcore, "get_mcore_engine_forward_fn"),
+        (impl, "prepare_micro_batches"),
+        (impl, "postprocess_batch_func"),
+        (impl.MegatronEngine, "forward_backward_batch"),
+        (impl.MegatronEngine, "_build_megatron_module"),
+        (impl.MegatronEngineWithLMHead, "forward_step"),
+        (impl.MegatronEngineWithValueHead, "forward_step"),
+        (ray_trainer.RayPPOTrainer, "_balance_batch"),
+        (ray_trainer.RayPPOTrainer, "init_workers"),
+        (main_ppo_sync.PPOTrainer, "_balance_batch"),
+        (main_ppo_sync.PPOTrainer, "init_workers"),
+        (ray_trainer, "reduce_metrics"),
+        (main_ppo_sync, "reduce_metrics"),
+    ]
+    pairs += [(cls, "__init__") for cls in actor_config_classes() + critic_config_classes()]
+    return pairs
+
+
+def _snapshot():
+    return {(id(o), n): (n in vars(o), vars(o).get(n)) for o, n in _targets()}
+
+
+@pytest.fixture
+def clean():
+    setup.uninstall()
+    yield
+    setup.uninstall()
+
+
+def test_install_patches_and_uninstall_restores_exactly(clean):
+    before = _snapshot()
+    assert setup.install() == [MCORE]  # the FSDP glue is not there yet on this stack
+    after = _snapshot()
+    changed = [k for k in before if before[k] != after[k]]
+    assert len(changed) == len(before)  # every target patched
+    setup.uninstall()
+    assert _snapshot() == before  # the same objects, and no new class attributes
+    assert setup.installed() == []
+
+
+def test_install_is_idempotent(clean):
+    first = setup.install(MCORE)
+    snap = _snapshot()
+    assert setup.install(MCORE) == first == setup.install()
+    assert _snapshot() == snap
+    setup.uninstall()
+    setup.uninstall()  # nothing left: a no-op
+
+
+def test_importing_ps_mcore_patches_nothing():
+    code = (
+        "import ps_mcore, ps_mcore.setup, ps_mcore.verl.config, sys\n"
+        "from ps_mcore import setup\n"
+        "assert setup.installed() == [], setup.installed()\n"
+        "assert not any(m == 'verl' or m.startswith('verl.') for m in sys.modules), 'verl imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_unknown_patchset_is_a_clear_error(clean):
+    with pytest.raises(ValueError, match=r"unknown prefix-sharing patchset\(s\) \['verl999'\]") as err:
+        setup.install("verl999")
+    assert f"{MCORE}: compatible" in str(err.value)
+    assert "verl080_fsdp: not available" in str(err.value)
+    assert setup.installed() == []
+
+
+def test_patchset_with_missing_stack_lists_what_was_detected(clean):
+    with pytest.raises(RuntimeError, match=r"\['verl080_fsdp'\] requested but their stack is not installed") as err:
+        setup.install([MCORE, "verl080_fsdp"])
+    assert f"{MCORE}: compatible" in str(err.value)
+    assert setup.installed() == []  # nothing half-installed
+
+
+def test_env_switches(monkeypatch):
+    monkeypatch.delenv("ENABLE_PREFIX_SHARING", raising=False)
+    assert prefix_sharing_enabled()
+    for value, expected in (("0", False), ("1", True), ("false", False), ("on", True)):
+        monkeypatch.setenv("ENABLE_PREFIX_SHARING", value)
+        assert prefix_sharing_enabled() is expected
+    monkeypatch.setenv("ENABLE_PREFIX_SHARING", "maybe")
+    with pytest.raises(ValueError, match="ENABLE_PREFIX_SHARING='maybe'"):
+        prefix_sharing_enabled()
+    monkeypatch.setenv("PREFIX_SHARING_PATCHSET", f" {MCORE}, verl080_fsdp ,")
+    assert requested_patchsets() == [MCORE, "verl080_fsdp"]
+    monkeypatch.setenv("PREFIX_SHARING_PATCHSET", "")
+    assert requested_patchsets() is None
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+
+
+def test_verl_plugin_hook_and_env_selection():
+    """``VERL_USE_EXTERNAL_MODULES=prefix_sharing``: ``import verl`` loads the plugin, which
+    installs the selected patchset; a bad name in PREFIX_SHARING_PATCHSET fails loudly."""
+    code = (
+        "import verl\n"
+        "from ps_mcore import setup\n"
+        "import verl.models.mcore as m\n"
+        "print('INSTALLED', setup.installed(), hasattr(m.get_mcore_engine_forward_fn, '__ps_mcore_original__'))\n"
+    )
+    out = _python(code, VERL_USE_EXTERNAL_MODULES="prefix_sharing", PREFIX_SHARING_PATCHSET=MCORE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"INSTALLED ['{MCORE}'] True" in out.stdout
+    bad = _python("import prefix_sharing", PREFIX_SHARING_PATCHSET="verl080_mcore099")
+    assert bad.returncode != 0
+    assert "unknown prefix-sharing patchset(s) ['verl080_mcore099']" in bad.stderr
+    assert f"{MCORE}: compatible" in bad.stderr
