@@ -242,3 +242,67 @@ def test_critic_values_and_value_loss_match_stock(env):
     tree, g_tree = _run(impl, critic, data, setting, True, loss_fn, cls=cls)
     np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
     _assert_grads(g_stock, g_tree)
+
+
+class _ModelConfig(dict):
+    """verl's HFModelConfig surface that ``_build_megatron_module`` reads."""
+
+    __getattr__ = dict.__getitem__
+
+
+class _MBridgeStandIn:
+    """mbridge's model-building surface (mbridge is not installed here): ``get_model``
+    builds through ``self._get_transformer_layer_spec(vp_stage)`` as mbridge's
+    ``LLMBridge._model_provider`` does; the stock spec is megatron's local one."""
+
+    def __init__(self, config):
+        self.config = config
+        self.specs_seen = []
+
+    def _get_transformer_layer_spec(self, vp_stage=None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(**layer_spec_args(self.config))
+
+    def get_model(self, post_model_creation_callbacks=(), wrap_with_ddp=False, **_):
+        spec = self._get_transformer_layer_spec(None)
+        self.specs_seen.append(spec)
+        return [build_gpt(self.config, spec)]
+
+    def load_weights(self, module, path):
+        pass
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
+    from types import SimpleNamespace
+
+    from ps_mcore.layer_specs import TreeCoreAttention
+    from ps_mcore.verl.megatron import has_tree_attention
+
+    import sys
+    import types
+
+    impl, _ = env
+    # verl imports mbridge's callbacks module for the value-model hook; mbridge is absent here
+    stub = types.ModuleType("verl.models.mcore.mbridge")
+    stub.freeze_moe_router = stub.make_value_model = stub.AutoBridge = None
+    monkeypatch.setitem(sys.modules, "verl.models.mcore.mbridge", stub)
+    monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
+    setup.install(["verl080_mcore0161_ms0160"])
+    config = tiny_config("qwen2")
+    config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
+    engine = engine_shell(impl.MegatronEngineWithLMHead, SimpleNamespace(config=config), _setting("prompt_only"))
+    engine.engine_config.forward_only = True  # no DDP wrapping
+    engine.tf_config = config
+    engine.bridge = _MBridgeStandIn(config)
+    engine.provider, engine.peft_cls, engine.vanilla_bridge, engine.enable_routing_replay = None, None, True, False
+    engine.model_config = _ModelConfig(
+        model_type="language_model", hf_config=SimpleNamespace(rope_theta=1e6, tie_word_embeddings=False),
+        local_path="unused", lora=None,
+    )
+    module = engine._build_megatron_module()
+    tree = any(isinstance(m, TreeCoreAttention) for m in module[0].modules())
+    assert tree is (enabled == "1") and has_tree_attention(module[0]) is tree
+    assert config.apply_rope_fusion is (enabled == "0")  # forced off only for tree specs
+    assert "_get_transformer_layer_spec" not in vars(engine.bridge)  # instance hook removed
