@@ -1,0 +1,5 @@
+import sys
+
+from ps_mcore.cli import main
+
+sys.exit(main())
