@@ -150,12 +150,9 @@ def _setting_from_kwargs(kwargs: dict, flag_known: bool) -> tuple[PrefixSharingS
     """Pop our keys from a config's kwargs. Returns (setting, explicit flag given)."""
     raw = kwargs.pop(CONFIG_ATTR, None)
     config = PrefixGrouperConfig.from_any(raw)
-    if flag_known:
-        explicit = "use_prefix_grouper" in kwargs
-        flag = kwargs.get("use_prefix_grouper", False)
-    else:
-        explicit = "use_prefix_grouper" in kwargs
-        flag = kwargs.pop("use_prefix_grouper", False)
+    explicit = "use_prefix_grouper" in kwargs
+    # actor configs have the flag as a field; critic configs learn it here
+    flag = kwargs.get("use_prefix_grouper", False) if flag_known else kwargs.pop("use_prefix_grouper", False)
     if isinstance(flag, str) or not isinstance(flag, (bool, int)):
         raise ValueError(f"use_prefix_grouper must be true or false, got {flag!r}")
     return PrefixSharingSetting(enabled=bool(flag) if explicit else None, config=config), explicit

@@ -6,7 +6,7 @@ micro-batch token counts that become the ``prefix_sharing/*`` metrics."""
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ps_mcore.setup.env import prefix_sharing_enabled
@@ -34,7 +34,6 @@ class MicroBatchContext:
     batch: Any
     setting: PrefixSharingSetting
     tokens: tuple[int, int] | None = None  # (N, T) once the forward decided
-    notes: list[str] = field(default_factory=list)
 
     def record(self, n: int, t: int) -> None:
         self.tokens = (int(n), int(t))
@@ -58,7 +57,7 @@ def with_engine_context(original: Callable) -> Callable:
 
 
 def prefix_aware(stock: Callable) -> Callable:
-    """Replacement for an engine module's ``prepare_micro_batches`` name."""
+    """Replacement for an engine module's ``prepare_micro_batches`` name (verl's signature)."""
 
     def prepare_micro_batches(
         data,
@@ -68,26 +67,17 @@ def prefix_aware(stock: Callable) -> Callable:
         min_num_micro_batch=None,
         use_dynamic_bsz_balance=True,
     ):
-        setting = active_setting(_ENGINE.get())
-        if setting is None:
-            return stock(
-                data=data,
-                dp_group=dp_group,
-                num_batches_divided_by=num_batches_divided_by,
-                same_micro_num_in_dp=same_micro_num_in_dp,
-                min_num_micro_batch=min_num_micro_batch,
-                use_dynamic_bsz_balance=use_dynamic_bsz_balance,
-            )
-        return prefix_aware_prepare_micro_batches(
-            data,
-            setting.config,
-            stock,
+        options = dict(
             dp_group=dp_group,
             num_batches_divided_by=num_batches_divided_by,
             same_micro_num_in_dp=same_micro_num_in_dp,
             min_num_micro_batch=min_num_micro_batch,
             use_dynamic_bsz_balance=use_dynamic_bsz_balance,
         )
+        setting = active_setting(_ENGINE.get())
+        if setting is None:
+            return stock(data=data, **options)
+        return prefix_aware_prepare_micro_batches(data, setting.config, stock, **options)
 
     return prepare_micro_batches
 

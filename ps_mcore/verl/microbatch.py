@@ -197,31 +197,22 @@ def fixed_order(units: _Units) -> list[int]:
 # ----------------------------------------------------------------------------- entry
 
 
-def prefix_aware_prepare_micro_batches(
-    data,
-    config: PrefixGrouperConfig,
-    stock: Callable,
-    dp_group=None,
-    num_batches_divided_by=None,
-    same_micro_num_in_dp=True,
-    min_num_micro_batch=None,
-    use_dynamic_bsz_balance=True,
-):
+def prefix_aware_prepare_micro_batches(data, config: PrefixGrouperConfig, stock: Callable, **options):
     """Drop-in for verl's ``prepare_micro_batches`` keeping sharing units together.
+
+    Args:
+        data: the worker batch (TensorDict).
+        config: the engine's ``prefix_grouper`` config.
+        stock: verl's ``prepare_micro_batches`` (used when its result is already right).
+        options: verl's keywords: ``dp_group``, ``num_batches_divided_by``,
+            ``same_micro_num_in_dp``, ``min_num_micro_batch``, ``use_dynamic_bsz_balance``.
 
     Returns ``(micro_batches, indices)`` like verl: ``indices`` is None only when the
     result is verl's own (fixed size, batch already in unit order).
     """
     from verl.utils import tensordict_utils as tu
 
-    stock_args = dict(
-        data=data,
-        dp_group=dp_group,
-        num_batches_divided_by=num_batches_divided_by,
-        same_micro_num_in_dp=same_micro_num_in_dp,
-        min_num_micro_batch=min_num_micro_batch,
-        use_dynamic_bsz_balance=use_dynamic_bsz_balance,
-    )
+    stock_args = dict(data=data, **options)
     if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
         return stock(**stock_args)  # reward-model pairs: verl's own grouping rule
     seqs = sequences(data)
@@ -238,10 +229,7 @@ def prefix_aware_prepare_micro_batches(
             raise ValueError(
                 f"max_token_len ({budget}) is smaller than the longest sequence ({longest})"
             )
-        parts = dynamic_partitions(
-            units, budget, dp_group, num_batches_divided_by, same_micro_num_in_dp,
-            min_num_micro_batch, use_dynamic_bsz_balance,
-        )
+        parts = dynamic_partitions(units, budget, **options)
     else:
         order = fixed_order(units)
         if order == list(range(len(seqs))):
