@@ -306,3 +306,19 @@ def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
     assert tree is (enabled == "1") and has_tree_attention(module[0]) is tree
     assert config.apply_rope_fusion is (enabled == "0")  # forced off only for tree specs
     assert "_get_transformer_layer_spec" not in vars(engine.bridge)  # instance hook removed
+
+
+def test_tree_path_serves_padded_bshd_configs(env):
+    """``use_remove_padding=False`` (verl's bshd forward): the tree path packs the batch
+    itself, so its numbers equal verl's THD stock forward."""
+    impl, model = env
+    rng = np.random.default_rng(9)
+    data = make_batch(WORKLOADS["tree"](rng), rng)
+    setting = _setting("arbitrary_prefix")
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    setup.install(["verl080_mcore0161_ms0160"])
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, setting, use_remove_padding=False)
+    model.zero_grad(set_to_none=True)
+    tree = engine.forward_backward_batch(data.clone(), loss_function=_ppo(), forward_only=False)
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    _assert_grads(g_stock, [p.grad for p in model.parameters()])
