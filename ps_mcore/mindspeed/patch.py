@@ -1,0 +1,148 @@
+"""verl 0.8.0's ``mindspeed_megatron`` engine building its model with tree specs.
+
+``MindSpeedMegatronEngineWithLMHead._build_megatron_module`` builds the model through
+``gpt_model_provider``, which takes ``args.spec`` (Megatron-LM's global args) when set, so the
+Megatron-engine build patch (mbridge / Megatron-Bridge specs) never applies to it. The patch
+here sets, for the duration of that build only, ``args.spec`` to the lazy tree spec
+(:mod:`ps_mcore.mindspeed.spec`; a spec the user set moves to ``args.tree_base_spec`` and is
+converted) and ``args.apply_rope_fusion = False`` (the provider builds the model config from
+the args), when prefix sharing is on for the engine and ``ENABLE_PREFIX_SHARING`` is not 0.
+It refuses (stock model, one warning) context parallelism / QAT as the Megatron engine glue
+does, and MindSpeed's reset-attention-mask feature (on in verl's mindspeed yaml).
+
+Nothing of MindSpeed itself is patched: MindSpeed's ``repatch`` (run by verl for every
+engine) removes and re-applies its patches by object identity, so a patch on one of its
+targets would be overwritten or restored wrongly. verl's class is what we patch. The
+forward needs no patch here: the engine inherits the Megatron engine's ``forward_step`` and
+forward function, which the ``verl080_mcore0161_ms0160`` patchset already wraps (see
+:mod:`ps_mcore.mindspeed.state` for the MindSpeed hooks that forward must call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from typing import Any, Callable, Iterator
+
+from ps_mcore.setup.patching import Patcher, info_once, warn_once
+
+ENGINE_MODULE = "verl.workers.engine.mindspeed.transformer_impl"
+ENGINE_CLASS = "MindSpeedMegatronEngineWithLMHead"
+_MARK = "__ps_mcore_mindspeed__"
+_MISSING = object()
+_STANDALONE: list[Patcher] = []
+
+
+def engine_available() -> bool:
+    """Whether verl's MindSpeed engine module imports (it does without MindSpeed)."""
+    from ps_mcore.setup.registry import module_importable
+
+    return module_importable(ENGINE_MODULE)
+
+
+@contextlib.contextmanager
+def tree_spec_args(args: Any) -> Iterator[None]:
+    """Within the block: ``args.spec`` is the tree spec entry, the previous spec (if any) is
+    ``args.tree_base_spec``, ``args.apply_rope_fusion`` is False. Restored exactly after."""
+    from ps_mcore.mindspeed.spec import BASE_SPEC_ARG, SPEC_ENTRY
+
+    names = ("spec", BASE_SPEC_ARG, "apply_rope_fusion")
+    saved = {name: vars(args).get(name, _MISSING) for name in names}
+    user_spec = getattr(args, "spec", None)
+    if user_spec and tuple(user_spec) != SPEC_ENTRY:
+        setattr(args, BASE_SPEC_ARG, list(user_spec))
+    args.spec = list(SPEC_ENTRY)
+    args.apply_rope_fusion = False
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                vars(args).pop(name, None)
+            else:
+                setattr(args, name, value)
+
+
+def build_refusal(engine: Any, args: Any) -> str | None:
+    """Why this engine's model must be built with stock specs (None: tree specs)."""
+    from ps_mcore.mindspeed.state import RESET_ATTENTION_MASK_REASON
+    from ps_mcore.verl.megatron import _tree_build_refusal
+
+    refusal = _tree_build_refusal(engine)
+    if refusal is not None:
+        return f"{refusal} is not supported by tree attention"
+    if getattr(args, "reset_attention_mask", False):
+        return RESET_ATTENTION_MASK_REASON
+    return None
+
+
+def patched_build_module(original: Callable) -> Callable:
+    """``MindSpeedMegatronEngineWithLMHead._build_megatron_module`` with tree specs."""
+
+    def _build_megatron_module(self):
+        from ps_mcore.mindspeed.spec import megatron_args
+        from ps_mcore.setup.env import prefix_sharing_enabled
+        from ps_mcore.verl.config import resolve_setting
+        from ps_mcore.verl.megatron import ROPE_FUSION_REASON, has_tree_attention
+
+        if resolve_setting(self.engine_config) is None or not prefix_sharing_enabled():
+            return original(self)
+        args = megatron_args()
+        refusal = build_refusal(self, args)
+        if refusal is not None:
+            warn_once("mindspeed-build:" + refusal, f"model built with stock specs: {refusal}")
+            return original(self)
+        info_once("rope-fusion", ROPE_FUSION_REASON)
+        with tree_spec_args(args):
+            module = original(self)
+        if not any(has_tree_attention(m) for m in module):
+            warn_once(
+                "mindspeed-build:no-tree",
+                "gpt_model_provider built the model without the tree spec; prefix sharing falls "
+                "back to verl's stock forward for this model",
+            )
+        return module
+
+    setattr(_build_megatron_module, _MARK, True)
+    return _build_megatron_module
+
+
+def install_patches(patcher: Patcher) -> bool:
+    """Install the build patch through ``patcher`` (the patchset's); restoring ``patcher``
+    removes it. Returns False when it is already installed (by any patcher)."""
+    cls = getattr(importlib.import_module(ENGINE_MODULE), ENGINE_CLASS)
+    if getattr(cls.__dict__.get("_build_megatron_module"), _MARK, False):
+        return False
+    patcher.wrap(cls, "_build_megatron_module", patched_build_module)
+    return True
+
+
+def install() -> bool:
+    """Install the patch on its own (idempotent). Returns True if this call installed it."""
+    if _STANDALONE:
+        return False
+    patcher = Patcher()
+    try:
+        done = install_patches(patcher)
+    except BaseException:
+        patcher.restore()
+        raise
+    if done:
+        _STANDALONE.append(patcher)
+    return done
+
+
+def uninstall() -> None:
+    """Undo :func:`install` exactly (no-op if it did not install anything)."""
+    while _STANDALONE:
+        _STANDALONE.pop().restore()
+
+
+def installed() -> bool:
+    """Whether the build patch is in place (through :func:`install` or a patchset)."""
+    module = sys.modules.get(ENGINE_MODULE)
+    if module is None:
+        return False
+    cls = getattr(module, ENGINE_CLASS)
+    return bool(getattr(cls.__dict__.get("_build_megatron_module"), _MARK, False))
