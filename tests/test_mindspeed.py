@@ -455,3 +455,41 @@ def test_no_mindspeed_loaded_is_a_no_op():
     assert ms_state.set_tree_sequence_state(psp) is False
     assert ms_state.unsupported_reason() is None and not ms_state.reset_attention_mask_active()
     assert "torch_npu" not in sys.modules and "mindspeed" not in sys.modules
+
+
+# ----------------------------------------------------------------------------- documented config
+
+
+def _documented_overrides() -> list[str]:
+    """The CLI lines of the first code block in docs/mindspeed.md's "MindSpeed wiring"."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "mindspeed.md").read_text()
+    section = doc[doc.index("## MindSpeed wiring"):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def test_documented_config_reaches_the_engine():
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl_helpers import BASE_OVERRIDES, compose, verl_config_dir
+
+    from ps_mcore.verl.config import install_config_patches, reset_actor_setting, resolve_setting
+
+    overrides = _documented_overrides()
+    assert "model_engine=mindspeed" in overrides
+    patcher = Patcher()
+    install_config_patches(patcher)  # the patchset's config patch (prefix_grouper keys)
+    try:
+        cfg = compose(verl_config_dir(), "ppo_trainer", BASE_OVERRIDES + overrides)
+        actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    finally:
+        patcher.restore()
+        reset_actor_setting()
+    kwargs = actor.mindspeed.mcore_kwargs
+    assert actor.mindspeed.strategy == "mindspeed_megatron"
+    assert import_module(kwargs["spec"]) is ms_spec.get_tree_spec
+    assert kwargs["reset_attention_mask"] is False and kwargs["apply_rope_fusion"] is False
+    assert resolve_setting(actor.mindspeed) is not None  # prefix sharing on for this engine
+    assert list(cfg.actor_rollout_ref.ref.mindspeed.mcore_kwargs.spec) == list(ms_spec.SPEC_ENTRY)
