@@ -58,7 +58,9 @@ def clean():
 
 def test_install_patches_and_uninstall_restores_exactly(clean):
     before = _snapshot()
-    assert setup.install() == [MCORE]  # the FSDP glue is not there yet on this stack
+    compatible = [name for name, reason in setup.detect().items() if reason is None]
+    assert MCORE in compatible
+    assert setup.install() == compatible
     after = _snapshot()
     changed = [k for k in before if before[k] != after[k]]
     assert len(changed) == len(before)  # every target patched
@@ -70,8 +72,10 @@ def test_install_patches_and_uninstall_restores_exactly(clean):
 def test_install_is_idempotent(clean):
     first = setup.install(MCORE)
     snap = _snapshot()
-    assert setup.install(MCORE) == first == setup.install()
+    assert setup.install(MCORE) == first == [MCORE]
     assert _snapshot() == snap
+    everything = setup.install()
+    assert setup.install() == everything and everything[0] == MCORE
     setup.uninstall()
     setup.uninstall()  # nothing left: a no-op
 
@@ -92,14 +96,26 @@ def test_unknown_patchset_is_a_clear_error(clean):
     with pytest.raises(ValueError, match=r"unknown prefix-sharing patchset\(s\) \['verl999'\]") as err:
         setup.install("verl999")
     assert f"{MCORE}: compatible" in str(err.value)
-    assert "verl080_fsdp: not available" in str(err.value)
+    assert "verl080_fsdp: " in str(err.value)
     assert setup.installed() == []
 
 
-def test_patchset_with_missing_stack_lists_what_was_detected(clean):
-    with pytest.raises(RuntimeError, match=r"\['verl080_fsdp'\] requested but their stack is not installed") as err:
-        setup.install([MCORE, "verl080_fsdp"])
+@pytest.fixture
+def missing_stack(monkeypatch):
+    """A registered patchset whose stack is absent (every real one is present here)."""
+    from ps_mcore.setup import registry
+
+    registry.detect()  # load the built-in patchsets first
+    fake = registry.Patchset("verl999_fake", "a stack nobody has", lambda: "fakelib is not installed", lambda p: None)
+    monkeypatch.setitem(registry.PATCHSETS, fake.name, fake)
+    return fake.name
+
+
+def test_patchset_with_missing_stack_lists_what_was_detected(clean, missing_stack):
+    with pytest.raises(RuntimeError, match=r"\['verl999_fake'\] requested but their stack is not installed") as err:
+        setup.install([MCORE, missing_stack])
     assert f"{MCORE}: compatible" in str(err.value)
+    assert "verl999_fake: not available (fakelib is not installed)" in str(err.value)
     assert setup.installed() == []  # nothing half-installed
 
 
@@ -139,3 +155,21 @@ def test_verl_plugin_hook_and_env_selection():
     assert bad.returncode != 0
     assert "unknown prefix-sharing patchset(s) ['verl080_mcore099']" in bad.stderr
     assert f"{MCORE}: compatible" in bad.stderr
+
+
+def test_auto_install_skips_a_patchset_that_fails_but_explicit_raises(clean, monkeypatch):
+    from ps_mcore.setup import registry
+
+    ps = registry.PATCHSETS[MCORE]
+
+    def broken(patcher):
+        raise ImportError("transformer_engine missing")
+
+    monkeypatch.setattr(ps, "install", broken)
+    before = _snapshot()
+    with pytest.warns(UserWarning, match=f"patchset {MCORE} skipped: ImportError: transformer_engine missing"):
+        assert MCORE not in setup.install()
+    setup.uninstall()
+    with pytest.raises(ImportError, match="transformer_engine missing"):
+        setup.install(MCORE)
+    assert _snapshot() == before  # the shared component was rolled back too

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ps_mcore.setup.patching import Patcher
+from ps_mcore.setup.patching import Patcher, warn_once
 
 logger = logging.getLogger("ps_mcore")
 
@@ -149,19 +149,28 @@ def install(patchsets: list[str] | str | None = None) -> list[str]:
     for name in _select(patchsets):
         if name in _INSTALLED:
             continue
-        ps = PATCHSETS[name]
-        patcher = Patcher()
         try:
-            for comp in ps.components:
-                _install_component(comp, name)
-            ps.install(patcher)
-        except BaseException:
-            patcher.restore()
-            _release_components(name)
-            raise
-        _INSTALLED[name] = patcher
-        logger.info("[prefix_sharing] installed patchset %s (%s)", name, ps.description)
+            _install_one(PATCHSETS[name])
+        except Exception as err:
+            if patchsets is not None:
+                raise
+            # auto-selection: a stack that looked compatible but fails to patch is skipped
+            warn_once(f"install:{name}", f"patchset {name} skipped: {type(err).__name__}: {err}")
     return list(_INSTALLED)
+
+
+def _install_one(ps: Patchset) -> None:
+    patcher = Patcher()
+    try:
+        for comp in ps.components:
+            _install_component(comp, ps.name)
+        ps.install(patcher)
+    except BaseException:
+        patcher.restore()
+        _release_components(ps.name)
+        raise
+    _INSTALLED[ps.name] = patcher
+    logger.info("[prefix_sharing] installed patchset %s (%s)", ps.name, ps.description)
 
 
 def uninstall(patchsets: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """Patchset ``verl080_fsdp``: verl 0.8.0's FSDP engines with Hugging Face models.
 
-The engine glue lives in ``ps_mcore.fsdp_bridge``: this patchset is available once that
-package provides ``install_verl_fsdp_patches(patcher)`` (the hook the FSDP bridge fills
-in). It reuses the shared config keys, micro-batching (``ps_mcore.verl.engine``) and DP
+The engine glue lives in ``ps_mcore.verl.fsdp`` (``install_verl_fsdp_patches(patcher)``,
+written with the FSDP bridge); the patchset reports itself unavailable while that hook is
+missing. It reuses the shared config keys, micro-batching (``ps_mcore.verl.engine``) and DP
 balancing of the verl 0.8.0 patchsets.
 """
 
@@ -14,7 +14,7 @@ from ps_mcore.setup.registry import Patchset, distribution_version, register
 from ps_mcore.setup.verl080_common import VERL080_COMMON, verl_reason
 
 NAME = "verl080_fsdp"
-GLUE_MODULE = "ps_mcore.fsdp_bridge"
+GLUE_MODULE = "ps_mcore.verl.fsdp"
 GLUE_HOOK = "install_verl_fsdp_patches"
 
 
