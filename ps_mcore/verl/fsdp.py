@@ -1,0 +1,304 @@
+"""verl 0.8.0 FSDP engine glue (patchset ``verl080_fsdp``): the tree forward per
+micro-batch for ``FSDPEngineWithLMHead`` and ``FSDPEngineWithValueHead``, and the fallbacks.
+
+The engine's own seams are patched, so verl's ``forward_step`` (autocast, loss call,
+metrics) runs unchanged around them:
+
+* ``prepare_model_inputs``: plans the micro-batch's nested ``input_ids`` (prompt lengths and
+  ``uid`` for ``prompt_only``, exactly as the Megatron glue) and returns model inputs for one
+  packed row: ``input_ids = plan.input_ids[None]``, ``position_ids = plan.position_ids[None]``
+  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and ``tree_plan=plan``,
+  which the ``"prefix_tree"`` attention of :mod:`ps_mcore.fsdp_bridge` reads. The model's
+  decoder is switched to that attention on first use (unshared calls keep its own one; the
+  patchset's uninstall switches it back).
+* ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
+  :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature; value head (token
+  classification, ``num_labels=1``) -> ``values``. Both as jagged tensors with
+  ``input_ids``'s offsets, row t holding the value for token t+1 (log-probs) or token t
+  (values), as verl's stock code returns them. The last row of every sequence predicts
+  nothing; verl's losses never read it and the tree path returns 0 there (stock returns the
+  log-prob of the next sequence's first token).
+
+``use_remove_padding`` only changes how verl's stock path lays the batch out (one packed row
+vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns the same
+layout. ``use_dynamic_bsz``: verl's ``prepare_micro_batches`` in the FSDP engine module is
+replaced by the shared prefix-aware one (:mod:`ps_mcore.verl.microbatch`).
+
+Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
+saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
+rule) and for what the tree path does not support: Ulysses sequence parallelism, fused
+kernels, VLM inputs, per-sample temperatures, ``calculate_sum_pi_squared``, distillation
+top-k, position ids other than ``0..len-1``, attention dropout, trl value-head wrappers and
+engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
+back (SP, fused kernels, VLM), micro-batching stays verl's, so the stock forward keeps the
+raw-token budget it was sized for.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ps_mcore.setup.patching import info_once, warn_once
+from ps_mcore.verl.batch import nested_like, plan_batch, saved_fraction, sequence_lengths
+from ps_mcore.verl.engine import active_setting, current_micro_batch, prefix_aware, run_step_with_context
+from ps_mcore.verl.megatron import _batch_flag, _uniform_temperature
+
+# output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
+PLAN_KEY = "ps_mcore_tree_plan"
+TEMPERATURE_KEY = "ps_mcore_temperature"
+_SEAMS = ("forward_step", "prepare_model_inputs", "prepare_model_outputs")
+_SP_REASON = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+
+
+def _impl():
+    from verl.workers.engine.fsdp import transformer_impl
+
+    return transformer_impl
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def batch_fallback_reason(batch) -> str | None:
+    """Why every micro-batch of ``batch`` takes verl's stock path, judged from the batch's
+    own flags (so micro-batching can stay stock too); None if nothing rules it out."""
+    from verl.utils import tensordict_utils as tu
+
+    if tu.get_non_tensor_data(batch, key="sp_size", default=1) > 1:
+        return _SP_REASON
+    if _batch_flag(batch, "use_fused_kernels"):
+        return (
+            "use_fused_kernels=True: verl's fused forward computes the log-probs itself (set "
+            "actor_rollout_ref.model.use_fused_kernels=False to share)"
+        )
+    if "multi_modal_inputs" in batch.keys() or batch["position_ids"].dim() == 3:
+        return "vision-language inputs are not supported"
+    return None
+
+
+def _is_value_engine(engine) -> bool:
+    return isinstance(engine, _impl().FSDPEngineWithValueHead)
+
+
+def _overrides_seams(engine) -> bool:
+    """True for a subclass (e.g. VeOmni's engines) that redefines a patched seam: it expects
+    verl's own model inputs/outputs."""
+    impl = _impl()
+    base = impl.FSDPEngineWithValueHead if _is_value_engine(engine) else impl.FSDPEngineWithLMHead
+    return any(getattr(type(engine), name) is not getattr(base, name) for name in _SEAMS)
+
+
+def _positions_are_offsets(batch) -> bool:
+    """``position_ids`` is ``0..len-1`` in every sequence (what the plan's depths are)."""
+    pos = batch["position_ids"]
+    offsets = pos.offsets()
+    lens = offsets.diff()
+    start = torch.repeat_interleave(offsets[:-1], lens)
+    expected = torch.arange(int(offsets[-1]), device=offsets.device) - start
+    return torch.equal(pos.values(), expected.to(pos.values().dtype))
+
+
+def micro_batch_temperature(batch) -> float | None:
+    """The micro-batch's single temperature with verl's ``clamp(min=1e-8)``, or None when
+    samples have different temperatures."""
+    temperature = _uniform_temperature({"logits_processor_args": {"temperature": batch["temperature"]}})
+    return None if temperature is None else max(temperature, 1e-8)
+
+
+def unsupported_reason(engine, batch) -> str | None:
+    """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode
+
+    if _overrides_seams(engine):
+        return f"{type(engine).__name__} overrides the FSDP engine's model input/output methods"
+    if getattr(engine, "use_ulysses_sp", False):
+        return _SP_REASON
+    reason = batch_fallback_reason(batch)
+    if reason is not None:
+        return reason
+    if tu.get_non_tensor_data(batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
+        return "only verl's no-padding batch layout is supported"
+    if not (batch["input_ids"].is_nested and batch["position_ids"].is_nested):
+        return "input_ids / position_ids are not jagged nested tensors"
+    if not _positions_are_offsets(batch):
+        return "position_ids other than 0..len-1 per sequence are not supported"
+    if not _is_value_engine(engine):
+        if micro_batch_temperature(batch) is None:
+            return "per-sample temperatures are not supported"
+        if _batch_flag(batch, "calculate_sum_pi_squared"):
+            return "calculate_sum_pi_squared is not supported"
+        if _batch_flag(batch, "distillation_use_topk"):
+            return "distillation top-k logits are not supported"
+    return _model_reason(engine.module)
+
+
+def _model_reason(module) -> str | None:
+    from ps_mcore.fsdp_bridge import unwrap_model
+
+    if hasattr(module, "v_head"):
+        return "trl value-head wrappers (AutoModelForCausalLMWithValueHead) are not supported"
+    try:
+        inner = unwrap_model(module)
+    except ValueError as err:
+        return str(err)
+    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    if inner.training and getattr(config, "attention_dropout", 0.0):
+        return "attention dropout is not supported by prefix-tree attention"
+    return None
+
+
+# ----------------------------------------------------------------------------- tree path
+
+
+def _switch_attention(module: torch.nn.Module, patcher) -> None:
+    """``enable_tree_attention`` on the engine's model, recorded in the patchset's patcher
+    so that uninstalling gives the model its own implementation back."""
+    from ps_mcore.fsdp_bridge import enable_tree_attention
+    from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
+
+    for config in enable_tree_attention(module):
+        config._attn_implementation_internal = base_implementation(config)
+        patcher.set(config, "_attn_implementation_internal", ATTN_NAME)
+
+
+def tree_model_inputs(micro_batch, plan, temperature: float) -> tuple[dict, dict]:
+    """(model inputs, output args) for one forward over ``plan``'s packed forest.
+
+    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``.
+    """
+    plan = plan.to(micro_batch["input_ids"].device)
+    model_inputs = {
+        "input_ids": plan.input_ids[None],
+        "attention_mask": None,
+        "position_ids": plan.position_ids[None],
+        "tree_plan": plan,
+    }
+    return model_inputs, {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
+
+
+def patched_prepare_model_inputs(original: Callable, patcher) -> Callable:
+    """``FSDPEngineWithLMHead.prepare_model_inputs`` planning the micro-batch (the value-head
+    engine inherits it)."""
+
+    def prepare_model_inputs(self, micro_batch):
+        setting = active_setting(self)
+        if setting is None:
+            return original(self, micro_batch)
+        micro = current_micro_batch()
+        micro = micro if micro is not None and micro.engine is self else None
+        # plan from forward_step's batch (before its .to(device)): no device sync
+        source = micro.batch if micro is not None else micro_batch
+        n = int(sequence_lengths(source).sum())
+        reason = unsupported_reason(self, source)
+        if reason is not None:
+            warn_once("fsdp:" + reason, f"FSDP micro-batch runs verl's stock forward: {reason}")
+            if micro is not None:
+                micro.record(n, n)
+            return original(self, micro_batch)
+        plan = plan_batch(source, setting.config)
+        if saved_fraction(plan) < setting.config.min_saved_fraction:
+            info_once(
+                "fsdp:small-savings",
+                "micro-batches whose plan saves less than min_saved_fraction of their tokens "
+                "run verl's stock forward",
+            )
+            if micro is not None:
+                micro.record(n, n)
+            return original(self, micro_batch)
+        if micro is not None:
+            micro.record(plan.num_input_tokens, plan.num_tokens)
+        _switch_attention(self.module, patcher)
+        return tree_model_inputs(micro_batch, plan, micro_batch_temperature(source))
+
+    return prepare_model_inputs
+
+
+def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
+    """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``."""
+    from ps_mcore.logprobs import token_logprobs
+
+    logprobs, entropy = token_logprobs(
+        output.logits[0],
+        output_args[PLAN_KEY],
+        temperature=output_args[TEMPERATURE_KEY],
+        compute_entropy=_batch_flag(micro_batch, "calculate_entropy"),
+    )
+    result = {"log_probs": nested_like(logprobs, micro_batch["input_ids"])}
+    if entropy is not None:
+        result["entropy"] = nested_like(entropy, micro_batch["input_ids"])
+    return result
+
+
+def tree_value_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
+    """``values`` ``[B, j]`` jagged from a token-classification head's ``[1, T, 1]`` logits."""
+    plan = output_args[PLAN_KEY]
+    values = plan.unpack(output.logits[0].squeeze(-1))
+    return {"values": nested_like(values, micro_batch["input_ids"])}
+
+
+def patched_prepare_model_outputs(original: Callable, tree_outputs: Callable) -> Callable:
+    """``prepare_model_outputs`` reading the tree path's outputs when its inputs planned them."""
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        if PLAN_KEY not in output_args:
+            return original(self, output, output_args, micro_batch, logits_processor_func)
+        return tree_outputs(output, output_args, micro_batch)
+
+    return prepare_model_outputs
+
+
+def patched_forward_step(original: Callable) -> Callable:
+    """``forward_step`` publishing its micro-batch to ``prepare_model_inputs`` and adding the
+    ``prefix_sharing/*`` token counts to its metrics.
+
+    :func:`run_step_with_context` is shaped for Megatron's ``(output, postprocess)`` pairs;
+    the FSDP step's ``(loss, output)`` travels as the postprocess thunk, so the shared
+    token-metric wrapper applies to it unchanged.
+    """
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        def call(batch_iter):
+            result = original(self, next(batch_iter), loss_function, forward_only)
+            return None, lambda: result
+
+        _, step_result = run_step_with_context(self, iter([micro_batch]), call)
+        return step_result()
+
+    return forward_step
+
+
+def prefix_aware_unless_stock(stock: Callable) -> Callable:
+    """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
+    batches whose every micro-batch runs verl's stock forward (their token budget must
+    count raw tokens)."""
+    aware = prefix_aware(stock)
+
+    def prepare_micro_batches(data, *args, **kwargs):
+        if batch_fallback_reason(data) is not None:
+            return stock(data, *args, **kwargs)
+        return aware(data, *args, **kwargs)
+
+    return prepare_micro_batches
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def install_verl_fsdp_patches(patcher) -> None:
+    """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
+    from ps_mcore.verl.engine import restoring, with_engine_context
+
+    impl = _impl()
+    lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
+    patcher.wrap(impl.FSDPEngine, "forward_backward_batch", with_engine_context)
+    patcher.wrap(lm, "forward_step", patched_forward_step)
+    patcher.wrap(lm, "prepare_model_inputs", lambda original: patched_prepare_model_inputs(original, patcher))
+    patcher.wrap(lm, "prepare_model_outputs", lambda original: patched_prepare_model_outputs(original, tree_lm_outputs))
+    patcher.wrap(
+        value, "prepare_model_outputs", lambda original: patched_prepare_model_outputs(original, tree_value_outputs)
+    )
+    patcher.wrap(impl, "prepare_micro_batches", prefix_aware_unless_stock)
+    patcher.wrap(impl, "postprocess_batch_func", restoring)
