@@ -1,0 +1,412 @@
+"""verl 0.8.0 FSDP engines, patched (patchset ``verl080_fsdp``) vs stock, on real transformers
+models (tiny random Qwen2: GQA, qkv bias; fp32, CPU, sdpa as the stock attention).
+
+verl's real ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` run their real
+``forward_backward_batch`` -> ``prepare_micro_batches`` -> ``forward_step`` ->
+``prepare_model_inputs`` / model / ``prepare_model_outputs`` -> loss on verl worker
+TensorDicts (nested input_ids): GRPO groups, step-wise samples, a tree. The engine object is
+built with its real ``__init__`` (gloo, world size 1) but without ``initialize()`` (model
+loading from a checkpoint path, FSDP wrapping with CUDA mixed precision, optimizer): the test
+sets ``engine.module`` to the model built here (plain, or wrapped with FSDP2's
+``fully_shard`` on CPU) and ``_autocast_dtype`` to fp32 (what ``_build_fsdp_module`` sets
+for fp32 parameters).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("verl")
+transformers = pytest.importorskip("transformers")
+
+from verl_batches import VOCAB, WORKLOADS, make_batch  # noqa: E402
+
+from ps_mcore import setup  # noqa: E402
+from ps_mcore.verl.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.verl.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+
+PATCHSET = "verl080_fsdp"
+MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
+RTOL, ATOL = 1e-5, 1e-6
+# Fixed-size micro-batches of batches already in group order: prefix-aware micro-batching is
+# verl's own there, so fallback runs must be bit-identical to stock over several micro-batches.
+FIXED_MBS = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+
+
+@pytest.fixture(scope="module")
+def impl():
+    if not dist.is_initialized():  # an in-process store: no port, so xdist workers cannot collide
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from verl.workers.engine.fsdp import transformer_impl
+
+    yield transformer_impl
+    setup.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Forget which one-time warnings were given, so each test sees its own."""
+    from ps_mcore.setup import patching
+
+    monkeypatch.setattr(patching, "_WARNED", set())
+
+
+def make_model(seed: int = 0, value: bool = False) -> torch.nn.Module:
+    """Tiny random Qwen2 (4 query / 2 kv heads, head dim 24, qkv bias); ``value``: the token
+    classification head (``num_labels=1``) verl's FSDP critic uses."""
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+        initializer_range=0.2, tie_word_embeddings=False, attn_implementation="sdpa",
+        num_labels=1, classifier_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    auto = transformers.AutoModelForTokenClassification if value else transformers.AutoModelForCausalLM
+    model = auto.from_config(config).float()
+    model.train()
+    return model
+
+
+def _setting(mode, **kw):
+    return PrefixSharingSetting(True, PrefixGrouperConfig(mode=mode, min_prefix_len=4, min_saved_fraction=0.0, **kw))
+
+
+def make_engine(impl, cls, model, setting):
+    """verl's engine class ``cls`` through its real ``__init__``, around ``model``."""
+    from verl.workers.config import FSDPEngineConfig
+
+    engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False)
+    if setting is not None:
+        object.__setattr__(engine_config, ENGINE_ATTR, setting)
+    model_config = SimpleNamespace(use_remove_padding=True, lora_rank=0)
+    engine = cls(model_config=model_config, engine_config=engine_config, optimizer_config=None, checkpoint_config=None)
+    engine.module = model
+    engine._autocast_dtype = torch.float32
+    return engine
+
+
+def _grads(model):
+    out = []
+    for p in model.parameters():
+        g = p.grad
+        out.append(None if g is None else (g.full_tensor() if hasattr(g, "full_tensor") else g).clone())
+    return out
+
+
+def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, engine_setup=None):
+    """One forward(+backward) through the engine; returns (output, grads)."""
+    if patched:
+        setup.install([PATCHSET])
+    else:
+        setup.uninstall()
+    engine = make_engine(impl, cls or impl.FSDPEngineWithLMHead, model, setting)
+    if engine_setup is not None:
+        engine_setup(engine)
+    model.zero_grad(set_to_none=True)
+    out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+    return out, _grads(model)
+
+
+def _seq_last_mask(nested):
+    lens = nested.offsets().diff().tolist()
+    mask = torch.ones(sum(lens), dtype=torch.bool)
+    mask[torch.tensor(np.cumsum(lens) - 1)] = False
+    return mask
+
+
+def _assert_outputs(stock, tree, keys=("log_probs", "entropy")):
+    for key in keys:
+        a, b = stock["model_output"][key], tree["model_output"][key]
+        assert torch.equal(a.offsets(), b.offsets()), key
+        va, vb = a.values().detach(), b.values().detach()
+        assert va.dtype == vb.dtype, key
+        if key == "log_probs":  # the last row of a sequence predicts nothing (verl never reads it)
+            keep = _seq_last_mask(a)
+            assert torch.all(vb[~keep] == 0)
+            va, vb = va[keep], vb[keep]
+        torch.testing.assert_close(vb, va, rtol=RTOL, atol=ATOL)
+
+
+def _assert_grads(g_stock, g_tree):
+    """rtol 1e-5 with an absolute floor of 1e-5 of each tensor's largest entry: shared rows
+    sum their gradients in a different order (fp32 noise measured here: <= 4e-6 of the max)."""
+    assert all(g is not None for g in g_stock)
+    for a, b in zip(g_stock, g_tree):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=RTOL * float(a.abs().max()))
+
+
+def _assert_training_matches_stock(impl, model, data, setting, loss_fn, cls=None, keys=("log_probs", "entropy")):
+    """A training step, stock vs patched: loss, every parameter gradient and the step's
+    outputs. Returns the patched step's output."""
+    stock, g_stock = _run(impl, model, data, setting, False, loss_fn, cls=cls)
+    tree, g_tree = _run(impl, model, data, setting, True, loss_fn, cls=cls)
+    np.testing.assert_allclose(sum(tree["loss"]), sum(stock["loss"]), rtol=RTOL)
+    _assert_grads(g_stock, g_tree)
+    _assert_outputs(stock, tree, keys)
+    return tree
+
+
+def _bit_identical(a, b, g_a=(), g_b=()):
+    assert a["loss"] == b["loss"]
+    for key, value in a["model_output"].items():
+        assert torch.equal(value.values(), b["model_output"][key].values()), key
+    assert all(torch.equal(x, y) for x, y in zip(g_a, g_b))
+
+
+def _ppo(loss_agg_mode="token-mean"):
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    cfg = FSDPActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, loss_agg_mode=loss_agg_mode)
+    return partial(ppo_loss, config=cfg)
+
+
+def _tokens(out):
+    return sum(out["metrics"][TOKENS_IN]), sum(out["metrics"][TOKENS_PACKED])
+
+
+def _batch(workload, seed, **kw):
+    rng = np.random.default_rng(seed)
+    return make_batch(WORKLOADS[workload](rng), rng, **kw)
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("remove_padding", [True, False])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_log_probs_and_entropy_match_stock(impl, workload, remove_padding):
+    model = make_model()
+    data = _batch(workload, 1, use_remove_padding=remove_padding, temperature=0.8)
+    setting = _setting(MODES[workload])
+    stock, _ = _run(impl, model, data, setting, patched=False)
+    tree, _ = _run(impl, model, data, setting, patched=True)
+    _assert_outputs(stock, tree)
+    n, t = _tokens(tree)
+    assert n == int(data["input_ids"].offsets()[-1]) and t < n  # the tree path really ran
+
+
+@pytest.mark.parametrize(
+    "workload, loss_agg_mode, remove_padding",
+    [("grpo", "token-mean", True), ("stepwise", "seq-mean-token-sum", False),
+     ("tree", "seq-mean-token-mean", True), ("tree", "seq-mean-token-sum-norm", False)],
+)
+def test_ppo_loss_and_gradients_match_stock(impl, workload, loss_agg_mode, remove_padding):
+    model = make_model(seed=1)
+    data = _batch(workload, 2, temperature=0.7, use_remove_padding=remove_padding)
+    setting = _setting(MODES[workload])
+    tree = _assert_training_matches_stock(impl, model, data, setting, _ppo(loss_agg_mode))
+    assert _tokens(tree)[1] < _tokens(tree)[0]
+
+
+def test_fsdp2_wrapped_model_matches_stock(impl):
+    """The model wrapped by FSDP2's ``fully_shard`` (what verl's fsdp2 strategy builds): the
+    plan kwarg passes through FSDP's forward hooks, the wrapped decoder is found."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(seed=2)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    data = _batch("tree", 3, temperature=0.9)
+    tree = _assert_training_matches_stock(impl, model, data, _setting("arbitrary_prefix"), _ppo())
+    assert _tokens(tree)[1] < _tokens(tree)[0]
+
+
+def test_critic_values_and_value_loss_match_stock(impl):
+    from verl.workers.config import FSDPCriticConfig
+    from verl.workers.utils.losses import value_loss
+
+    critic = make_model(seed=3, value=True)
+    data = _batch("stepwise", 8)
+    data["values"] = torch.randn(data["responses"].shape) * data["response_mask"]
+    data["returns"] = torch.randn(data["responses"].shape) * data["response_mask"]
+    setting = _setting("arbitrary_prefix")
+    cls = impl.FSDPEngineWithValueHead
+    stock, _ = _run(impl, critic, data, setting, False, cls=cls)
+    tree, _ = _run(impl, critic, data, setting, True, cls=cls)
+    _assert_outputs(stock, tree, keys=("values",))
+    assert _tokens(tree)[1] < _tokens(tree)[0]
+    loss_fn = partial(value_loss, config=FSDPCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
+    _assert_training_matches_stock(impl, critic, data, setting, loss_fn, cls=cls, keys=("values",))
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_micro_batched_outputs_restored_in_batch_order(impl, dynamic):
+    """Groups shuffled through the batch: the FSDP module's ``prepare_micro_batches`` is the
+    prefix-aware one (every micro-batch shares), outputs come back in batch order."""
+    model = make_model(seed=4)
+    rng = np.random.default_rng(5)
+    samples = WORKLOADS["grpo"](rng, prompts=3, group=2)
+    samples = [samples[i] for i in rng.permutation(len(samples))]
+    kw = dict(use_dynamic_bsz=True, max_token_len_per_gpu=45) if dynamic else FIXED_MBS
+    data = make_batch(samples, rng, **kw)
+    tree = _assert_training_matches_stock(impl, model, data, _setting("prompt_only"), _ppo())
+    per_micro = list(zip(tree["metrics"][TOKENS_IN], tree["metrics"][TOKENS_PACKED]))
+    assert len(per_micro) >= 2 and all(t < n for n, t in per_micro)  # several micro-batches, all sharing
+
+
+# ----------------------------------------------------------------------------- stock paths
+
+
+def test_disabled_by_env_is_bit_identical(impl, monkeypatch):
+    model = make_model(seed=5)
+    data = _batch("tree", 3, use_dynamic_bsz=True, max_token_len_per_gpu=40)
+    setting = _setting("arbitrary_prefix")
+    _run(impl, model, data, setting, True)  # the tree path switched the model's attention
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    assert model.config._attn_implementation == "sdpa"  # uninstall switched it back
+    _run(impl, model, data, setting, True)
+    monkeypatch.setenv("ENABLE_PREFIX_SHARING", "0")
+    off, g_off = _run(impl, model, data, setting, True, _ppo())
+    assert model.config._attn_implementation == "prefix_tree"  # unshared calls: its base (sdpa)
+    _bit_identical(stock, off, g_stock, g_off)
+    assert TOKENS_IN not in off["metrics"]
+    stock_i, _ = _run(impl, model, data, setting, False)
+    off_i, _ = _run(impl, model, data, setting, True)
+    _bit_identical(stock_i, off_i)
+
+
+def test_engine_without_setting_is_bit_identical(impl):
+    model = make_model()
+    data = _batch("grpo", 4)
+    stock, g_stock = _run(impl, model, data, None, False, _ppo())
+    patched, g_patched = _run(impl, model, data, None, True, _ppo())
+    _bit_identical(stock, patched, g_stock, g_patched)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_fallback_when_savings_too_small(impl):
+    model = make_model()
+    rng = np.random.default_rng(6)
+    samples = [(rng.integers(1, VOCAB, 6).tolist(), rng.integers(1, VOCAB, 4).tolist(), f"u{i}") for i in range(3)]
+    data = make_batch(samples, rng)
+    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix"))  # default threshold 5%
+    stock, _ = _run(impl, model, data, setting, False)
+    tree, _ = _run(impl, model, data, setting, True)
+    _bit_identical(stock, tree)
+    assert _tokens(tree) == (30, 30)
+
+
+def _fallback_case(impl, model, data, setting, match, engine_setup=None, cls=None):
+    """Stock numbers, bit for bit, over several micro-batches, with one warning."""
+    stock, _ = _run(impl, model, data, setting, False, cls=cls, engine_setup=engine_setup)
+    with pytest.warns(UserWarning, match=match) as record:
+        tree, _ = _run(impl, model, data, setting, True, cls=cls, engine_setup=engine_setup)
+    assert len([w for w in record if match in str(w.message)]) == 1
+    _bit_identical(stock, tree)
+    n = int(data["input_ids"].offsets()[-1])
+    assert len(tree["metrics"][TOKENS_IN]) >= 2 and _tokens(tree) == (n, n)
+
+
+def test_fallback_per_sample_temperature_warns(impl):
+    data = _batch("grpo", 7, **FIXED_MBS)
+    data["temperature"] = torch.linspace(0.5, 1.0, data.batch_size[0])
+    _fallback_case(impl, make_model(), data, _setting("prompt_only"), "per-sample temperatures")
+
+
+def test_fallback_engine_subclass_overriding_seams(impl):
+    class Subclass(impl.FSDPEngineWithLMHead):  # as VeOmni's engine: post-processes verl's inputs
+        def prepare_model_inputs(self, micro_batch):
+            return super().prepare_model_inputs(micro_batch)
+
+    data = _batch("tree", 8, **FIXED_MBS)
+    _fallback_case(impl, make_model(), data, _setting("arbitrary_prefix"), "Subclass overrides", cls=Subclass)
+
+
+def test_fallback_ulysses_sp_flag_on_engine(impl):
+    """``use_ulysses_sp`` on the engine (SP world of one here, so verl's stock SP code runs)."""
+
+    def sp(engine):
+        engine.use_ulysses_sp = True
+
+    data = _batch("stepwise", 9, **FIXED_MBS)
+    _fallback_case(impl, make_model(), data, _setting("arbitrary_prefix"), "Ulysses", engine_setup=sp)
+
+
+def _partitions(impl, engine, data):
+    """The FSDP module's ``prepare_micro_batches`` as ``forward_backward_batch`` calls it."""
+    from ps_mcore.verl.engine import with_engine_context
+
+    def forward_backward_batch(_engine):
+        return impl.prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)[1]
+
+    return with_engine_context(forward_backward_batch)(engine)
+
+
+@pytest.mark.parametrize("flags", [dict(use_fused_kernels=True), dict(sp_size=2), {}])
+def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
+    """Fused kernels / SP: every micro-batch runs verl's stock forward, so micro-batching
+    stays verl's (raw-token budget); without them it is the prefix-aware one."""
+    rng = np.random.default_rng(10)
+    samples = WORKLOADS["grpo"](rng, prompts=3, group=2)
+    samples = [samples[i] for i in rng.permutation(len(samples))]
+    data = make_batch(samples, rng, use_dynamic_bsz=True, max_token_len_per_gpu=45, **flags)
+    setting = _setting("prompt_only")
+    setup.uninstall()
+    stock = _partitions(impl, make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting), data)
+    setup.install([PATCHSET])
+    patched = _partitions(impl, make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting), data)
+    assert (patched == stock) is bool(flags)
+    uids = list(data["uid"])
+    assert bool(flags) or all(len({uids[i] for i in part}) == 1 for part in patched)
+
+
+def test_fallback_fused_kernels_gives_verl_model_inputs(impl):
+    """The fused forward patches the model class globally, so only the seam is run here."""
+    data = _batch("grpo", 12, use_fused_kernels=True)
+    setting = _setting("prompt_only")
+    setup.uninstall()
+    stock_engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting)
+    stock_inputs, stock_args = stock_engine.prepare_model_inputs(data)
+    setup.install([PATCHSET])
+    engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting)
+    with pytest.warns(UserWarning, match="use_fused_kernels=True"):
+        inputs, args = engine.prepare_model_inputs(data)
+    assert "shift_labels" in inputs and "tree_plan" not in inputs  # verl's fused-kernel inputs
+    assert set(inputs) == set(stock_inputs) and set(args) == set(stock_args)
+    for key in ("input_ids", "position_ids", "shift_labels"):
+        assert torch.equal(inputs[key], stock_inputs[key])
+
+
+def test_fallback_position_ids_not_offsets(impl):
+    data = _batch("grpo", 11, **FIXED_MBS)
+    pos = data["position_ids"]
+    data["position_ids"] = torch.nested.nested_tensor_from_jagged(pos.values() + 3, offsets=pos.offsets())
+    _fallback_case(impl, make_model(), data, _setting("prompt_only"), "position_ids other than")
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def _targets(impl):
+    lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
+    return [
+        (impl.FSDPEngine, "forward_backward_batch"), (lm, "forward_step"), (lm, "prepare_model_inputs"),
+        (lm, "prepare_model_outputs"), (value, "prepare_model_outputs"),
+        (impl, "prepare_micro_batches"), (impl, "postprocess_batch_func"),
+    ]
+
+
+def _snapshot(impl):
+    return {(id(o), n): (n in vars(o), vars(o).get(n)) for o, n in _targets(impl)}
+
+
+def test_install_and_uninstall_restore_exactly(impl):
+    setup.uninstall()
+    assert setup.detect()[PATCHSET] is None
+    before = _snapshot(impl)
+    assert PATCHSET in setup.install([PATCHSET])
+    after = _snapshot(impl)
+    assert all(before[k] != after[k] for k in before)  # every target patched
+    value, lm = impl.FSDPEngineWithValueHead, impl.FSDPEngineWithLMHead
+    assert "prepare_model_inputs" not in vars(value) and value.forward_step is lm.forward_step  # inherited
+    assert setup.install([PATCHSET]) == setup.installed() and _snapshot(impl) == after  # idempotent
+    setup.uninstall()
+    assert _snapshot(impl) == before  # the same objects, no new attributes
