@@ -160,6 +160,7 @@ def test_verl_plugin_hook_and_env_selection():
 def test_auto_install_skips_a_patchset_that_fails_but_explicit_raises(clean, monkeypatch):
     from ps_mcore.setup import registry
 
+    registry.detect()  # load the built-in patchsets
     ps = registry.PATCHSETS[MCORE]
 
     def broken(patcher):
