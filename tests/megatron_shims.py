@@ -23,8 +23,9 @@ def _cpu_device():
     return "cpu"
 
 
-def init_cpu_megatron(tp: int = 1) -> None:
-    """gloo (world 1 in-process, or torchrun's world) + megatron parallel state with TP=tp."""
+def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1) -> None:
+    """gloo (world 1 in-process, or torchrun's world) + megatron parallel state with TP=tp,
+    CP=cp, PP=pp."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
@@ -36,10 +37,13 @@ def init_cpu_megatron(tp: int = 1) -> None:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() == tp:
+        sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+                 ps.get_pipeline_model_parallel_world_size())
+        if sizes == (tp, cp, pp):
             return
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 pipeline_model_parallel_size=pp)
 
 
 def tiny_config(kind: str = "qwen2", **overrides):
@@ -69,13 +73,14 @@ def layer_spec_args(config) -> dict:
     return dict(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
 
 
-def build_gpt(config, spec, vocab: int = VOCAB):
-    """GPTModel with rope base 1e6 and an untied LM head (Qwen2.5-1.5B+ style)."""
+def build_gpt(config, spec, vocab: int = VOCAB, **model_kwargs):
+    """GPTModel with rope base 1e6 and an untied LM head (Qwen2.5-1.5B+ style); extra keywords
+    (e.g. ``pre_process``/``post_process`` of a pipeline stage) go to GPTModel."""
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
         config, spec, vocab_size=vocab, max_sequence_length=512, position_embedding_type="rope",
-        rotary_base=1_000_000, share_embeddings_and_output_weights=False,
+        rotary_base=1_000_000, share_embeddings_and_output_weights=False, **model_kwargs,
     )
 
 
@@ -124,3 +129,91 @@ def unshard(local: torch.Tensor, param: torch.Tensor, group) -> torch.Tensor:
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     pieces = [p.chunk(stride, dim) for p in parts]  # pieces[rank][s]
     return torch.cat([pieces[r][s] for s in range(stride) for r in range(tp)], dim)
+
+
+# ----------------------------------------------------------------------------- model parallel
+
+
+class SPTorchNorm:
+    """torch RMSNorm/LayerNorm for sequence parallelism (test-only: megatron's WrappedTorchNorm
+    refuses SP; TE's and apex's norms, which allow it, do not exist on CPU). Like TENorm it marks
+    its weights ``sequence_parallel`` so their grads are TP-summed (:func:`finalize_grads`)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        norm_cls = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def sp_block_spec(layer_spec, num_layers: int):
+    """A block spec of ``layer_spec`` with megatron's torch norms (layer, qk and final)
+    replaced by :class:`SPTorchNorm`."""
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    def swap(sub, names):
+        return dataclasses.replace(
+            sub, **{n: SPTorchNorm for n in names if getattr(sub, n) is WrappedTorchNorm})
+
+    attn = layer_spec.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=swap(attn.submodules, ("q_layernorm", "k_layernorm")))
+    sub = swap(layer_spec.submodules, ("input_layernorm", "pre_mlp_layernorm"))
+    layer = dataclasses.replace(layer_spec, submodules=dataclasses.replace(sub, self_attention=attn))
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SPTorchNorm)
+
+
+def finalize_grads(model, config, tp_group=None, cp_group=None) -> None:
+    """Megatron's finalize_model_grads rules without a DDP wrapper: every grad is summed over
+    CP (each CP rank saw its own rows); SP norm weights and qk-layernorm weights (replicated,
+    but each TP rank saw its own rows / heads) are summed over TP."""
+    for name, p in model.named_parameters():
+        if cp_group is not None and dist.get_world_size(cp_group) > 1:
+            dist.all_reduce(p.grad, group=cp_group)
+        tp_summed = (config.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+            config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+        if tp_summed and tp_group is not None and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(p.grad, group=tp_group)
+
+
+class _CpuScheduleTorch:
+    """``torch`` as megatron's pipeline schedules see it: ``zeros(..., device="cuda")`` (the
+    token counter, hard-coded) lands on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def enable_cpu_pipeline() -> None:
+    """Test-only shims for megatron's pipeline schedules on gloo: the schedules allocate their
+    token counter on ``"cuda"`` and the p2p shape exchange calls ``torch.cuda.synchronize()``."""
+    from megatron.core.pipeline_parallel import schedules
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    schedules.torch = _CpuScheduleTorch()
+
+
+def run_torchrun(script, nproc: int, *args, timeout: int = 300) -> None:
+    """``torchrun --standalone --nproc_per_node nproc script *args`` on gloo in a clean
+    environment (tests/ on PYTHONPATH, no inherited rank variables); raises with its output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(script)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(script.parent), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )

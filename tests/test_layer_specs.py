@@ -409,8 +409,6 @@ def test_refusals(models):
         build_gpt(dataclasses.replace(cfg, apply_rope_fusion=True), spec)
     with pytest.raises(ValueError, match="backend"):
         TreeCoreAttention(cfg, 1, backend="bogus")
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        TreeCoreAttention(types.SimpleNamespace(context_parallel_size=2), 1)
     with pytest.raises(NotImplementedError, match="self attention only"):
         TreeCoreAttention(cfg, 1, attention_type="cross")
     with pytest.raises(NotImplementedError, match="sliding-window"):

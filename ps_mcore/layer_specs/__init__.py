@@ -9,13 +9,30 @@ Swap one spec and the same GPTModel trains on prefix forests::
                    attention_mask=None, packed_seq_params=psp)      # [1, T, V]
     logprobs, _ = token_logprobs(logits[0], plan)                   # [N]
 
+Model parallelism: TP and SP need nothing extra (pad to the TP multiple for SP). Under pipeline
+parallelism every stage plans the same tokens (check with ``assert_same_plan(plan, pp_group)``)
+and only the last stage computes log-probs. Context parallelism::
+
+    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=2 * cp * tp, cp_size=cp, cp_rank=r)
+    logits = model(input_ids=psp.cp_shard(plan.input_ids)[None],
+                   position_ids=psp.cp_shard(psp.position_ids)[None],
+                   attention_mask=None, packed_seq_params=psp)              # [1, T_pad/cp, V]
+    logprobs, _ = cp_token_logprobs(logits[0], psp, tp_group=tp, cp_group=cp_group)  # [N]
+
 The same model also runs ordinary THD batches (standard ``PackedSeqParams``) and plain
 causal sbhd batches. Importing this package imports megatron-core (nothing else of ps_mcore
 does).
 """
 
+from ps_mcore.layer_specs.context_parallel import (
+    CPLayout,
+    cp_chunk_rows,
+    cp_token_logprobs,
+    gather_cp_rows,
+)
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+from ps_mcore.layer_specs.pipeline import assert_same_plan, plan_fingerprint
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
 from ps_mcore.layer_specs.specs import (
     get_gpt_decoder_block_tree_spec,
@@ -28,12 +45,18 @@ from ps_mcore.layer_specs.specs import (
 from ps_mcore.logprobs import token_logprobs
 
 __all__ = [
+    "CPLayout",
     "TreeCoreAttention",
     "TreePackedSeqParams",
     "TreeSelfAttention",
+    "assert_same_plan",
+    "cp_chunk_rows",
+    "cp_token_logprobs",
+    "gather_cp_rows",
     "get_gpt_decoder_block_tree_spec",
     "get_gpt_layer_local_tree_spec",
     "get_gpt_layer_with_tree_attention_spec",
+    "plan_fingerprint",
     "to_tree_spec",
     "token_logprobs",
     "tree_layer_spec",

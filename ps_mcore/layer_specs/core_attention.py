@@ -7,6 +7,10 @@ One module serves every batch a GPT model sees:
   kernels (a plan without sharing whose nodes are the sequences).
 * no packed params (sbhd): causal SDPA, plus the boolean ``attention_mask`` if one is given.
 
+Under context parallelism only tree batches run (K/V all-gathered over the CP group, local
+queries against the global rows: :mod:`ps_mcore.layer_specs.context_parallel`); the others
+are refused.
+
 Megatron (0.13-0.19) builds core attention with keywords ``config, layer_number,
 attn_mask_type, attention_type, cp_comm_type, softmax_scale`` and ``pg_collection`` (0.15+)
 or ``model_comm_pgs`` (0.13/0.14); unknown keywords are accepted and ignored. From 0.16, the
@@ -25,17 +29,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ps_mcore.attention import BACKENDS, tree_attention
+from ps_mcore.layer_specs.context_parallel import CP_BACKENDS, cp_tree_attention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
 def _check_config(config, attention_type: str, attn_mask_type) -> None:
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise NotImplementedError(
-            "TreeCoreAttention does not support context parallelism (context_parallel_size="
-            f"{config.context_parallel_size}): a tree needs every rank to see its ancestors' K/V"
-        )
     if attention_type != "self":
         raise NotImplementedError(f"TreeCoreAttention is self attention only, got {attention_type!r}")
     if attn_mask_type not in _CAUSAL_TYPES:
@@ -52,6 +52,18 @@ def _check_config(config, attention_type: str, attn_mask_type) -> None:
         )
 
 
+def _cp_group(config, pg_collection, kwargs):
+    """The CP group from ``pg_collection`` (0.15+) / ``model_comm_pgs`` (0.13, 0.14), else
+    Megatron's parallel state when the config asks for CP (None without CP)."""
+    pgs = pg_collection if pg_collection is not None else kwargs.get("model_comm_pgs")
+    group = getattr(pgs, "cp", None)
+    if group is None and getattr(config, "context_parallel_size", 1) > 1:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    return group
+
+
 class TreeCoreAttention(MegatronModule):
     """Core attention for prefix trees, packed batches and plain causal batches.
 
@@ -66,6 +78,10 @@ class TreeCoreAttention(MegatronModule):
             input back by it, so the effective scale is unchanged: our kernels use it directly.
         backend: a ``tree_attention`` backend; default ``config.tree_attention_backend`` if
             that attribute is set, else ``"auto"``.
+
+    Context parallelism: tree batches only (``TreePackedSeqParams.from_plan(..., cp_size=,
+    cp_rank=)``); K/V are all-gathered over the CP group whatever ``cp_comm_type`` says, and
+    the local queries attend to the global rows (:mod:`ps_mcore.layer_specs.context_parallel`).
     """
 
     def __init__(
@@ -95,6 +111,13 @@ class TreeCoreAttention(MegatronModule):
         if backend not in BACKENDS:
             raise ValueError(f"unknown tree attention backend {backend!r}; expected one of {BACKENDS}")
         self.backend = backend
+        self.cp_group = _cp_group(config, pg_collection, kwargs)
+        self.cp_size = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
+        if self.cp_size > 1 and backend not in CP_BACKENDS:
+            raise NotImplementedError(
+                f"tree attention backend {backend!r} cannot run under context parallelism "
+                f"(cp={self.cp_size}): it needs a gather-KV kernel; use one of {CP_BACKENDS}"
+            )
 
     def _scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim) if self.softmax_scale is None else self.softmax_scale
@@ -127,7 +150,17 @@ class TreeCoreAttention(MegatronModule):
                     f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' is supported"
                 )
             return self._thd(query, key, value, packed_seq_params)
+        self._refuse_cp("plain (sbhd) batches")
         return self._sbhd(query, key, value, attention_mask)
+
+    def _refuse_cp(self, what: str) -> None:
+        if self.cp_size > 1:
+            raise NotImplementedError(
+                f"TreeCoreAttention under context parallelism (cp={self.cp_size}) runs tree "
+                f"batches only, not {what}: build TreePackedSeqParams.from_plan(plan, "
+                "pad_to_multiple_of=2*cp*tp, cp_size=cp, cp_rank=rank) (an unshared batch is a "
+                "plan too)"
+            )
 
     def _thd(self, q, k, v, psp) -> torch.Tensor:
         if q.dim() != 3:
@@ -136,8 +169,12 @@ class TreeCoreAttention(MegatronModule):
         scale = self._scale(q.size(-1))
         plan = getattr(psp, "plan", None)
         if plan is None:  # ordinary packed batch: one node per sequence, no gather
+            self._refuse_cp("ordinary THD PackedSeqParams")
             plan = plan_for_thd(psp, rows, q.device)
             return tree_attention(q, k, v, plan, self.backend, scale).reshape(rows, -1)
+        layout = getattr(psp, "cp_layout", None)
+        if layout is not None or self.cp_size > 1:
+            return self._thd_cp(q, k, v, layout, scale).reshape(rows, -1)
         t = plan.num_tokens
         expected = psp.num_rows if isinstance(psp, TreePackedSeqParams) else t
         if rows != expected:
@@ -149,6 +186,15 @@ class TreeCoreAttention(MegatronModule):
         if rows > t:  # padding rows: zero output, never mixed with real rows
             out = torch.cat([out, out.new_zeros((rows - t,) + tuple(out.shape[1:]))], 0)
         return out.reshape(rows, -1)
+
+    def _thd_cp(self, q, k, v, layout, scale) -> torch.Tensor:
+        if layout is None or layout.cp_size != self.cp_size:
+            raise ValueError(
+                f"the model runs context parallelism cp={self.cp_size} but the packed params were "
+                f"built for cp={1 if layout is None else layout.cp_size}; use "
+                "TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=2*cp*tp, cp_size=cp, cp_rank=rank)"
+            )
+        return cp_tree_attention(q, k, v, layout, self.cp_group, self.backend, scale)
 
     def _sbhd(self, q, k, v, attention_mask) -> torch.Tensor:
         if q.dim() != 4:

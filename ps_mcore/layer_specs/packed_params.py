@@ -4,7 +4,9 @@ Megatron hands ``packed_seq_params`` untouched from ``GPTModel.forward`` to ever
 attention and core attention (selective recompute included), so the plan travels with it.
 The stock fields describe the packed rows as ONE sequence of T rows (plus, when padded, one
 padding sequence): stock THD code (RoPE, rotary table length) accepts that, the THD RoPE path
-then indexes our per-token table row by row, and no per-node ``.item()`` loop runs.
+then indexes our per-token table row by row, and no per-node ``.item()`` loop runs. Under
+context parallelism the T_pad rows are one sequence (so Megatron's THD RoPE cuts the table into
+the same 2*cp chunks as the rows) and ``cp_layout`` carries this rank's share.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from ps_mcore.layer_specs.context_parallel import CPLayout, build_cp_layout
 from ps_mcore.planner import TreePlan, plan_prefix_tree
 
 
@@ -25,35 +28,51 @@ class TreePackedSeqParams(PackedSeqParams):
     Attributes (besides the stock ``PackedSeqParams`` fields):
         plan: the micro-batch's :class:`TreePlan` (T packed tokens).
         position_ids: ``[T_pad]`` original position of every packed row (padding rows: 0).
+        cp_layout: this context-parallel rank's share of the rows (None without CP).
     """
 
     plan: TreePlan | None = None
     position_ids: torch.Tensor | None = None
+    cp_layout: CPLayout | None = None
 
     @classmethod
-    def from_plan(cls, plan: TreePlan, pad_to_multiple_of: int = 1) -> "TreePackedSeqParams":
+    def from_plan(
+        cls, plan: TreePlan, pad_to_multiple_of: int = 1, cp_size: int = 1, cp_rank: int = 0
+    ) -> "TreePackedSeqParams":
         """Parameters for ``plan`` (tensors on the plan's device).
 
         Args:
-            plan: the micro-batch's plan.
-            pad_to_multiple_of: pad the packed rows to ``T_pad``, a multiple of this (e.g. the
-                TP size for sequence parallelism). Padding rows form their own sequence: they
-                never reach a real row, and their outputs are zero. Pad ``input_ids`` with
-                :meth:`pad_rows`.
+            plan: the micro-batch's plan (every rank of the model-parallel group plans the
+                same tokens: see :func:`assert_same_plan`).
+            pad_to_multiple_of: pad the packed rows to ``T_pad``, a multiple of this: the TP
+                size for sequence parallelism, ``2*cp*tp`` under context parallelism (verl's
+                THD rule). Padding rows never reach a real row, and their attention outputs
+                are zero. Pad ``input_ids`` with :meth:`pad_rows` (or :meth:`cp_shard`).
+            cp_size, cp_rank: the context-parallel group size and this rank. With CP the
+                T_pad rows are one THD sequence in Megatron's ``2*cp`` chunk layout: feed the
+                model ``cp_shard(plan.input_ids)``.
         """
         if not isinstance(plan, TreePlan):
             raise TypeError(f"from_plan expects a TreePlan, got {type(plan).__name__}")
-        if (
-            isinstance(pad_to_multiple_of, bool)
-            or not isinstance(pad_to_multiple_of, (int, np.integer))
-            or pad_to_multiple_of < 1
-        ):
+        for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("cp_size", cp_size)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        multiple, cp_size = int(pad_to_multiple_of), int(cp_size)
+        if cp_size > 1 and multiple % (2 * cp_size):
             raise ValueError(
-                f"pad_to_multiple_of must be a positive integer, got {pad_to_multiple_of!r}"
+                f"context parallelism (cp_size={cp_size}) cuts the rows into 2*cp chunks: "
+                f"pad_to_multiple_of={multiple} must be a multiple of 2*cp_size={2 * cp_size} "
+                "(use 2*cp*tp, as verl does)"
             )
+        if not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
         t = plan.num_tokens
-        t_pad = -(-t // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
-        bounds = [0, t] + ([t_pad] if t_pad > t else [])
+        t_pad = -(-t // multiple) * multiple
+        if cp_size == 1:  # padding rows form their own sequence
+            bounds, max_len, layout = [0, t] + ([t_pad] if t_pad > t else []), t, None
+        else:  # one sequence, so Megatron's THD RoPE slices its chunks as this layout does
+            bounds, max_len = [0, t_pad], t_pad
+            layout = build_cp_layout(plan, t_pad, cp_size, int(cp_rank))
         cu = torch.tensor(bounds, dtype=torch.int32, device=plan.device)
         positions = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
         positions[:t] = plan.position_ids
@@ -63,11 +82,35 @@ class TreePackedSeqParams(PackedSeqParams):
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
-            max_seqlen_q=t,
-            max_seqlen_kv=t,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
             plan=plan,
             position_ids=positions,
+            cp_layout=layout,
         )
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp_layout is None else self.cp_layout.cp_size
+
+    @property
+    def num_local_rows(self) -> int:
+        """Rows this CP rank feeds the model: T_pad / cp."""
+        return self.num_rows // self.cp_size
+
+    def cp_shard(self, x: torch.Tensor, value=0) -> torch.Tensor:
+        """``[T or T_pad, ...] -> [T_pad / cp, ...]``: this CP rank's rows of a per-row tensor
+        (``T``-row inputs are padded with ``value`` first), e.g. ``plan.input_ids``."""
+        if x.size(0) == self.plan.num_tokens:
+            x = self.pad_rows(x, value)
+        if x.size(0) != self.num_rows:
+            raise ValueError(
+                f"cp_shard expects T={self.plan.num_tokens} or T_pad={self.num_rows} rows, got "
+                f"shape {tuple(x.shape)}"
+            )
+        if self.cp_layout is None:
+            return x
+        return x.index_select(0, self.cp_layout.local_rows.to(x.device))
 
     @property
     def num_rows(self) -> int:

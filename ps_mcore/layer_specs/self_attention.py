@@ -4,7 +4,9 @@
 ``[S, 1, 1, d]`` and ``Attention.forward`` applies it. For a tree batch we hand the parent
 ``table[positions]`` (one row per packed token); in THD with ``freqs.size(0) ==
 cu_seqlens[-1]`` Megatron then uses row i for token i, so every packed token is rotated by
-its original position and rope scaling / interleaving stay Megatron's.
+its original position and rope scaling / interleaving stay Megatron's. Under context
+parallelism the table still covers all T_pad rows (global order) and Megatron's THD RoPE takes
+this rank's 2*cp chunks of it, so each local row gets its global tree position.
 """
 
 from __future__ import annotations
@@ -60,13 +62,14 @@ class TreeSelfAttention(SelfAttention):
         if psp.plan is None or psp.position_ids is None:
             raise ValueError("TreePackedSeqParams without a plan; build it with from_plan(plan)")
         rows = hidden_states.size(0)
-        if self.config.sequence_parallel:  # each rank holds T_pad / tp rows before the gather
+        if self.config.sequence_parallel:  # each rank holds T_pad / cp / tp rows before the gather
             rows *= self.world_size
-        if rows != psp.num_rows:
+        if rows != psp.num_local_rows:
             raise ValueError(
-                f"the layer got {rows} rows but the packed params describe {psp.num_rows} "
-                f"(T={psp.plan.num_tokens} plan tokens + {psp.num_padding} padding); pad "
-                "input_ids with TreePackedSeqParams.pad_rows"
+                f"the layer got {rows} rows but the packed params describe {psp.num_local_rows} "
+                f"(T={psp.plan.num_tokens} plan tokens + {psp.num_padding} padding"
+                + (f", split over cp={psp.cp_size}" if psp.cp_size > 1 else "")
+                + "); pad input_ids with TreePackedSeqParams.pad_rows (cp_shard under CP)"
             )
         if not isinstance(self.core_attention, TreeCoreAttention):
             raise TypeError(
