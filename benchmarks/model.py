@@ -3,16 +3,24 @@ the LM head and per-token log-probs, unshared THD batch vs. prefix tree, every s
 
     python benchmarks/model.py [--layers 4] [--out FILE]     # CUDA (NCCL world 1)
     python benchmarks/model.py --tiny                          # CPU smoke run (gloo), tiny dims
+    torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tp 2   # or --cp 2, --tp 2 --cp 2
+    torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tiny --cp 2   # CPU (gloo)
 
-One model (tree layer specs, local linear layers) runs both paths:
+The world is one model replica (world size = tp * cp); rank 0 prints the table (its times).
+One model (tree layer specs, local linear layers; no sequence parallelism: the local spec's
+torch norms refuse it) runs both paths:
   * baseline: the unshared batch packed as THD with standard ``PackedSeqParams`` (one segment
     per sequence; TreeCoreAttention then runs per-sequence varlen flash, no gather; Megatron's
-    own THD RoPE);
-  * tree: ``TreePackedSeqParams.from_plan`` of the prefix forest (planner defaults).
-Loss: sum over tokens of a per-sample weight x ``token_logprobs``. Ideal = FLOP-weighted
-speedup (``ps_mcore.flops.DecoderShape``: linear FLOPs scale with tokens, attention FLOPs with
-(query, key) pairs; LM head included). MiB = peak allocated above the idle model; the memory
-target is tree <= baseline x T/N + 15%.
+    own THD RoPE). Under CP (no transformer-engine, so no stock THD ring attention) the
+    baseline is the unshared batch as a plan without sharing through the same CP path
+    (K/V all-gather, local queries);
+  * tree: ``TreePackedSeqParams.from_plan`` of the prefix forest (planner defaults), padded to
+    2*cp*tp rows and cut into Megatron's CP chunks under CP.
+Loss: sum over tokens of a per-sample weight x token log-probs (vocab-parallel under TP,
+combined over CP with ``cp_token_logprobs``). Ideal = FLOP-weighted speedup
+(``ps_mcore.flops.DecoderShape``: linear FLOPs scale with tokens, attention FLOPs with
+(query, key) pairs; LM head included). MiB = rank 0's peak allocated above the idle model; the
+memory target is tree <= baseline x T/N + 15%.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, peak_mib, time_ms  # noqa: E402
+from common import environment, markdown_table, peak_mib, time_ms, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
@@ -38,23 +46,34 @@ TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512)
 UNSHARED = 10**9  # min_prefix_len no run reaches: the plan of the batch as is
 
 
-def init_parallel(device: str) -> None:
-    """torch.distributed (NCCL on CUDA, gloo on CPU; world 1) and Megatron parallel state."""
+def init_parallel(device: str, tp: int = 1, cp: int = 1) -> None:
+    """torch.distributed (NCCL on CUDA, gloo on CPU; torchrun's world or a world of 1) and
+    Megatron parallel state with TP=tp, CP=cp (one model replica: world size = tp * cp)."""
     from megatron.core import parallel_state, tensor_parallel
 
     if device == "cpu":  # megatron allocates on torch.cuda.current_device(): point it at the CPU
         torch.cuda.current_device = lambda: "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp * cp:
+        sys.exit(f"benchmarks/model.py runs one model replica: world size {world} != tp*cp = {tp * cp}")
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+        if world > 1:  # torchrun
+            if device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     if device == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     else:  # the CPU has no CUDA RNG to fork
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def build_model(shape: DecoderShape, device: str, dtype: torch.dtype, fusions: bool):
+def build_model(
+    shape: DecoderShape, device: str, dtype: torch.dtype, fusions: bool, tp: int = 1, cp: int = 1
+):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -70,6 +89,7 @@ def build_model(shape: DecoderShape, device: str, dtype: torch.dtype, fusions: b
         apply_rope_fusion=False,  # tree RoPE needs the unfused path
         bias_activation_fusion=fusions, bias_dropout_fusion=fusions, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp, context_parallel_size=cp,
     )
     torch.manual_seed(0)
     model = GPTModel(
@@ -93,30 +113,51 @@ class Steps:
     """The baseline and tree fwd+bwd steps of one workload (one weight per sample)."""
 
     def __init__(self, model, sequences, device):
+        from megatron.core import parallel_state as ps
+
         from ps_mcore.layer_specs import TreePackedSeqParams
 
         self.model = model
+        self.tp_group, self.cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        pad = 2 * cp * ps.get_tensor_model_parallel_world_size() if cp > 1 else 1
+
+        def packed(plan):
+            return TreePackedSeqParams.from_plan(plan, pad, cp_size=cp, cp_rank=cp_rank)
+
         self.plan = plan_prefix_tree(sequences).to(device)
         self.flat = plan_prefix_tree(sequences, min_prefix_len=UNSHARED).to(device)
         assert self.flat.is_trivial  # rows = the sequences back to back, as in thd_params
         lengths = [len(s) for s in sequences]
-        self.tree_psp = TreePackedSeqParams.from_plan(self.plan)
-        self.base_psp = thd_params(lengths, device)
-        self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        self.tree_psp = packed(self.plan)
+        if cp == 1:  # stock THD packing, Megatron's own RoPE
+            self.base_psp = thd_params(lengths, device)
+            self.base_ids = self.flat.input_ids
+            self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        else:  # the unshared plan through the same CP path
+            self.base_psp = packed(self.flat)
+            self.base_ids = self.base_psp.cp_shard(self.flat.input_ids)
+            self.base_pos = self.base_psp.cp_shard(self.base_psp.position_ids)
+        self.tree_ids = self.tree_psp.cp_shard(self.plan.input_ids)
+        self.tree_pos = self.tree_psp.cp_shard(self.tree_psp.position_ids)
         gen = torch.Generator().manual_seed(1)
         weights = torch.empty(len(sequences)).uniform_(0.2, 2.0, generator=gen)
         self.token_weights = torch.repeat_interleave(weights, torch.tensor(lengths)).to(device)
 
     def _logprobs(self, plan, ids, pos, psp):
+        from ps_mcore.layer_specs import TreePackedSeqParams, cp_token_logprobs
+
         logits = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=None,
                             packed_seq_params=psp)[0]
-        return token_logprobs(logits, plan)[0]
+        if isinstance(psp, TreePackedSeqParams):
+            return cp_token_logprobs(logits, psp, tp_group=self.tp_group, cp_group=self.cp_group)[0]
+        return token_logprobs(logits, plan, tp_group=self.tp_group)[0]
 
     def base_logprobs(self):
-        return self._logprobs(self.flat, self.flat.input_ids, self.base_pos, self.base_psp)
+        return self._logprobs(self.flat, self.base_ids, self.base_pos, self.base_psp)
 
     def tree_logprobs(self):
-        return self._logprobs(self.plan, self.plan.input_ids, self.plan.position_ids, self.tree_psp)
+        return self._logprobs(self.plan, self.tree_ids, self.tree_pos, self.tree_psp)
 
     def _step(self, logprobs_fn) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -139,14 +180,16 @@ def run(args) -> str:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     shape = DecoderShape(layers=args.layers, **(TINY if args.tiny else QWEN25_15B))
     scale = 1 / 32 if args.tiny else 1.0
-    init_parallel(device)
-    model = build_model(shape, device, dtype, args.fusions)
+    init_parallel(device, args.tp, args.cp)
+    model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp)
+    verbose = dist.get_rank() == 0
     headers = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "base ms", "tree ms",
                "speedup", "meas/ideal", "base MiB", "tree MiB", "mem ratio", "T/N",
                "max |dlogp|"]
     rows = []
     for i, name in enumerate(args.workloads):
-        print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
+        if verbose:
+            print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
         w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
         steps = Steps(model, w.sequences, device)
         stats = steps.plan.stats()
@@ -167,7 +210,8 @@ def run(args) -> str:
     title = (
         f"megatron-core GPTModel ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: hidden "
         f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, ffn {shape.ffn}, "
-        f"vocab {shape.vocab}, {shape.layers} layers, tree local spec, random init, "
+        f"vocab {shape.vocab}, {shape.layers} layers, tree local spec, random init, TP={args.tp}, "
+        f"CP={args.cp}{' (CP baseline: unshared plan, same CP path)' if args.cp > 1 else ''}, "
         f"{str(dtype).split('.')[-1]}), fwd+bwd with LM head and token log-probs; baseline = "
         f"unshared THD (standard PackedSeqParams); tree = TreePackedSeqParams; attention "
         f"backend auto -> {backend}; MiB = peak allocated above the idle model"
@@ -185,6 +229,8 @@ def main() -> None:
     p.add_argument("--fusions", action="store_true",
                    help="megatron's bias-activation / bias-dropout fusions (torch.compile'd)")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (run under torchrun)")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size (run under torchrun)")
     p.add_argument("--out", help="also write the table (markdown) here")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
@@ -192,10 +238,8 @@ def main() -> None:
     if args.tiny:
         args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 2)
     report = run(args)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    if dist.get_rank() == 0:
+        write_report(report, args.out)
     dist.destroy_process_group()
 
 
