@@ -164,9 +164,9 @@ def _cp_forests():
 
 @pytest.mark.parametrize("name", sorted(_cp_forests()))
 def test_local_attention_per_cp_rank_equals_full(name):
-    """Each CP rank's local queries against the global K/V (fp32 math, segments cut at chunk
-    borders): the single-rank output at its rows;
-    gradients summed over ranks (the all-gather's reduce-scatter) equal the single-rank ones."""
+    """Each CP rank's local queries against the rank-major gathered K/V (fp32 math, segments
+    cut at chunk borders): the single-rank output at its rows; gradients summed over ranks (the
+    all-gather's reduce-scatter) equal the single-rank ones."""
     plan = plan_prefix_tree(_cp_forests()[name], min_prefix_len=1)
     gen = torch.Generator().manual_seed(len(name))
     hq, hkv, d = 4, 2, 6
@@ -184,7 +184,9 @@ def test_local_attention_per_cp_rank_equals_full(name):
             lay = TreePackedSeqParams.from_plan(plan, 2 * cp * tp, cp_size=cp, cp_rank=rank).cp_layout
             rows = lay.local_rows
             real = rows[lay.query_rows]
-            out = gather_kv_attention(q[real], k, v, lay, d**-0.5, MATH_KERNEL)
+            # K/V as the all-gather lays them out: rank-major
+            kg, vg = k[lay.gathered_rows], v[lay.gathered_rows]
+            out = gather_kv_attention(q[real], kg, vg, lay, d**-0.5, MATH_KERNEL)
             torch.testing.assert_close(out, full[real], rtol=1e-5, atol=1e-6)
             loss = loss + (out * g[real]).sum()
             seen.append(rows)

@@ -66,8 +66,9 @@ class CPLayout:
         cu_seqlens_q: ``[S+1]`` int32 segments of the local queries: a node's rows within one
             chunk.
         cu_seqlens_kv: ``[S+1]`` int32 boundaries of each segment's context in ``kv_index``.
-        kv_index: global rows of each segment's context (the node's ancestor chain, then its
-            own rows up to the segment's last query).
+        kv_index: each segment's context (the node's ancestor chain, then its own rows up to
+            the segment's last query) as rows of the rank-major all-gather, so K/V are used as
+            gathered, never reordered.
         max_seqlen_q, max_seqlen_kv: longest segment and context.
         token_index: ``[n]`` original tokens whose packed row is local.
         token_rows: ``[n]`` their local rows.
@@ -136,8 +137,9 @@ def build_cp_layout(plan: TreePlan, num_rows: int, cp_size: int, cp_rank: int) -
     c = num_rows // (2 * cp_size)
     chunks = [(int(rows[0]), int(rows[0]) + c), (int(rows[c]), int(rows[c]) + c)]
     seg_len, ctx_start, ctx_len = _local_segments(plan, chunks)
-    kv_index = plan.kv_index.cpu().numpy()[ragged_arange(ctx_start, ctx_len)]
     gathered = np.concatenate([cp_chunk_rows(num_rows, cp_size, r) for r in range(cp_size)])
+    plan_order = np.argsort(gathered)
+    kv_index = plan_order[plan.kv_index.cpu().numpy()[ragged_arange(ctx_start, ctx_len)]]
     global_to_local = np.full(num_rows, -1, dtype=np.int64)
     global_to_local[rows] = np.arange(rows.size)
     token_row = global_to_local[plan.unpack_index.cpu().numpy()]
@@ -152,7 +154,7 @@ def build_cp_layout(plan: TreePlan, num_rows: int, cp_size: int, cp_rank: int) -
 
     return CPLayout(
         cp_size=int(cp_size), cp_rank=int(cp_rank), num_rows=int(num_rows),
-        local_rows=long(rows), gathered_rows=long(gathered), plan_order=long(np.argsort(gathered)),
+        local_rows=long(rows), gathered_rows=long(gathered), plan_order=long(plan_order),
         query_rows=long(np.flatnonzero(rows < t)),
         cu_seqlens_q=cu(seg_len), cu_seqlens_kv=cu(ctx_len), kv_index=long(kv_index),
         max_seqlen_q=int(seg_len.max(initial=0)), max_seqlen_kv=int(ctx_len.max(initial=0)),
@@ -177,30 +179,44 @@ def _check_group(layout: CPLayout, group) -> None:
         )
 
 
-class _GatherRows(torch.autograd.Function):
-    """``[t, ...]`` on every CP rank -> ``[T_pad, ...]`` in plan order.
+def _all_gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """``[t, ...]`` on every rank -> ``[size * t, ...]`` rank-major."""
+    x = x.contiguous()
+    out = x.new_empty((size * x.size(0),) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
 
-    Backward: ``sum_grads=True`` reduce-scatters (each rank's gradient is partial, e.g. dK/dV
-    from its own queries); ``False`` keeps this rank's rows (every rank computed the same loss).
-    """
+
+class _AllGatherKV(torch.autograd.Function):
+    """Rank-major all-gather; backward reduce-scatters (each rank's dK/dV is partial: it comes
+    from its own queries only)."""
 
     @staticmethod
-    def forward(ctx, x, layout, group, sum_grads):
-        x = x.contiguous()
-        gathered = x.new_empty((layout.cp_size * x.size(0),) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(gathered, x, group=group)
-        ctx.layout, ctx.group, ctx.sum_grads = layout, group, sum_grads
-        return gathered.index_select(0, layout.plan_order)
+    def forward(ctx, x, group, size):
+        ctx.group = group
+        return _all_gather(x, group, size)
 
     @staticmethod
     def backward(ctx, grad):
-        layout = ctx.layout
-        if not ctx.sum_grads:
-            return grad.index_select(0, layout.local_rows), None, None, None
-        rank_major = grad.index_select(0, layout.gathered_rows).contiguous()
-        out = grad.new_empty((layout.num_local_rows,) + tuple(grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, rank_major, group=ctx.group)
-        return out, None, None, None
+        grad = grad.contiguous()
+        size = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.size(0) // size,) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """``[t, ...]`` on every CP rank -> ``[T_pad, ...]`` in plan order; backward keeps this
+    rank's rows of the gradient (every rank computed the same loss from the result)."""
+
+    @staticmethod
+    def forward(ctx, x, layout, group):
+        ctx.layout = layout
+        return _all_gather(x, group, layout.cp_size).index_select(0, layout.plan_order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.layout.local_rows), None, None
 
 
 class _SumDisjoint(torch.autograd.Function):
@@ -264,7 +280,7 @@ def cp_tree_attention(
             f"q/k have {q.size(0)}/{k.size(0)} rows but this CP rank holds {layout.num_local_rows}"
         )
     hkv = k.size(1)
-    kv = _GatherRows.apply(torch.cat([k, v], 1), layout, group, True)  # one collective for both
+    kv = _AllGatherKV.apply(torch.cat([k, v], 1), group, layout.cp_size)  # one collective for both
     if layout.query_rows.numel() == 0:  # only padding here: stay in the backward's reduce-scatter
         return q.new_zeros(q.shape) + 0 * kv.sum()
     kernel = cp_kernel(backend, q)
@@ -299,7 +315,7 @@ def gather_cp_rows(x: torch.Tensor, packed_seq_params, cp_group=None) -> torch.T
     _check_group(layout, group)
     if x.size(0) != layout.num_local_rows:
         raise ValueError(f"expected {layout.num_local_rows} local rows, got shape {tuple(x.shape)}")
-    return _GatherRows.apply(x, layout, group, False)
+    return _GatherRows.apply(x, layout, group)
 
 
 def _local_rows_plan(plan: TreePlan, layout: CPLayout) -> TreePlan:
