@@ -25,7 +25,7 @@ import torch.distributed as dist
 pytest.importorskip("verl")
 transformers = pytest.importorskip("transformers")
 
-from verl_batches import VOCAB, WORKLOADS, make_batch  # noqa: E402
+from verl_batches import RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.verl.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
@@ -33,7 +33,6 @@ from ps_mcore.verl.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 
 PATCHSET = "verl080_fsdp"
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
-RTOL, ATOL = 1e-5, 1e-6
 # Fixed-size micro-batches of batches already in group order: prefix-aware micro-batching is
 # verl's own there, so fallback runs must be bit-identical to stock over several micro-batches.
 FIXED_MBS = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
@@ -113,32 +112,10 @@ def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, engine_set
     return out, _grads(model)
 
 
-def _seq_last_mask(nested):
-    lens = nested.offsets().diff().tolist()
-    mask = torch.ones(sum(lens), dtype=torch.bool)
-    mask[torch.tensor(np.cumsum(lens) - 1)] = False
-    return mask
 
 
-def _assert_outputs(stock, tree, keys=("log_probs", "entropy")):
-    for key in keys:
-        a, b = stock["model_output"][key], tree["model_output"][key]
-        assert torch.equal(a.offsets(), b.offsets()), key
-        va, vb = a.values().detach(), b.values().detach()
-        assert va.dtype == vb.dtype, key
-        if key == "log_probs":  # the last row of a sequence predicts nothing (verl never reads it)
-            keep = _seq_last_mask(a)
-            assert torch.all(vb[~keep] == 0)
-            va, vb = va[keep], vb[keep]
-        torch.testing.assert_close(vb, va, rtol=RTOL, atol=ATOL)
 
 
-def _assert_grads(g_stock, g_tree):
-    """rtol 1e-5 with an absolute floor of 1e-5 of each tensor's largest entry: shared rows
-    sum their gradients in a different order (fp32 noise measured here: <= 4e-6 of the max)."""
-    assert all(g is not None for g in g_stock)
-    for a, b in zip(g_stock, g_tree):
-        torch.testing.assert_close(b, a, rtol=RTOL, atol=RTOL * float(a.abs().max()))
 
 
 def _assert_training_matches_stock(impl, model, data, setting, loss_fn, cls=None, keys=("log_probs", "entropy")):
@@ -147,8 +124,8 @@ def _assert_training_matches_stock(impl, model, data, setting, loss_fn, cls=None
     stock, g_stock = _run(impl, model, data, setting, False, loss_fn, cls=cls)
     tree, g_tree = _run(impl, model, data, setting, True, loss_fn, cls=cls)
     np.testing.assert_allclose(sum(tree["loss"]), sum(stock["loss"]), rtol=RTOL)
-    _assert_grads(g_stock, g_tree)
-    _assert_outputs(stock, tree, keys)
+    assert_grads(g_stock, g_tree)
+    assert_outputs(stock, tree, keys)
     return tree
 
 
@@ -167,8 +144,6 @@ def _ppo(loss_agg_mode="token-mean"):
     return partial(ppo_loss, config=cfg)
 
 
-def _tokens(out):
-    return sum(out["metrics"][TOKENS_IN]), sum(out["metrics"][TOKENS_PACKED])
 
 
 def _batch(workload, seed, **kw):
@@ -187,8 +162,8 @@ def test_log_probs_and_entropy_match_stock(impl, workload, remove_padding):
     setting = _setting(MODES[workload])
     stock, _ = _run(impl, model, data, setting, patched=False)
     tree, _ = _run(impl, model, data, setting, patched=True)
-    _assert_outputs(stock, tree)
-    n, t = _tokens(tree)
+    assert_outputs(stock, tree)
+    n, t = step_tokens(tree)
     assert n == int(data["input_ids"].offsets()[-1]) and t < n  # the tree path really ran
 
 
@@ -202,7 +177,7 @@ def test_ppo_loss_and_gradients_match_stock(impl, workload, loss_agg_mode, remov
     data = _batch(workload, 2, temperature=0.7, use_remove_padding=remove_padding)
     setting = _setting(MODES[workload])
     tree = _assert_training_matches_stock(impl, model, data, setting, _ppo(loss_agg_mode))
-    assert _tokens(tree)[1] < _tokens(tree)[0]
+    assert step_tokens(tree)[1] < step_tokens(tree)[0]
 
 
 def test_fsdp2_wrapped_model_matches_stock(impl):
@@ -216,7 +191,7 @@ def test_fsdp2_wrapped_model_matches_stock(impl):
     fully_shard(model)
     data = _batch("tree", 3, temperature=0.9)
     tree = _assert_training_matches_stock(impl, model, data, _setting("arbitrary_prefix"), _ppo())
-    assert _tokens(tree)[1] < _tokens(tree)[0]
+    assert step_tokens(tree)[1] < step_tokens(tree)[0]
 
 
 def test_critic_values_and_value_loss_match_stock(impl):
@@ -225,14 +200,15 @@ def test_critic_values_and_value_loss_match_stock(impl):
 
     critic = make_model(seed=3, value=True)
     data = _batch("stepwise", 8)
-    data["values"] = torch.randn(data["responses"].shape) * data["response_mask"]
-    data["returns"] = torch.randn(data["responses"].shape) * data["response_mask"]
+    gen = torch.Generator().manual_seed(8)  # independent of test order
+    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
     setting = _setting("arbitrary_prefix")
     cls = impl.FSDPEngineWithValueHead
     stock, _ = _run(impl, critic, data, setting, False, cls=cls)
     tree, _ = _run(impl, critic, data, setting, True, cls=cls)
-    _assert_outputs(stock, tree, keys=("values",))
-    assert _tokens(tree)[1] < _tokens(tree)[0]
+    assert_outputs(stock, tree, keys=("values",))
+    assert step_tokens(tree)[1] < step_tokens(tree)[0]
     loss_fn = partial(value_loss, config=FSDPCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
     _assert_training_matches_stock(impl, critic, data, setting, loss_fn, cls=cls, keys=("values",))
 
@@ -291,7 +267,7 @@ def test_fallback_when_savings_too_small(impl):
     stock, _ = _run(impl, model, data, setting, False)
     tree, _ = _run(impl, model, data, setting, True)
     _bit_identical(stock, tree)
-    assert _tokens(tree) == (30, 30)
+    assert step_tokens(tree) == (30, 30)
 
 
 def _fallback_case(impl, model, data, setting, match, engine_setup=None, cls=None):
@@ -302,7 +278,7 @@ def _fallback_case(impl, model, data, setting, match, engine_setup=None, cls=Non
     assert len([w for w in record if match in str(w.message)]) == 1
     _bit_identical(stock, tree)
     n = int(data["input_ids"].offsets()[-1])
-    assert len(tree["metrics"][TOKENS_IN]) >= 2 and _tokens(tree) == (n, n)
+    assert len(tree["metrics"][TOKENS_IN]) >= 2 and step_tokens(tree) == (n, n)
 
 
 def test_fallback_per_sample_temperature_warns(impl):

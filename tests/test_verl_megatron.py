@@ -21,14 +21,13 @@ pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
-from verl_batches import WORKLOADS, cpu_forward_backward_func, engine_shell, make_batch  # noqa: E402
+from verl_batches import RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.verl.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.verl.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.verl.trainer import TOKENS_IN  # noqa: E402
 
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
-RTOL, ATOL = 1e-5, 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -67,29 +66,10 @@ def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=
     return out, grads
 
 
-def _seq_last_mask(nested):
-    lens = nested.offsets().diff().tolist()
-    mask = torch.ones(sum(lens), dtype=torch.bool)
-    mask[torch.tensor(np.cumsum(lens) - 1)] = False
-    return mask
 
 
-def _assert_outputs(stock, tree, keys=("log_probs", "entropy")):
-    for key in keys:
-        a, b = stock["model_output"][key], tree["model_output"][key]
-        assert torch.equal(a.offsets(), b.offsets()), key
-        va, vb = a.values().detach(), b.values().detach()
-        if key == "log_probs":  # the last row of a sequence predicts nothing (verl never reads it)
-            keep = _seq_last_mask(a)
-            assert torch.all(vb[~keep] == 0)
-            va, vb = va[keep], vb[keep]
-        torch.testing.assert_close(vb, va, rtol=RTOL, atol=ATOL)
 
 
-def _assert_grads(g_stock, g_tree):
-    assert all(g is not None for g in g_stock)
-    for a, b in zip(g_stock, g_tree):
-        torch.testing.assert_close(b, a, rtol=RTOL, atol=1e-6)
 
 
 def _ppo(loss_agg_mode="token-mean"):
@@ -100,8 +80,6 @@ def _ppo(loss_agg_mode="token-mean"):
     return partial(ppo_loss, config=cfg)
 
 
-def _tokens(out):
-    return sum(out["metrics"][TOKENS_IN]), sum(out["metrics"][TOKENS_PACKED])
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
@@ -112,8 +90,8 @@ def test_log_probs_and_entropy_match_stock(env, workload):
     setting = _setting(MODES[workload])
     stock, _ = _run(impl, model, data, setting, patched=False)
     tree, _ = _run(impl, model, data, setting, patched=True)
-    _assert_outputs(stock, tree)
-    n, t = _tokens(tree)
+    assert_outputs(stock, tree)
+    n, t = step_tokens(tree)
     assert n == int(data["input_ids"].offsets()[-1]) and t < n  # the tree path really ran
 
 
@@ -131,7 +109,7 @@ def test_ppo_loss_and_gradients_match_stock(env, workload, loss_agg_mode):
     stock, g_stock = _run(impl, model, data, setting, False, loss_fn)
     tree, g_tree = _run(impl, model, data, setting, True, loss_fn)
     np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
-    _assert_grads(g_stock, g_tree)
+    assert_grads(g_stock, g_tree)
 
 
 def test_disabled_by_env_is_bit_identical(env, monkeypatch):
@@ -172,11 +150,11 @@ def test_micro_batched_outputs_restored_in_batch_order(env, dynamic):
     stock, g_stock = _run(impl, model, data, setting, False, _ppo())
     tree, g_tree = _run(impl, model, data, setting, True, _ppo())
     np.testing.assert_allclose(sum(tree["loss"]), sum(stock["loss"]), rtol=RTOL)
-    _assert_grads(g_stock, g_tree)
+    assert_grads(g_stock, g_tree)
     stock_i, _ = _run(impl, model, data, setting, False)
     tree_i, _ = _run(impl, model, data, setting, True)
-    _assert_outputs(stock_i, tree_i)
-    n, t = _tokens(tree_i)
+    assert_outputs(stock_i, tree_i)
+    n, t = step_tokens(tree_i)
     assert t < n and len(tree_i["metrics"][TOKENS_IN]) >= 2  # several micro-batches, all sharing
 
 
@@ -189,7 +167,7 @@ def test_fallback_when_savings_too_small(env):
     stock, _ = _run(impl, model, data, setting, False)
     tree, _ = _run(impl, model, data, setting, True)
     assert torch.equal(stock["model_output"]["log_probs"].values(), tree["model_output"]["log_probs"].values())
-    n, t = _tokens(tree)
+    n, t = step_tokens(tree)
     assert n == t == 30
 
 
@@ -230,18 +208,19 @@ def test_critic_values_and_value_loss_match_stock(env):
     critic.output_layer = _ValueHead(cfg.hidden_size)
     rng = np.random.default_rng(8)
     data = make_batch(WORKLOADS["stepwise"](rng), rng)
-    data["values"] = torch.randn(data["responses"].shape) * data["response_mask"]
-    data["returns"] = torch.randn(data["responses"].shape) * data["response_mask"]
+    gen = torch.Generator().manual_seed(8)  # independent of test order
+    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
     setting = _setting("arbitrary_prefix")
     cls = impl.MegatronEngineWithValueHead
     stock, _ = _run(impl, critic, data, setting, False, cls=cls)
     tree, _ = _run(impl, critic, data, setting, True, cls=cls)
-    _assert_outputs(stock, tree, keys=("values",))
+    assert_outputs(stock, tree, keys=("values",))
     loss_fn = partial(value_loss, config=McoreCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
     stock, g_stock = _run(impl, critic, data, setting, False, loss_fn, cls=cls)
     tree, g_tree = _run(impl, critic, data, setting, True, loss_fn, cls=cls)
     np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
-    _assert_grads(g_stock, g_tree)
+    assert_grads(g_stock, g_tree)
 
 
 class _ModelConfig(dict):
@@ -321,7 +300,7 @@ def test_tree_path_serves_padded_bshd_configs(env):
     model.zero_grad(set_to_none=True)
     tree = engine.forward_backward_batch(data.clone(), loss_function=_ppo(), forward_only=False)
     np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
-    _assert_grads(g_stock, [p.grad for p in model.parameters()])
+    assert_grads(g_stock, [p.grad for p in model.parameters()])
 
 
 def test_tensor_parallel_2_matches_stock(tmp_path):

@@ -67,9 +67,9 @@ def tree_spec_args(args: Any) -> Iterator[None]:
 def build_refusal(engine: Any, args: Any) -> str | None:
     """Why this engine's model must be built with stock specs (None: tree specs)."""
     from ps_mcore.mindspeed.state import RESET_ATTENTION_MASK_REASON
-    from ps_mcore.verl.megatron import _tree_build_refusal
+    from ps_mcore.verl.megatron import tree_build_refusal
 
-    refusal = _tree_build_refusal(engine)
+    refusal = tree_build_refusal(engine)
     if refusal is not None:
         return f"{refusal} is not supported by tree attention"
     if getattr(args, "reset_attention_mask", False):

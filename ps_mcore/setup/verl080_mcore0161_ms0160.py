@@ -25,9 +25,14 @@ def detect() -> str | None:
 
 
 def _install(patcher) -> None:
+    from ps_mcore.mindspeed.patch import engine_available, install_patches
     from ps_mcore.verl.megatron import install_megatron_patches
 
     install_megatron_patches(patcher)
+    # verl's MindSpeed engine module imports without MindSpeed, so CPU tests cover the patch;
+    # the patched class only ever runs on NPU.
+    if engine_available():
+        install_patches(patcher)
 
 
 PATCHSET = register(

@@ -95,3 +95,34 @@ def saved_fraction(plan: TreePlan) -> float:
 def nested_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Jagged nested tensor with ``like``'s offsets holding ``values`` ``[N, ...]``."""
     return torch.nested.nested_tensor_from_jagged(values, offsets=like.offsets().to(values.device))
+
+
+def batch_flag(batch, key: str) -> bool:
+    """A boolean non-tensor entry of a verl micro-batch (False when absent)."""
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(batch, key=key, default=False))
+
+
+def uniform_temperature(temp) -> float | None:
+    """The one temperature of a micro-batch (verl's 1e-8 floor applied; 1.0 when unset), or
+    None when samples have different temperatures."""
+    if temp is None:
+        return 1.0
+    values = temp.values() if getattr(temp, "is_nested", False) else torch.as_tensor(temp)
+    values = values.reshape(-1)
+    if values.numel() and not torch.all(values == values[0]):
+        return None
+    t = float(values[0]) if values.numel() else 1.0
+    return t if t > 0 else 1e-8
+
+
+def lm_head_batch_reason(batch, temperature: float | None) -> str | None:
+    """Why an LM micro-batch's log-prob request cannot take the tree path (None: it can)."""
+    if temperature is None:
+        return "per-sample temperatures are not supported"
+    if batch_flag(batch, "calculate_sum_pi_squared"):
+        return "calculate_sum_pi_squared is not supported"
+    if batch_flag(batch, "distillation_use_topk"):
+        return "distillation top-k logits are not supported"
+    return None

@@ -41,9 +41,16 @@ from typing import Callable
 import torch
 
 from ps_mcore.setup.patching import info_once, warn_once
-from ps_mcore.verl.batch import nested_like, plan_batch, saved_fraction, sequence_lengths
+from ps_mcore.verl.batch import (
+    batch_flag,
+    lm_head_batch_reason,
+    nested_like,
+    plan_batch,
+    saved_fraction,
+    sequence_lengths,
+    uniform_temperature,
+)
 from ps_mcore.verl.engine import active_setting, current_micro_batch, prefix_aware, run_step_with_context
-from ps_mcore.verl.megatron import _batch_flag, _uniform_temperature
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
 PLAN_KEY = "ps_mcore_tree_plan"
@@ -68,7 +75,7 @@ def batch_fallback_reason(batch) -> str | None:
 
     if tu.get_non_tensor_data(batch, key="sp_size", default=1) > 1:
         return _SP_REASON
-    if _batch_flag(batch, "use_fused_kernels"):
+    if batch_flag(batch, "use_fused_kernels"):
         return (
             "use_fused_kernels=True: verl's fused forward computes the log-probs itself (set "
             "actor_rollout_ref.model.use_fused_kernels=False to share)"
@@ -103,7 +110,7 @@ def _positions_are_offsets(batch) -> bool:
 def micro_batch_temperature(batch) -> float | None:
     """The micro-batch's single temperature with verl's ``clamp(min=1e-8)``, or None when
     samples have different temperatures."""
-    temperature = _uniform_temperature({"logits_processor_args": {"temperature": batch["temperature"]}})
+    temperature = uniform_temperature(batch["temperature"])
     return None if temperature is None else max(temperature, 1e-8)
 
 
@@ -126,12 +133,9 @@ def unsupported_reason(engine, batch) -> str | None:
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        if micro_batch_temperature(batch) is None:
-            return "per-sample temperatures are not supported"
-        if _batch_flag(batch, "calculate_sum_pi_squared"):
-            return "calculate_sum_pi_squared is not supported"
-        if _batch_flag(batch, "distillation_use_topk"):
-            return "distillation top-k logits are not supported"
+        reason = lm_head_batch_reason(batch, micro_batch_temperature(batch))
+        if reason is not None:
+            return reason
     return _model_reason(engine.module)
 
 
@@ -224,7 +228,7 @@ def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.T
         output.logits[0],
         output_args[PLAN_KEY],
         temperature=output_args[TEMPERATURE_KEY],
-        compute_entropy=_batch_flag(micro_batch, "calculate_entropy"),
+        compute_entropy=batch_flag(micro_batch, "calculate_entropy"),
     )
     result = {"log_probs": nested_like(logprobs, micro_batch["input_ids"])}
     if entropy is not None:

@@ -32,7 +32,14 @@ import torch
 
 from ps_mcore.setup.env import prefix_sharing_enabled
 from ps_mcore.setup.patching import info_once, warn_once
-from ps_mcore.verl.batch import nested_like, plan_batch, saved_fraction
+from ps_mcore.verl.batch import (
+    batch_flag,
+    lm_head_batch_reason,
+    nested_like,
+    plan_batch,
+    saved_fraction,
+    uniform_temperature,
+)
 from ps_mcore.verl.config import resolve_setting
 from ps_mcore.verl.engine import current_micro_batch, run_step_with_context
 
@@ -58,29 +65,19 @@ def has_tree_attention(model) -> bool:
     return _HAS_TREE[inner]
 
 
-def _batch_flag(batch, key: str) -> bool:
-    from verl.utils import tensordict_utils as tu
-
-    return bool(tu.get_non_tensor_data(batch, key=key, default=False))
-
-
 def _uniform_temperature(args: dict) -> float | None:
-    """The one temperature of the micro-batch (verl's 1e-8 floor applied), else None."""
-    temp = (args.get("logits_processor_args") or {}).get("temperature")
-    if temp is None:
-        return 1.0
-    values = temp.values() if getattr(temp, "is_nested", False) else torch.as_tensor(temp)
-    values = values.reshape(-1)
-    if values.numel() and not torch.all(values == values[0]):
-        return None
-    t = float(values[0]) if values.numel() else 1.0
-    return t if t > 0 else 1e-8
+    return uniform_temperature((args.get("logits_processor_args") or {}).get("temperature"))
 
 
 def unsupported_reason(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
     from megatron.core import parallel_state as mpu
 
+    from ps_mcore.mindspeed import unsupported_reason as mindspeed_reason
+
+    reason = mindspeed_reason()
+    if reason is not None:
+        return reason
     if args.get("local_cp_size") is not None or mpu.get_context_parallel_world_size() > 1:
         return "context parallelism is not supported by tree attention (CP > 1)"
     if args.get("vision_model") or args.get("multi_modal_inputs"):
@@ -92,12 +89,7 @@ def unsupported_reason(model, args: dict, batch) -> str | None:
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        if _uniform_temperature(args) is None:
-            return "per-sample temperatures are not supported"
-        if _batch_flag(batch, "calculate_sum_pi_squared"):
-            return "calculate_sum_pi_squared is not supported"
-        if _batch_flag(batch, "distillation_use_topk"):
-            return "distillation top-k logits are not supported"
+        return lm_head_batch_reason(batch, _uniform_temperature(args))
     return None
 
 
@@ -122,10 +114,12 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
 
     from ps_mcore.layer_specs import TreePackedSeqParams
     from ps_mcore.logprobs import token_logprobs
+    from ps_mcore.mindspeed import set_tree_sequence_state
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
     psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=mpu.get_tensor_model_parallel_world_size())
+    set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
     output = model(
         input_ids=psp.pad_rows(plan.input_ids)[None],
         attention_mask=None,
@@ -143,7 +137,7 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
         rows,
         plan,
         temperature=_uniform_temperature(args),
-        compute_entropy=_batch_flag(batch, "calculate_entropy"),
+        compute_entropy=batch_flag(batch, "calculate_entropy"),
         tp_group=_tp_group(),
     )
     result = {"log_probs": nested_like(logprobs, input_ids)}
@@ -215,7 +209,12 @@ ROPE_FUSION_REASON = (
 )
 
 
-def _tree_build_refusal(engine) -> str | None:
+def tree_build_refusal(engine) -> str | None:
+    """Why the engine's model must be built with stock specs (None: tree specs)."""
+    from ps_mcore.mindspeed.state import reset_attention_mask_active
+
+    if reset_attention_mask_active():
+        return "MindSpeed's reset-attention-mask"
     cfg = engine.engine_config
     if getattr(cfg, "context_parallel_size", 1) > 1 or getattr(cfg, "dynamic_context_parallel", False):
         return "context parallelism"
@@ -230,7 +229,7 @@ def patched_build_module(original: Callable) -> Callable:
     def _build_megatron_module(self):
         if resolve_setting(self.engine_config) is None or not prefix_sharing_enabled():
             return original(self)
-        refusal = _tree_build_refusal(self)
+        refusal = tree_build_refusal(self)
         if refusal is not None:
             warn_once("build:" + refusal, f"model built with stock specs: {refusal} is not supported by tree attention")
             return original(self)
