@@ -249,6 +249,13 @@ def test_tree_model_on_sbhd_batches_matches_stock(models):
         ids = torch.as_tensor(np.stack([a, b]), dtype=torch.long)
         got = tree(ids, torch.arange(len(a))[None].expand(2, -1), None)
         torch.testing.assert_close(got[1], stock_forward(stock, b), **TOL)
+        # a right-padded batch with verl's [b, s] key-padding mask (True = token)
+        short = seqs[1][: len(a) // 2]
+        ids = torch.as_tensor(np.stack([a, np.pad(short, (0, len(a) - len(short)))]), dtype=torch.long)
+        keep = torch.arange(len(a))[None] < torch.tensor([[len(a)], [len(short)]])
+        got = tree(ids, torch.arange(len(a))[None].expand(2, -1), keep)
+        torch.testing.assert_close(got[0], stock_forward(stock, a), **TOL)
+        torch.testing.assert_close(got[1, : len(short)], stock_forward(stock, short), **TOL)
 
 
 @pytest.mark.parametrize("pad_each", [1, 4])

@@ -218,6 +218,11 @@ class TreeCoreAttention(MegatronModule):
                     f"attention_mask must be boolean (True = masked), got {attention_mask.dtype}"
                 )
             causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            allowed = causal & ~attention_mask
+            if attention_mask.shape == (b, s):
+                # verl's padded (bshd) path hands TE-style key-padding masks, True = token.
+                # Padding keys are hidden; a padding query still sees the real keys before it.
+                allowed = causal & attention_mask[:, None, None, :]
+            else:
+                allowed = causal & ~attention_mask
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
