@@ -61,3 +61,30 @@ def write_report(report: str, out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             f.write(report)
+
+
+def model_benchmark_parser(doc: str):
+    """The arguments every whole-model benchmark (model.py, hf.py) shares."""
+    import argparse
+
+    from ps_mcore.workloads import WORKLOADS
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
+    p.add_argument("--out", help="also write the table (markdown) here")
+    return p
+
+
+def parse_model_benchmark_args(parser, script: str):
+    """Parse; refuse a GPU run without CUDA; shorten a ``--tiny`` smoke run."""
+    args = parser.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    if args.tiny:
+        args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 2)
+    return args

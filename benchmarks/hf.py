@@ -17,21 +17,20 @@ attention pairs * attention) / (T * linear + tree pairs * attention), LM head in
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, peak_mib, time_ms, write_report  # noqa: E402
+from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, peak_mib, time_ms, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
 from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.fsdp_bridge import disable_tree_attention, forward_tree  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
-from ps_mcore.workloads import WORKLOADS, make_workload  # noqa: E402
+from ps_mcore.workloads import make_workload  # noqa: E402
 
 QWEN25_15B = dict(
     hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
@@ -168,19 +167,7 @@ def run(args) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
-    p.add_argument("--out", help="also write the table (markdown) here")
-    args = p.parse_args()
-    if not args.tiny and not torch.cuda.is_available():
-        sys.exit("benchmarks/hf.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
-    if args.tiny:
-        args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 2)
+    args = parse_model_benchmark_args(model_benchmark_parser(__doc__), "benchmarks/hf.py")
     report = run(args)
     write_report(report, args.out)
 

@@ -25,7 +25,6 @@ memory target is tree <= baseline x T/N + 15%.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -33,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, peak_mib, time_ms, write_report  # noqa: E402
+from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, peak_mib, time_ms, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
 from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
-from ps_mcore.workloads import WORKLOADS, make_workload  # noqa: E402
+from ps_mcore.workloads import make_workload  # noqa: E402
 
 QWEN25_15B = dict(hidden=1536, heads=12, kv_heads=2, head_dim=128, ffn=8960, vocab=151936)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512)
@@ -220,23 +219,12 @@ def run(args) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p = model_benchmark_parser(__doc__)
     p.add_argument("--fusions", action="store_true",
                    help="megatron's bias-activation / bias-dropout fusions (torch.compile'd)")
-    p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (run under torchrun)")
     p.add_argument("--cp", type=int, default=1, help="context parallel size (run under torchrun)")
-    p.add_argument("--out", help="also write the table (markdown) here")
-    args = p.parse_args()
-    if not args.tiny and not torch.cuda.is_available():
-        sys.exit("benchmarks/model.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
-    if args.tiny:
-        args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 2)
+    args = parse_model_benchmark_args(p, "benchmarks/model.py")
     report = run(args)
     if dist.get_rank() == 0:
         write_report(report, args.out)
