@@ -14,6 +14,7 @@ q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (GQA grouped: query head i reads kv head
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -139,8 +140,14 @@ FLASH_ATTN_KERNEL = VarlenKernel("flash_attn", _flash_attn_forward, _flash_attn_
 
 
 def flash_kernel_for(device: torch.device) -> VarlenKernel | None:
-    """The fastest varlen flash kernel usable on ``device``, or None."""
-    if device.type != "cuda":
+    """The fastest varlen flash kernel usable on ``device``, or None (cached per device type:
+    every layer of every micro-batch asks)."""
+    return _flash_kernel_for(device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_kernel_for(device_type: str) -> VarlenKernel | None:
+    if device_type != "cuda":
         return None
     if hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_flash_attention_available():
         return TORCH_FLASH_KERNEL
