@@ -92,7 +92,7 @@ def train_step(model, plan: TreePlan, token_weight: torch.Tensor, iters: int) ->
     def step(measure_memory=False):
         model.zero_grad(set_to_none=True)
         hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda x: x)
-        with hooks if measure_memory else _Null():
+        with hooks if measure_memory else contextlib.nullcontext():
             logits = model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None],
                            attention_mask=None, packed_seq_params=psp)[0]
             logprobs, _ = token_logprobs(logits, plan)
@@ -112,14 +112,6 @@ def train_step(model, plan: TreePlan, token_weight: torch.Tensor, iters: int) ->
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return StepResult(logprobs, grads, float(np.median(times)), sum(saved.values()) / 2**20)
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @contextlib.contextmanager
