@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, markdown_table, peak_mib, time_ms, write_report  # noqa: E402
 
-from ps_mcore import plan_prefix_tree, tree_attention  # noqa: E402
+from ps_mcore import plan_prefix_tree, plan_unshared, tree_attention  # noqa: E402
 from ps_mcore.workloads import WORKLOADS, make_workload  # noqa: E402
 
 GRPO = ("grpo-long-prompt", "grpo-wide", "grpo-math")
@@ -98,7 +98,7 @@ def run(args) -> str:
         print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
         w = make_workload(name, seed=args.seed)
         plan = plan_prefix_tree(w.sequences).to("cuda")
-        base_plan = plan_prefix_tree(w.sequences, min_prefix_len=10**9).to("cuda")  # unshared
+        base_plan = plan_unshared(w.sequences).to("cuda")
         stats = plan.stats()
         n, t = stats["N"], stats["T"]
 

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, peak_mib, time_ms, write_report  # noqa: E402
 
-from ps_mcore import plan_prefix_tree  # noqa: E402
+from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
 from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.fsdp_bridge import disable_tree_attention, forward_tree  # noqa: E402
@@ -41,7 +41,6 @@ TINY = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=True,
 )
-UNSHARED = 10**9  # min_prefix_len no run reaches: the plan of the batch as is
 
 
 def build_model(dims: dict, layers: int, device: str, dtype: torch.dtype):
@@ -70,7 +69,7 @@ class Steps:
         self.device = device
         self.seqs = [torch.as_tensor(s, device=device) for s in sequences]
         self.plan = plan_prefix_tree(sequences).to(device)  # planner defaults
-        self.flat_plan = plan_prefix_tree(sequences, min_prefix_len=UNSHARED).to(device)
+        self.flat_plan = plan_unshared(sequences).to(device)
         self.seq_plans = [plan_prefix_tree([s]).to(device) for s in sequences]
         gen = torch.Generator().manual_seed(1)
         self.weights = torch.empty(len(sequences)).uniform_(-1, 1, generator=gen).tolist()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, peak_mib, time_ms, write_report  # noqa: E402
 
-from ps_mcore import plan_prefix_tree  # noqa: E402
+from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
 from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
@@ -42,7 +42,6 @@ from ps_mcore.workloads import make_workload  # noqa: E402
 
 QWEN25_15B = dict(hidden=1536, heads=12, kv_heads=2, head_dim=128, ffn=8960, vocab=151936)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512)
-UNSHARED = 10**9  # min_prefix_len no run reaches: the plan of the batch as is
 
 
 def init_parallel(device: str, tp: int = 1, cp: int = 1) -> None:
@@ -125,7 +124,7 @@ class Steps:
             return TreePackedSeqParams.from_plan(plan, pad, cp_size=cp, cp_rank=cp_rank)
 
         self.plan = plan_prefix_tree(sequences).to(device)
-        self.flat = plan_prefix_tree(sequences, min_prefix_len=UNSHARED).to(device)
+        self.flat = plan_unshared(sequences).to(device)
         assert self.flat.is_trivial  # rows = the sequences back to back, as in thd_params
         lengths = [len(s) for s in sequences]
         self.tree_psp = packed(self.plan)

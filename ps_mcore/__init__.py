@@ -7,8 +7,8 @@ Importing ``ps_mcore`` patches nothing; see ``ps_mcore.setup`` and ``import pref
 
 from ps_mcore.attention import tree_attention
 from ps_mcore.logprobs import token_logprobs
-from ps_mcore.planner import TreePlan, plan_prefix_tree
+from ps_mcore.planner import TreePlan, plan_prefix_tree, plan_unshared
 
 __version__ = "0.1.0"
 
-__all__ = ["TreePlan", "plan_prefix_tree", "token_logprobs", "tree_attention", "__version__"]
+__all__ = ["TreePlan", "plan_prefix_tree", "plan_unshared", "token_logprobs", "tree_attention", "__version__"]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ps_mcore.flops import DecoderShape
-from ps_mcore.planner import TreePlan, plan_prefix_tree
+from ps_mcore.planner import TreePlan, plan_prefix_tree, plan_unshared
 from ps_mcore.workloads import WORKLOADS, Workload, make_workload
 
 TINY = DecoderShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=1024)
@@ -131,7 +131,7 @@ def _megatron_rope_on(device: torch.device):
 
 def compare(model, w: Workload, device, iters: int, seed: int) -> dict:
     plan = plan_fn(w).to(device)
-    unshared = plan_prefix_tree(w.sequences, min_prefix_len=10**9).to(device)
+    unshared = plan_unshared(w.sequences).to(device)
     rng = np.random.default_rng(seed)
     weights = rng.uniform(0.2, 2.0, len(w.sequences))
     token_weight = torch.tensor(np.repeat(weights, [len(s) for s in w.sequences]),

@@ -467,3 +467,12 @@ def plan_prefix_tree(
         next_token_mask=torch.from_numpy(next_mask),
         node_parent=i64(parent),
     )
+
+
+def plan_unshared(sequences: Sequence[Any]) -> TreePlan:
+    """The plan of the batch as it is: one node per sequence, nothing shared, batch order.
+
+    The unshared baseline every comparison uses (and the layout of ordinary packed batches):
+    the same kernels run it with no gather."""
+    seqs = list(sequences.unbind() if isinstance(sequences, torch.Tensor) and sequences.is_nested else sequences)
+    return plan_prefix_tree(seqs, min_prefix_len=1, group_ids=range(len(seqs)))

@@ -239,3 +239,14 @@ def test_unpack_backward_sums_shared_rows():
     assert x.grad[0, 0] == 0 + 4  # the shared first token collects both samples
     with pytest.raises(ValueError, match="rows"):
         plan.unpack(torch.zeros(2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests())
+def test_plan_unshared_is_the_batch_as_is(seqs):
+    from ps_mcore import plan_unshared
+
+    plan = plan_unshared(seqs)
+    check_invariants(plan, seqs)
+    assert plan.is_trivial and plan.num_nodes == len(seqs)
+    assert torch.equal(plan.unpack_index, torch.arange(plan.num_tokens))

@@ -18,7 +18,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ps_mcore.layer_specs.context_parallel import CPLayout, build_cp_layout
-from ps_mcore.planner import TreePlan, plan_prefix_tree
+from ps_mcore.planner import TreePlan, plan_unshared
 
 
 @dataclass
@@ -144,7 +144,7 @@ def segment_plan(lengths: list[int]) -> TreePlan:
     if not lengths:
         raise ValueError("packed_seq_params describe no rows (all sequence lengths are 0)")
     seqs = [np.zeros(n, dtype=np.int64) for n in lengths]
-    return plan_prefix_tree(seqs, min_prefix_len=1, group_ids=range(len(seqs)))
+    return plan_unshared(seqs)
 
 
 def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.device) -> TreePlan:
