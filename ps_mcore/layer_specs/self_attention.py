@@ -23,13 +23,21 @@ _FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
 
 
 def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Tensor:
-    """``[S, 1, 1, d] -> [T_pad, 1, 1, d]``: the table row of every packed token's position."""
+    """``[S, 1, 1, d] -> [T_pad, 1, 1, d]``: the table row of every packed token's position.
+
+    Every layer receives the same table from GPTModel: it is indexed once per micro-batch
+    (cached on the packed params, keyed by the table object itself)."""
+    cached = psp.__dict__.get("_tree_rope")
+    if cached is not None and cached[0] is table:
+        return cached[1]
     if table.size(0) < psp.plan.max_seqlen_kv:
         raise ValueError(
             f"rotary table has {table.size(0)} rows but the plan reaches position "
             f"{psp.plan.max_seqlen_kv - 1}; build packed params with TreePackedSeqParams.from_plan"
         )
-    return table.index_select(0, psp.position_ids.to(table.device))
+    out = table.index_select(0, psp.position_ids.to(table.device))
+    psp.__dict__["_tree_rope"] = (table, out)
+    return out
 
 
 def _tree_rope(rope, psp: TreePackedSeqParams):
