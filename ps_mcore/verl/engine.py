@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from ps_mcore.setup.env import prefix_sharing_enabled
 from ps_mcore.setup.patching import warn_once
+from ps_mcore.verl.batch import batch_flag
 from ps_mcore.verl.config import PrefixSharingSetting, resolve_setting
 from ps_mcore.verl.microbatch import prefix_aware_prepare_micro_batches, restore_order
 from ps_mcore.verl.trainer import TOKENS_IN, TOKENS_PACKED
@@ -123,7 +124,7 @@ def run_step_with_context(engine, batch_iter, call: Callable[[Any], tuple]):
         _MICRO.reset(token)
     if micro.tokens is not None:
         postprocess = with_token_metrics(postprocess, micro.tokens)
-    elif _fused(batch):
+    elif batch_flag(batch, "use_fused_kernels"):
         warn_once(
             "fused-kernels",
             "use_fused_kernels=True: verl's fused forward runs these micro-batches without "
@@ -132,7 +133,11 @@ def run_step_with_context(engine, batch_iter, call: Callable[[Any], tuple]):
     return output, postprocess
 
 
-def _fused(batch) -> bool:
-    from verl.utils import tensordict_utils as tu
-
-    return bool(tu.get_non_tensor_data(batch, key="use_fused_kernels", default=False))
+def install_engine_micro_batching(patcher, engine_module, engine_cls, prepare: Callable | None = None) -> None:
+    """The wiring every verl engine patchset shares: the micro-batch context around
+    ``engine_cls.forward_backward_batch``, prefix-aware ``prepare_micro_batches`` where
+    ``engine_module`` imported it by name (``prepare`` wraps the stock one; default
+    :func:`prefix_aware`), and outputs restored to batch order."""
+    patcher.wrap(engine_cls, "forward_backward_batch", with_engine_context)
+    patcher.wrap(engine_module, "prepare_micro_batches", prepare or prefix_aware)
+    patcher.wrap(engine_module, "postprocess_batch_func", restoring)

@@ -293,16 +293,14 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
-    from ps_mcore.verl.engine import restoring, with_engine_context
+    from ps_mcore.verl.engine import install_engine_micro_batching
 
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
-    patcher.wrap(impl.FSDPEngine, "forward_backward_batch", with_engine_context)
     patcher.wrap(lm, "forward_step", patched_forward_step)
     patcher.wrap(lm, "prepare_model_inputs", lambda original: patched_prepare_model_inputs(original, patcher))
     patcher.wrap(lm, "prepare_model_outputs", lambda original: patched_prepare_model_outputs(original, tree_lm_outputs))
     patcher.wrap(
         value, "prepare_model_outputs", lambda original: patched_prepare_model_outputs(original, tree_value_outputs)
     )
-    patcher.wrap(impl, "prepare_micro_batches", prefix_aware_unless_stock)
-    patcher.wrap(impl, "postprocess_batch_func", restoring)
+    install_engine_micro_batching(patcher, impl, impl.FSDPEngine, prefix_aware_unless_stock)

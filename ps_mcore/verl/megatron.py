@@ -287,12 +287,10 @@ def install_megatron_patches(patcher) -> None:
     import verl.models.mcore as mcore
     from verl.workers.engine.megatron import transformer_impl as impl
 
-    from ps_mcore.verl.engine import prefix_aware, restoring, with_engine_context
+    from ps_mcore.verl.engine import install_engine_micro_batching
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", patched_get_forward_fn)
-    patcher.wrap(impl.MegatronEngine, "forward_backward_batch", with_engine_context)
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", patched_build_module)
     patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", patched_forward_step)
     patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", patched_forward_step)
-    patcher.wrap(impl, "prepare_micro_batches", prefix_aware)
-    patcher.wrap(impl, "postprocess_batch_func", restoring)
+    install_engine_micro_batching(patcher, impl, impl.MegatronEngine)
