@@ -19,7 +19,7 @@ export ENABLE_PREFIX_SHARING=${ENABLE_PREFIX_SHARING:-1}
 # Load the patches in the driver and in every Ray worker through verl's plugin hook (the
 # shipped config also sets actor_rollout_ref.model.external_lib=prefix_sharing).
 export VERL_USE_EXTERNAL_MODULES=prefix_sharing
-PS_CONFIG_DIR=$(python3 -c "import ps_mcore.verl as v; print(v.CONFIG_DIR)")
+PS_CONFIG_DIR=$(python3 -c "import ps_mcore.integrations.verl080 as v; print(v.CONFIG_DIR)")
 
 OVERRIDES=(
     algorithm.adv_estimator=grpo

@@ -35,7 +35,7 @@ import numpy as np
 
 from ps_mcore.planner import MODES, TreePlan, plan_prefix_tree
 from ps_mcore.table import format_table
-from ps_mcore.verl.config import PrefixGrouperConfig  # plain dataclass, imports no verl
+from ps_mcore.config import PrefixGrouperConfig
 
 ID_PAIRS = (("prompt_ids", "response_ids"), ("prompt_token_ids", "response_token_ids"),
             ("prompts", "responses"))

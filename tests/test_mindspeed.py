@@ -48,11 +48,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.layer_specs import TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec  # noqa: E402
 from ps_mcore.layer_specs.packed_params import segment_plan  # noqa: E402
-from ps_mcore.mindspeed import patch as ms_patch  # noqa: E402
+from ps_mcore.integrations.verl080 import mindspeed as ms_patch  # noqa: E402
 from ps_mcore.mindspeed import spec as ms_spec  # noqa: E402
 from ps_mcore.mindspeed import state as ms_state  # noqa: E402
 from ps_mcore.setup.patching import Patcher  # noqa: E402
-from ps_mcore.verl.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 FORESTS = nasty_forests(3)
@@ -334,9 +334,10 @@ ON = PrefixSharingSetting(True, PrefixGrouperConfig())
 @pytest.fixture
 def build_patch():
     assert not ms_patch.installed()
-    assert ms_patch.install() is True
+    patcher = Patcher()
+    assert ms_patch.install_mindspeed_build_patch(patcher) is True
     yield
-    ms_patch.uninstall()
+    patcher.restore()
     assert not ms_patch.installed()
 
 
@@ -345,16 +346,17 @@ def test_build_patch_installs_and_restores_exactly():
 
     before = dict(vars(cls))
     assert ms_patch.engine_available()
-    assert ms_patch.install() is True and ms_patch.installed()
+    first = Patcher()
+    assert ms_patch.install_mindspeed_build_patch(first) is True and ms_patch.installed()
     patched = vars(cls)["_build_megatron_module"]
     assert patched is not before["_build_megatron_module"]
-    assert ms_patch.install() is False and vars(cls)["_build_megatron_module"] is patched
-    patcher = Patcher()  # the patchset route sees it installed and adds nothing
-    assert ms_patch.install_patches(patcher) is False and len(patcher) == 0
-    ms_patch.uninstall()
+    assert ms_patch.install_mindspeed_build_patch(first) is False and vars(cls)["_build_megatron_module"] is patched
+    patcher = Patcher()  # a second patcher sees it installed and adds nothing
+    assert ms_patch.install_mindspeed_build_patch(patcher) is False and len(patcher) == 0
+    first.restore()
     assert dict(vars(cls)) == before and not ms_patch.installed()
-    ms_patch.uninstall()  # no-op
-    assert ms_patch.install_patches(patcher) is True and ms_patch.installed()
+    first.restore()  # no-op
+    assert ms_patch.install_mindspeed_build_patch(patcher) is True and ms_patch.installed()
     patcher.restore()
     assert dict(vars(cls)) == before and not ms_patch.installed()
 
@@ -432,9 +434,9 @@ def test_tree_sequence_state_matches_verl_preprocess(stand_in_mindspeed_state, m
 def test_unsupported_under_mindspeed(stand_in_mindspeed_state, monkeypatch):
     store = stand_in_mindspeed_state
     psp = TreePackedSeqParams.from_plan(_plan(FORESTS["grpo"]))
-    assert ms_state.unsupported_reason() is None
+    assert ms_state.mindspeed_refusal() is None
     sys.modules[ms_state.ARGS_UTILS]._MINDSPEED_ARGS.reset_attention_mask = True
-    assert "reset_attention_mask=False" in ms_state.unsupported_reason()
+    assert "reset_attention_mask=False" in ms_state.mindspeed_refusal()
     with pytest.raises(NotImplementedError, match="reset-attention-mask"):
         ms_state.set_tree_sequence_state(psp)
     assert store == {}  # nothing set
@@ -442,18 +444,18 @@ def test_unsupported_under_mindspeed(stand_in_mindspeed_state, monkeypatch):
     megatron_args = types.ModuleType(ms_state.MEGATRON_GLOBAL_VARS, "stand-in for megatron.training.global_vars")
     megatron_args._GLOBAL_ARGS = Namespace(reset_attention_mask=True)  # mindspeed_megatron's args
     monkeypatch.setitem(sys.modules, ms_state.MEGATRON_GLOBAL_VARS, megatron_args)
-    assert ms_state.unsupported_reason() == ms_state.RESET_ATTENTION_MASK_REASON
+    assert ms_state.mindspeed_refusal() == ms_state.RESET_ATTENTION_MASK_REASON
     megatron_args._GLOBAL_ARGS.reset_attention_mask = False
-    assert ms_state.unsupported_reason() is None
+    assert ms_state.mindspeed_refusal() is None
     monkeypatch.setattr(ms_state, "_context_parallel_size", lambda: 2)
-    assert ms_state.unsupported_reason() == ms_state.CONTEXT_PARALLEL_REASON
+    assert ms_state.mindspeed_refusal() == ms_state.CONTEXT_PARALLEL_REASON
 
 
 def test_no_mindspeed_loaded_is_a_no_op():
     assert "mindspeed" not in sys.modules
     psp = TreePackedSeqParams.from_plan(_plan(FORESTS["tree"]))
     assert ms_state.set_tree_sequence_state(psp) is False
-    assert ms_state.unsupported_reason() is None and not ms_state.reset_attention_mask_active()
+    assert ms_state.mindspeed_refusal() is None and not ms_state.reset_attention_mask_active()
     assert "torch_npu" not in sys.modules and "mindspeed" not in sys.modules
 
 
@@ -475,7 +477,7 @@ def test_documented_config_reaches_the_engine():
     from verl.utils.config import omega_conf_to_dataclass
     from verl_helpers import BASE_OVERRIDES, compose, verl_config_dir
 
-    from ps_mcore.verl.config import install_config_patches, reset_actor_setting, resolve_setting
+    from ps_mcore.integrations.verl080.config import install_config_patches, reset_actor_setting, resolve_setting
 
     overrides = _documented_overrides()
     assert "model_engine=mindspeed" in overrides

@@ -9,8 +9,8 @@ from verl_helpers import BASE_OVERRIDES, compose, installed_patchsets, verl_conf
 
 pytest.importorskip("verl")
 
-from ps_mcore.verl import CONFIG_DIR  # noqa: E402
-from ps_mcore.verl.config import ENGINE_ATTR, PrefixGrouperConfig, reset_actor_setting  # noqa: E402
+from ps_mcore.integrations.verl080 import CONFIG_DIR  # noqa: E402
+from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, reset_actor_setting  # noqa: E402
 
 
 def _instantiate_worker_side(cfg):
@@ -57,7 +57,7 @@ def _fresh_actor_setting():
 
 @pytest.mark.parametrize("name", ["prefix_sharing_megatron", "prefix_sharing_fsdp"])
 def test_shipped_config_composes_validates_and_instantiates(name, installed_patchsets):
-    from ps_mcore.verl.trainer import follow_actor_setting
+    from ps_mcore.integrations.verl080.trainer import follow_actor_setting
 
     cfg = compose(CONFIG_DIR, name, BASE_OVERRIDES + ["actor_rollout_ref.actor.prefix_grouper.min_prefix_len=16"])
     assert cfg.actor_rollout_ref.actor.strategy == ("megatron" if "megatron" in name else "fsdp")
@@ -101,7 +101,7 @@ def test_flag_without_sub_config_means_prompt_only_defaults(installed_patchsets)
 
 
 def test_stock_config_without_flag_stays_off(installed_patchsets):
-    from ps_mcore.verl.config import resolve_setting
+    from ps_mcore.integrations.verl080.config import resolve_setting
 
     cfg = compose(verl_config_dir(), "ppo_megatron_trainer", BASE_OVERRIDES)
     actor, ref = _instantiate_worker_side(cfg)

@@ -31,7 +31,7 @@ def _script_overrides(**env):
 def test_run_script_config_composes_and_instantiates(installed_patchsets):
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from ps_mcore.verl.config import ENGINE_ATTR, PrefixGrouperConfig
+    from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig
 
     config_dir, name, overrides = _script_overrides(NGPUS="8", TP="2")
     cfg = compose(config_dir, name, overrides)

@@ -24,8 +24,8 @@ from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, random
 from verl_batches import RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
-from ps_mcore.verl.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.verl.trainer import TOKENS_IN  # noqa: E402
+from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl080.trainer import TOKENS_IN  # noqa: E402
 
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
 
@@ -257,7 +257,7 @@ def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
     from types import SimpleNamespace
 
     from ps_mcore.layer_specs import TreeCoreAttention
-    from ps_mcore.verl.megatron import has_tree_attention
+    from ps_mcore.integrations.verl080.megatron import has_tree_attention
 
     import sys
     import types

@@ -13,10 +13,10 @@ pytest.importorskip("verl")
 
 from verl_batches import WORKLOADS, make_batch  # noqa: E402
 
-from ps_mcore.verl.batch import plan_sequences  # noqa: E402
-from ps_mcore.verl.config import PrefixGrouperConfig  # noqa: E402
-from ps_mcore.verl.microbatch import prefix_aware_prepare_micro_batches, restore_order, sharing_units  # noqa: E402
-from ps_mcore.verl.trainer import group_partitions, summarize_token_metrics  # noqa: E402
+from ps_mcore.integrations.verl080.batch import plan_sequences  # noqa: E402
+from ps_mcore.integrations.verl080.config import PrefixGrouperConfig  # noqa: E402
+from ps_mcore.integrations.verl080.microbatch import prefix_aware_prepare_micro_batches, restore_order, sharing_units  # noqa: E402
+from ps_mcore.integrations.verl080.trainer import group_partitions, summarize_token_metrics  # noqa: E402
 
 
 def _stock(**kwargs):
@@ -49,7 +49,7 @@ def test_dynamic_micro_batches_keep_units_and_respect_budget(seed, mode):
     n = len(data)
     _check_partition(parts, n)
     budget = int(data["max_token_len_per_gpu"])
-    from ps_mcore.verl.batch import group_ids, prompt_lengths, sequences
+    from ps_mcore.integrations.verl080.batch import group_ids, prompt_lengths, sequences
 
     seqs, prompts, groups = sequences(data), prompt_lengths(data), group_ids(data)
     units = sharing_units(seqs, config, prompts, groups)

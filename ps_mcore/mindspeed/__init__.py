@@ -1,19 +1,20 @@
-"""Ascend MindSpeed (branch ``core_r0.16.0``) wiring for verl 0.8.0's NPU Megatron engines.
+"""Ascend MindSpeed (branch ``core_r0.16.0``) pieces of the NPU Megatron path; knows no verl.
 
 * :mod:`ps_mcore.mindspeed.spec`: the ``--spec`` entry point
   ``[ps_mcore.mindspeed.spec, get_tree_spec]``, a layer spec built lazily from the stock
   builders after MindSpeed's patches (imports megatron-core; Megatron imports it itself).
 * :mod:`ps_mcore.mindspeed.state`: MindSpeed's global sequence state for tree micro-batches
   (:func:`set_tree_sequence_state`) and the configurations that rule tree batches out
-  (:func:`unsupported_reason`).
-* :mod:`ps_mcore.mindspeed.patch`: the ``mindspeed_megatron`` engine building its model with
-  the tree spec (``install_patches(patcher)`` for the patchset, ``install()`` /
-  ``uninstall()`` on their own).
+  (:func:`mindspeed_refusal`).
 
-Importing this package imports neither MindSpeed, torch_npu, verl nor megatron-core. See
-docs/mindspeed.md ("MindSpeed wiring").
+verl's ``mindspeed_megatron`` engine building its model with the tree spec is verl glue:
+:mod:`ps_mcore.integrations.verl080.mindspeed`. Importing this package imports neither
+MindSpeed, torch_npu, verl nor megatron-core. See docs/mindspeed.md ("MindSpeed wiring").
 """
 
-from ps_mcore.mindspeed.state import set_tree_sequence_state, unsupported_reason
+from ps_mcore.mindspeed.state import mindspeed_refusal, set_tree_sequence_state
 
-__all__ = ["set_tree_sequence_state", "unsupported_reason"]
+# Old name of :func:`mindspeed_refusal` (three functions shared it); kept importable.
+unsupported_reason = mindspeed_refusal
+
+__all__ = ["mindspeed_refusal", "set_tree_sequence_state", "unsupported_reason"]

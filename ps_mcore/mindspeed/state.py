@@ -16,7 +16,7 @@ reset-attention-mask feature (``GPTModel.forward`` wrapper: it *replaces* the mo
 ``packed_seq_params`` by ``PackedSeqParams(cu_seqlens=actual_seq_len)``, which drops the
 plan, and its RoPE indexes the table by the global positions), its pipeline p2p of that
 feature, and its context-parallel batch slicing. Tree batches are therefore refused under
-reset-attention-mask and under context parallelism with MindSpeed (:func:`unsupported_reason`).
+reset-attention-mask and under context parallelism with MindSpeed (:func:`mindspeed_refusal`).
 
 Only modules already loaded are touched: when MindSpeed was never imported, nothing can
 read its state and nothing is imported here.
@@ -74,7 +74,7 @@ def _context_parallel_size() -> int:
     return int(ps.get_context_parallel_world_size())
 
 
-def unsupported_reason() -> str | None:
+def mindspeed_refusal() -> str | None:
     """Why a tree micro-batch must take verl's stock forward under MindSpeed (None: fine,
     including when MindSpeed is not loaded)."""
     if not mindspeed_loaded():
@@ -108,13 +108,13 @@ def set_tree_sequence_state(psp) -> bool:
 
     Raises:
         NotImplementedError: MindSpeed is loaded in a configuration that would silently
-            replace or mis-rotate the tree batch (:func:`unsupported_reason`); the caller
+            replace or mis-rotate the tree batch (:func:`mindspeed_refusal`); the caller
             should have run the stock forward instead.
     """
     batch_utils, utils = sys.modules.get(BATCH_UTILS), sys.modules.get(UTILS)
     if batch_utils is None and utils is None:
         return False
-    reason = unsupported_reason()
+    reason = mindspeed_refusal()
     if reason is not None:
         raise NotImplementedError(reason)
     if getattr(psp, "cp_layout", None) is not None:

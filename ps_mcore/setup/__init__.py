@@ -12,8 +12,13 @@ Patchsets: ``verl080_mcore0161_ms0160`` (verl 0.8.0 Megatron engine, megatron-co
 MindSpeed 0.16.0) and ``verl080_fsdp`` (verl 0.8.0 FSDP engines). ``ENABLE_PREFIX_SHARING=0``
 makes every patched path call verl's own code unchanged, read at each call. Importing
 ``ps_mcore`` or this package patches nothing.
+
+Two floors: ``patching`` and ``env`` are leaf utilities the integrations import;
+``registry`` (install machinery) and ``patchsets`` (detect + which glue to install) are the
+wiring on top of ``ps_mcore.integrations``.
 """
 
+from ps_mcore.setup import patchsets as _builtin_patchsets  # noqa: F401 (registers the built-ins)
 from ps_mcore.setup.env import ENABLE_VAR, PATCHSET_VAR, prefix_sharing_enabled, requested_patchsets
 from ps_mcore.setup.registry import PATCHSETS, detect, install, installed, uninstall
 

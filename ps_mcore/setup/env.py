@@ -1,7 +1,10 @@
-"""Environment switches, read when they are needed (never cached)."""
+"""The environment: switches read when they are needed (never cached), and probes of the
+installed stack. A leaf: imports nothing of ps_mcore, so the integrations can use it."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 
 ENABLE_VAR = "ENABLE_PREFIX_SHARING"
@@ -30,3 +33,21 @@ def requested_patchsets() -> list[str] | None:
     raw = os.environ.get(PATCHSET_VAR, "")
     names = [n.strip() for n in raw.split(",") if n.strip()]
     return names or None
+
+
+def distribution_version(*names: str) -> str | None:
+    """Installed version of the first distribution found among ``names`` (None if none)."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def module_importable(name: str) -> bool:
+    """Whether ``name`` can be imported (found without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

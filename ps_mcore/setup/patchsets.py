@@ -1,16 +1,31 @@
-"""Patchset ``verl080_mcore0161_ms0160``: verl 0.8.0's Megatron engine on megatron-core
-0.16.x (MindSpeed 0.16.0 on Ascend, when installed). See :mod:`ps_mcore.verl.megatron`."""
+"""The built-in patchsets: pure wiring. Each entry says which stack it needs (``detect``) and
+which integration glue it installs; the glue itself lives in ``ps_mcore.integrations``.
+
+Supporting a new verl release: add ``ps_mcore/integrations/verl0XY/`` (a sibling of
+``verl080``) and one :class:`Patchset` entry here. Integrations are imported only inside
+``install``, so detecting a stack imports no verl / megatron-core.
+"""
 
 from __future__ import annotations
 
-from ps_mcore.setup.registry import Patchset, distribution_version, module_importable, register
-from ps_mcore.setup.verl080_common import VERL080_COMMON, verl_reason
+from ps_mcore.setup.env import distribution_version, module_importable
+from ps_mcore.setup.patching import Patcher
+from ps_mcore.setup.registry import Component, Patchset, register
 
-NAME = "verl080_mcore0161_ms0160"
+
+def verl080_reason() -> str | None:
+    """None when verl 0.8.0 is installed, else why not."""
+    version = distribution_version("verl")
+    if version is None:
+        return "verl is not installed"
+    if not version.startswith("0.8.0"):
+        return f"verl {version} is installed, this patchset is for verl 0.8.0"
+    return None
 
 
-def detect() -> str | None:
-    reason = verl_reason()
+def verl080_mcore016_reason() -> str | None:
+    """None when verl 0.8.0 + megatron-core 0.16.x (+ MindSpeed 0.16, if any) are installed."""
+    reason = verl080_reason()
     if reason is not None:
         return reason
     mcore = distribution_version("megatron-core", "megatron_core")
@@ -24,23 +39,52 @@ def detect() -> str | None:
     return None
 
 
-def _install(patcher) -> None:
-    from ps_mcore.mindspeed.patch import engine_available, install_patches
-    from ps_mcore.verl.megatron import install_megatron_patches
+def verl080_fsdp_reason() -> str | None:
+    """None when verl 0.8.0 and transformers are installed."""
+    reason = verl080_reason()
+    if reason is not None:
+        return reason
+    if distribution_version("transformers") is None:
+        return "transformers is not installed"
+    return None
 
-    install_megatron_patches(patcher)
-    # verl's MindSpeed engine module imports without MindSpeed, so CPU tests cover the patch;
-    # the patched class only ever runs on NPU.
-    if engine_available():
-        install_patches(patcher)
+
+def _install_verl080_common(patcher: Patcher) -> None:
+    from ps_mcore.integrations.verl080.install import install_common
+
+    install_common(patcher)
 
 
-PATCHSET = register(
+def _install_verl080_megatron(patcher: Patcher) -> None:
+    from ps_mcore.integrations.verl080.install import install_megatron_engines
+
+    install_megatron_engines(patcher)
+
+
+def _install_verl080_fsdp(patcher: Patcher) -> None:
+    from ps_mcore.integrations.verl080.install import install_fsdp_engines
+
+    install_fsdp_engines(patcher)
+
+
+VERL080_COMMON = Component(name="verl080_common", install=_install_verl080_common)
+
+VERL080_MCORE = register(
     Patchset(
-        name=NAME,
+        name="verl080_mcore0161_ms0160",
         description="verl 0.8.0 Megatron engine, megatron-core 0.16.x, MindSpeed 0.16.0 (optional)",
-        detect=detect,
-        install=_install,
+        detect=verl080_mcore016_reason,
+        install=_install_verl080_megatron,
+        components=(VERL080_COMMON,),
+    )
+)
+
+VERL080_FSDP = register(
+    Patchset(
+        name="verl080_fsdp",
+        description="verl 0.8.0 FSDP / FSDP2 engines with Hugging Face transformers",
+        detect=verl080_fsdp_reason,
+        install=_install_verl080_fsdp,
         components=(VERL080_COMMON,),
     )
 )

@@ -1,35 +1,18 @@
-"""Patchset registry: what each patchset needs, whether the installed stack has it, and
-installing / uninstalling them (with shared components installed once)."""
+"""Patchset registry: installing / uninstalling registered patchsets (with shared components
+installed once). Pure machinery: the built-in entries are registered by
+:mod:`ps_mcore.setup.patchsets` (imported by ``ps_mcore.setup``), which says what each one
+needs and which glue it installs."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import importlib.util
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ps_mcore.setup.env import distribution_version, module_importable  # noqa: F401 (re-export)
 from ps_mcore.setup.patching import Patcher, warn_once
 
 logger = logging.getLogger("ps_mcore")
-
-
-def distribution_version(*names: str) -> str | None:
-    """Installed version of the first distribution found among ``names`` (None if none)."""
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def module_importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 @dataclass
@@ -69,15 +52,8 @@ def register(patchset: Patchset) -> Patchset:
     return patchset
 
 
-def _load_builtin() -> None:
-    # The patchset modules import no verl/megatron at import time (only in detect/install).
-    importlib.import_module("ps_mcore.setup.verl080_mcore0161_ms0160")
-    importlib.import_module("ps_mcore.setup.verl080_fsdp")
-
-
 def detect() -> dict[str, str | None]:
     """Every known patchset -> None if its stack is installed, else why not."""
-    _load_builtin()
     return {name: ps.detect() for name, ps in PATCHSETS.items()}
 
 

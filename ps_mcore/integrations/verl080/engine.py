@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 from ps_mcore.setup.env import prefix_sharing_enabled
 from ps_mcore.setup.patching import warn_once
-from ps_mcore.verl.batch import batch_flag
-from ps_mcore.verl.config import PrefixSharingSetting, resolve_setting
-from ps_mcore.verl.microbatch import prefix_aware_prepare_micro_batches, restore_order
-from ps_mcore.verl.trainer import TOKENS_IN, TOKENS_PACKED
+from ps_mcore.integrations.verl080.batch import batch_flag
+from ps_mcore.integrations.verl080.config import PrefixSharingSetting, resolve_setting
+from ps_mcore.integrations.verl080.microbatch import prefix_aware_prepare_micro_batches, restore_order
+from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
 
 _ENGINE: contextvars.ContextVar = contextvars.ContextVar("ps_mcore_engine", default=None)
 _MICRO: contextvars.ContextVar = contextvars.ContextVar("ps_mcore_micro_batch", default=None)

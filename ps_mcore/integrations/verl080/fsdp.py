@@ -22,7 +22,7 @@ metrics) runs unchanged around them:
 ``use_remove_padding`` only changes how verl's stock path lays the batch out (one packed row
 vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns the same
 layout. ``use_dynamic_bsz``: verl's ``prepare_micro_batches`` in the FSDP engine module is
-replaced by the shared prefix-aware one (:mod:`ps_mcore.verl.microbatch`).
+replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.microbatch`).
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 from ps_mcore.setup.patching import info_once, warn_once
-from ps_mcore.verl.batch import (
+from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_reason,
     nested_like,
@@ -50,7 +50,7 @@ from ps_mcore.verl.batch import (
     sequence_lengths,
     uniform_temperature,
 )
-from ps_mcore.verl.engine import active_setting, current_micro_batch, prefix_aware, run_step_with_context
+from ps_mcore.integrations.verl080.engine import active_setting, current_micro_batch, prefix_aware, run_step_with_context
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
 PLAN_KEY = "ps_mcore_tree_plan"
@@ -114,7 +114,7 @@ def micro_batch_temperature(batch) -> float | None:
     return None if temperature is None else max(temperature, 1e-8)
 
 
-def unsupported_reason(engine, batch) -> str | None:
+def fsdp_fallback_reason(engine, batch) -> str | None:
     """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
@@ -183,7 +183,7 @@ def tree_model_inputs(micro_batch, plan, temperature: float) -> tuple[dict, dict
     return model_inputs, {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
 
 
-def patched_prepare_model_inputs(original: Callable, patcher) -> Callable:
+def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
     """``FSDPEngineWithLMHead.prepare_model_inputs`` planning the micro-batch (the value-head
     engine inherits it)."""
 
@@ -196,7 +196,7 @@ def patched_prepare_model_inputs(original: Callable, patcher) -> Callable:
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
-        reason = unsupported_reason(self, source)
+        reason = fsdp_fallback_reason(self, source)
         if reason is not None:
             warn_once("fsdp:" + reason, f"FSDP micro-batch runs verl's stock forward: {reason}")
             if micro is not None:
@@ -243,7 +243,7 @@ def tree_value_outputs(output, output_args: dict, micro_batch) -> dict[str, torc
     return {"values": nested_like(values, micro_batch["input_ids"])}
 
 
-def patched_prepare_model_outputs(original: Callable, tree_outputs: Callable) -> Callable:
+def fsdp_prepare_model_outputs(original: Callable, tree_outputs: Callable) -> Callable:
     """``prepare_model_outputs`` reading the tree path's outputs when its inputs planned them."""
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
@@ -254,7 +254,7 @@ def patched_prepare_model_outputs(original: Callable, tree_outputs: Callable) ->
     return prepare_model_outputs
 
 
-def patched_forward_step(original: Callable) -> Callable:
+def fsdp_forward_step(original: Callable) -> Callable:
     """``forward_step`` publishing its micro-batch to ``prepare_model_inputs`` and adding the
     ``prefix_sharing/*`` token counts to its metrics.
 
@@ -293,14 +293,14 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
-    from ps_mcore.verl.engine import install_engine_micro_batching
+    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
 
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
-    patcher.wrap(lm, "forward_step", patched_forward_step)
-    patcher.wrap(lm, "prepare_model_inputs", lambda original: patched_prepare_model_inputs(original, patcher))
-    patcher.wrap(lm, "prepare_model_outputs", lambda original: patched_prepare_model_outputs(original, tree_lm_outputs))
+    patcher.wrap(lm, "forward_step", fsdp_forward_step)
+    patcher.wrap(lm, "prepare_model_inputs", lambda original: fsdp_prepare_model_inputs(original, patcher))
+    patcher.wrap(lm, "prepare_model_outputs", lambda original: fsdp_prepare_model_outputs(original, tree_lm_outputs))
     patcher.wrap(
-        value, "prepare_model_outputs", lambda original: patched_prepare_model_outputs(original, tree_value_outputs)
+        value, "prepare_model_outputs", lambda original: fsdp_prepare_model_outputs(original, tree_value_outputs)
     )
     install_engine_micro_batching(patcher, impl, impl.FSDPEngine, prefix_aware_unless_stock)

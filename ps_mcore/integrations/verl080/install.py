@@ -1,28 +1,25 @@
-"""Patches every verl 0.8.0 patchset shares (installed once): the ``prefix_grouper``
-config keys, ref policy and critic following the actor's setting, DP balancing that keeps groups on one rank (``main_ppo`` and
-``main_ppo_sync``), and the ``prefix_sharing/*`` step metrics."""
+"""Which verl 0.8.0 attributes each patchset wraps (the patchsets in
+:mod:`ps_mcore.setup.patchsets` call these through their :class:`~ps_mcore.setup.patching.Patcher`).
+
+* :func:`install_common` (installed once, shared): the ``prefix_grouper`` config keys, ref
+  policy and critic following the actor's setting, DP balancing that keeps groups on one rank
+  (``main_ppo`` and ``main_ppo_sync``), and the ``prefix_sharing/*`` step metrics.
+* :func:`install_megatron_engines`: the Megatron engine, and verl's ``mindspeed_megatron``
+  engine when its module imports.
+* :func:`install_fsdp_engines`: the FSDP / FSDP2 engines.
+"""
 
 from __future__ import annotations
 
-from ps_mcore.setup.registry import Component, distribution_version
+from ps_mcore.setup.patching import Patcher
 
 
-def verl_reason() -> str | None:
-    """None when verl 0.8.0 is installed, else why not."""
-    version = distribution_version("verl")
-    if version is None:
-        return "verl is not installed"
-    if not version.startswith("0.8.0"):
-        return f"verl {version} is installed, this patchset is for verl 0.8.0"
-    return None
-
-
-def _install(patcher) -> None:
+def install_common(patcher: Patcher) -> None:
     from verl.trainer import main_ppo_sync
     from verl.trainer.ppo import ray_trainer
 
-    from ps_mcore.verl.config import install_config_patches
-    from ps_mcore.verl.trainer import (
+    from ps_mcore.integrations.verl080.config import install_config_patches
+    from ps_mcore.integrations.verl080.trainer import (
         init_workers_following_actor,
         ray_trainer_balance_batch,
         reduce_metrics_with_prefix_sharing,
@@ -38,4 +35,18 @@ def _install(patcher) -> None:
     patcher.wrap(main_ppo_sync, "reduce_metrics", reduce_metrics_with_prefix_sharing)
 
 
-VERL080_COMMON = Component(name="verl080_common", install=_install)
+def install_megatron_engines(patcher: Patcher) -> None:
+    from ps_mcore.integrations.verl080.megatron import install_megatron_patches
+    from ps_mcore.integrations.verl080.mindspeed import engine_available, install_mindspeed_build_patch
+
+    install_megatron_patches(patcher)
+    # verl's MindSpeed engine module imports without MindSpeed, so CPU tests cover the patch;
+    # the patched class only ever runs on NPU.
+    if engine_available():
+        install_mindspeed_build_patch(patcher)
+
+
+def install_fsdp_engines(patcher: Patcher) -> None:
+    from ps_mcore.integrations.verl080.fsdp import install_verl_fsdp_patches
+
+    install_verl_fsdp_patches(patcher)

@@ -32,7 +32,7 @@ import torch
 
 from ps_mcore.setup.env import prefix_sharing_enabled
 from ps_mcore.setup.patching import info_once, warn_once
-from ps_mcore.verl.batch import (
+from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_reason,
     nested_like,
@@ -40,8 +40,8 @@ from ps_mcore.verl.batch import (
     saved_fraction,
     uniform_temperature,
 )
-from ps_mcore.verl.config import resolve_setting
-from ps_mcore.verl.engine import current_micro_batch, run_step_with_context
+from ps_mcore.integrations.verl080.config import resolve_setting
+from ps_mcore.integrations.verl080.engine import current_micro_batch, run_step_with_context
 
 _HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -69,13 +69,13 @@ def _uniform_temperature(args: dict) -> float | None:
     return uniform_temperature((args.get("logits_processor_args") or {}).get("temperature"))
 
 
-def unsupported_reason(model, args: dict, batch) -> str | None:
+def megatron_fallback_reason(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
     from megatron.core import parallel_state as mpu
 
-    from ps_mcore.mindspeed import unsupported_reason as mindspeed_reason
+    from ps_mcore.mindspeed import mindspeed_refusal
 
-    reason = mindspeed_reason()
+    reason = mindspeed_refusal()
     if reason is not None:
         return reason
     if args.get("local_cp_size") is not None or mpu.get_context_parallel_world_size() > 1:
@@ -159,7 +159,7 @@ def tree_engine_forward(stock: Callable) -> Callable:
         args = dict(bound.arguments)
         model, input_ids = args["model"], args["input_ids"]
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
-        reason = unsupported_reason(model, args, micro.batch)
+        reason = megatron_fallback_reason(model, args, micro.batch)
         if reason is not None:
             warn_once("megatron:" + reason, f"Megatron micro-batch runs verl's stock forward: {reason}")
             micro.record(n, n)
@@ -182,7 +182,7 @@ def tree_engine_forward(stock: Callable) -> Callable:
 # ----------------------------------------------------------------------------- patches
 
 
-def patched_get_forward_fn(original: Callable) -> Callable:
+def megatron_get_forward_fn(original: Callable) -> Callable:
     """``verl.models.mcore.get_mcore_engine_forward_fn`` returning the wrapped forward."""
 
     def get_mcore_engine_forward_fn(hf_config):
@@ -191,7 +191,7 @@ def patched_get_forward_fn(original: Callable) -> Callable:
     return get_mcore_engine_forward_fn
 
 
-def patched_forward_step(original: Callable) -> Callable:
+def megatron_forward_step(original: Callable) -> Callable:
     """``forward_step`` of the LM / value-head engines, publishing the micro-batch."""
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
@@ -223,7 +223,7 @@ def tree_build_refusal(engine) -> str | None:
     return None
 
 
-def patched_build_module(original: Callable) -> Callable:
+def megatron_build_module(original: Callable) -> Callable:
     """``MegatronEngine._build_megatron_module`` building the model with tree specs."""
 
     def _build_megatron_module(self):
@@ -287,10 +287,10 @@ def install_megatron_patches(patcher) -> None:
     import verl.models.mcore as mcore
     from verl.workers.engine.megatron import transformer_impl as impl
 
-    from ps_mcore.verl.engine import install_engine_micro_batching
+    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
 
-    patcher.wrap(mcore, "get_mcore_engine_forward_fn", patched_get_forward_fn)
-    patcher.wrap(impl.MegatronEngine, "_build_megatron_module", patched_build_module)
-    patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", patched_forward_step)
-    patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", patched_forward_step)
+    patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
+    patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)
+    patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", megatron_forward_step)
+    patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", megatron_forward_step)
     install_engine_micro_batching(patcher, impl, impl.MegatronEngine)

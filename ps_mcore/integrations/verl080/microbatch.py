@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ps_mcore.verl.batch import group_ids, plan_sequences, prompt_lengths, sequences
-from ps_mcore.verl.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl080.batch import group_ids, plan_sequences, prompt_lengths, sequences
+from ps_mcore.config import PrefixGrouperConfig
 
 
 # ----------------------------------------------------------------------------- units

@@ -1,4 +1,5 @@
-"""verl 0.8.0's ``mindspeed_megatron`` engine building its model with tree specs.
+"""verl 0.8.0's ``mindspeed_megatron`` engine building its model with tree specs (moved here
+from ``ps_mcore.mindspeed.patch``: ``ps_mcore.mindspeed`` keeps the NPU spec and state only).
 
 ``MindSpeedMegatronEngineWithLMHead._build_megatron_module`` builds the model through
 ``gpt_model_provider``, which takes ``args.spec`` (Megatron-LM's global args) when set, so the
@@ -25,19 +26,17 @@ import importlib
 import sys
 from typing import Any, Callable, Iterator
 
+from ps_mcore.setup.env import module_importable
 from ps_mcore.setup.patching import Patcher, info_once, warn_once
 
 ENGINE_MODULE = "verl.workers.engine.mindspeed.transformer_impl"
 ENGINE_CLASS = "MindSpeedMegatronEngineWithLMHead"
 _MARK = "__ps_mcore_mindspeed__"
 _MISSING = object()
-_STANDALONE: list[Patcher] = []
 
 
 def engine_available() -> bool:
     """Whether verl's MindSpeed engine module imports (it does without MindSpeed)."""
-    from ps_mcore.setup.registry import module_importable
-
     return module_importable(ENGINE_MODULE)
 
 
@@ -67,7 +66,7 @@ def tree_spec_args(args: Any) -> Iterator[None]:
 def build_refusal(engine: Any, args: Any) -> str | None:
     """Why this engine's model must be built with stock specs (None: tree specs)."""
     from ps_mcore.mindspeed.state import RESET_ATTENTION_MASK_REASON
-    from ps_mcore.verl.megatron import tree_build_refusal
+    from ps_mcore.integrations.verl080.megatron import tree_build_refusal
 
     refusal = tree_build_refusal(engine)
     if refusal is not None:
@@ -77,14 +76,14 @@ def build_refusal(engine: Any, args: Any) -> str | None:
     return None
 
 
-def patched_build_module(original: Callable) -> Callable:
+def mindspeed_build_module(original: Callable) -> Callable:
     """``MindSpeedMegatronEngineWithLMHead._build_megatron_module`` with tree specs."""
 
     def _build_megatron_module(self):
         from ps_mcore.mindspeed.spec import megatron_args
         from ps_mcore.setup.env import prefix_sharing_enabled
-        from ps_mcore.verl.config import resolve_setting
-        from ps_mcore.verl.megatron import ROPE_FUSION_REASON, has_tree_attention
+        from ps_mcore.integrations.verl080.config import resolve_setting
+        from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REASON, has_tree_attention
 
         if resolve_setting(self.engine_config) is None or not prefix_sharing_enabled():
             return original(self)
@@ -108,39 +107,18 @@ def patched_build_module(original: Callable) -> Callable:
     return _build_megatron_module
 
 
-def install_patches(patcher: Patcher) -> bool:
+def install_mindspeed_build_patch(patcher: Patcher) -> bool:
     """Install the build patch through ``patcher`` (the patchset's); restoring ``patcher``
     removes it. Returns False when it is already installed (by any patcher)."""
     cls = getattr(importlib.import_module(ENGINE_MODULE), ENGINE_CLASS)
     if getattr(cls.__dict__.get("_build_megatron_module"), _MARK, False):
         return False
-    patcher.wrap(cls, "_build_megatron_module", patched_build_module)
+    patcher.wrap(cls, "_build_megatron_module", mindspeed_build_module)
     return True
 
 
-def install() -> bool:
-    """Install the patch on its own (idempotent). Returns True if this call installed it."""
-    if _STANDALONE:
-        return False
-    patcher = Patcher()
-    try:
-        done = install_patches(patcher)
-    except BaseException:
-        patcher.restore()
-        raise
-    if done:
-        _STANDALONE.append(patcher)
-    return done
-
-
-def uninstall() -> None:
-    """Undo :func:`install` exactly (no-op if it did not install anything)."""
-    while _STANDALONE:
-        _STANDALONE.pop().restore()
-
-
 def installed() -> bool:
-    """Whether the build patch is in place (through :func:`install` or a patchset)."""
+    """Whether the build patch is in place (by any patcher)."""
     module = sys.modules.get(ENGINE_MODULE)
     if module is None:
         return False
