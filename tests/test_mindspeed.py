@@ -51,7 +51,7 @@ from ps_mcore.layer_specs.packed_params import segment_plan  # noqa: E402
 from ps_mcore.integrations.verl080 import mindspeed as ms_patch  # noqa: E402
 from ps_mcore.mindspeed import spec as ms_spec  # noqa: E402
 from ps_mcore.mindspeed import state as ms_state  # noqa: E402
-from ps_mcore.setup.patching import Patcher  # noqa: E402
+from ps_mcore.integrations.patching import Patcher  # noqa: E402
 from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)

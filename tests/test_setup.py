@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("verl")
 
 from ps_mcore import setup  # noqa: E402
-from ps_mcore.setup.env import prefix_sharing_enabled, requested_patchsets  # noqa: E402
+from ps_mcore.integrations.env import prefix_sharing_enabled, requested_patchsets  # noqa: E402
 
 MCORE = "verl080_mcore0161_ms0160"
 

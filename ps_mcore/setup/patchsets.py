@@ -8,8 +8,8 @@ Supporting a new verl release: add ``ps_mcore/integrations/verl0XY/`` (a sibling
 
 from __future__ import annotations
 
-from ps_mcore.setup.env import distribution_version, module_importable
-from ps_mcore.setup.patching import Patcher
+from ps_mcore.integrations.env import distribution_version, module_importable
+from ps_mcore.integrations.patching import Patcher
 from ps_mcore.setup.registry import Component, Patchset, register
 
 

@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ps_mcore.setup.env import distribution_version, module_importable  # noqa: F401 (re-export)
-from ps_mcore.setup.patching import Patcher, warn_once
+from ps_mcore.integrations.env import distribution_version, module_importable  # noqa: F401 (re-export)
+from ps_mcore.integrations.patching import Patcher, warn_once
 
 logger = logging.getLogger("ps_mcore")
 

@@ -9,8 +9,8 @@ import contextvars
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ps_mcore.setup.env import prefix_sharing_enabled
-from ps_mcore.setup.patching import warn_once
+from ps_mcore.integrations.env import prefix_sharing_enabled
+from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl080.batch import batch_flag
 from ps_mcore.integrations.verl080.config import PrefixSharingSetting, resolve_setting
 from ps_mcore.integrations.verl080.microbatch import prefix_aware_prepare_micro_batches, restore_order

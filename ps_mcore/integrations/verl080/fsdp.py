@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from ps_mcore.setup.patching import info_once, warn_once
+from ps_mcore.integrations.patching import info_once, warn_once
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_reason,

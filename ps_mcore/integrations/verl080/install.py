@@ -1,5 +1,5 @@
 """Which verl 0.8.0 attributes each patchset wraps (the patchsets in
-:mod:`ps_mcore.setup.patchsets` call these through their :class:`~ps_mcore.setup.patching.Patcher`).
+:mod:`ps_mcore.setup.patchsets` call these through their :class:`~ps_mcore.integrations.patching.Patcher`).
 
 * :func:`install_common` (installed once, shared): the ``prefix_grouper`` config keys, ref
   policy and critic following the actor's setting, DP balancing that keeps groups on one rank
@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from ps_mcore.setup.patching import Patcher
+from ps_mcore.integrations.patching import Patcher
 
 
 def install_common(patcher: Patcher) -> None:

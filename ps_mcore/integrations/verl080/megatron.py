@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from ps_mcore.setup.env import prefix_sharing_enabled
-from ps_mcore.setup.patching import info_once, warn_once
+from ps_mcore.integrations.env import prefix_sharing_enabled
+from ps_mcore.integrations.patching import info_once, warn_once
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_reason,

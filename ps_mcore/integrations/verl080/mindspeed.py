@@ -26,8 +26,8 @@ import importlib
 import sys
 from typing import Any, Callable, Iterator
 
-from ps_mcore.setup.env import module_importable
-from ps_mcore.setup.patching import Patcher, info_once, warn_once
+from ps_mcore.integrations.env import module_importable
+from ps_mcore.integrations.patching import Patcher, info_once, warn_once
 
 ENGINE_MODULE = "verl.workers.engine.mindspeed.transformer_impl"
 ENGINE_CLASS = "MindSpeedMegatronEngineWithLMHead"
@@ -81,7 +81,7 @@ def mindspeed_build_module(original: Callable) -> Callable:
 
     def _build_megatron_module(self):
         from ps_mcore.mindspeed.spec import megatron_args
-        from ps_mcore.setup.env import prefix_sharing_enabled
+        from ps_mcore.integrations.env import prefix_sharing_enabled
         from ps_mcore.integrations.verl080.config import resolve_setting
         from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REASON, has_tree_attention
 

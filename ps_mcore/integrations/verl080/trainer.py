@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ps_mcore.setup.env import prefix_sharing_enabled
-from ps_mcore.setup.patching import warn_once
+from ps_mcore.integrations.env import prefix_sharing_enabled
+from ps_mcore.integrations.patching import warn_once
 
 TOKENS_IN = "prefix_sharing/tokens_in"
 TOKENS_PACKED = "prefix_sharing/tokens_packed"
