@@ -7,22 +7,30 @@ Backends:
     flex       FlexAttention with a BlockMask from subtree ends (compiled on CUDA).
     npu        gather-KV + torch_npu.npu_fusion_attention (TND, bottom-right causal), Ascend.
     auto       npu on an NPU device, varlen on CUDA for fp16/bf16, else flex on CUDA, else chunked.
+
+The names map to code in one table, :mod:`ps_mcore.attention.backends` (also used by the
+context-parallel path and the layer-spec builders); add a backend there.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ps_mcore.attention.gather_kv import (
-    MATH_KERNEL,
-    default_scale,
-    flash_kernel_for,
-    gather_kv_attention,
+from ps_mcore.attention.backends import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    backend_names,
+    check_backend_name,
+    cp_backend_names,
+    cp_kernel,
+    register_backend,
+    resolve_backend,
 )
+from ps_mcore.attention.gather_kv import default_scale
 from ps_mcore.planner import TreePlan
 
-BACKENDS = ("auto", "reference", "chunked", "varlen", "flex", "npu")
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# The built-in names (the table, :data:`ATTENTION_BACKENDS`, is what the code reads).
+BACKENDS = backend_names()
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreePlan) -> None:
@@ -49,36 +57,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeP
         raise ValueError(f"q/k/v are on different devices: {q.device}, {k.device}, {v.device}")
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend ``backend`` means for ``q``; raises if it cannot run there."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown tree attention backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "auto":
-        if q.device.type == "npu":
-            return "npu"
-        if q.is_cuda and q.dtype in _FLASH_DTYPES and flash_kernel_for(q.device) is not None:
-            return "varlen"
-        return "flex" if q.is_cuda else "chunked"
-    if backend == "varlen":
-        if flash_kernel_for(q.device) is None:
-            raise ValueError(
-                f"backend 'varlen' needs a CUDA device with a varlen flash kernel (torch's flash "
-                f"attention or flash-attn); q is on {q.device}. Use 'chunked' or 'reference'."
-            )
-        if q.dtype not in _FLASH_DTYPES:
-            raise ValueError(f"backend 'varlen' needs fp16 or bf16 inputs, got {q.dtype}")
-    if backend == "npu":
-        from ps_mcore.attention.npu import require_torch_npu
-
-        require_torch_npu()
-    if backend == "flex" and not q.is_cuda and torch.is_grad_enabled() and q.requires_grad:
-        raise ValueError(
-            "backend 'flex' runs forward only off CUDA (FlexAttention has no CPU backward); "
-            "use 'chunked' for training on CPU"
-        )
-    return backend
-
-
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -103,22 +81,18 @@ def tree_attention(
     _check_inputs(q, k, v, plan)
     scale = default_scale(q.size(-1)) if softmax_scale is None else float(softmax_scale)
     plan = plan.to(q.device)
-    name = resolve_backend(backend, q)
-    if name == "reference":
-        from ps_mcore.attention.reference import reference_attention
-
-        return reference_attention(q, k, v, plan, scale)
-    if name == "chunked":
-        return gather_kv_attention(q, k, v, plan, scale, MATH_KERNEL)
-    if name == "varlen":
-        return gather_kv_attention(q, k, v, plan, scale, flash_kernel_for(q.device))
-    if name == "npu":
-        from ps_mcore.attention.npu import NPU_KERNEL
-
-        return gather_kv_attention(q, k, v, plan, scale, NPU_KERNEL)
-    from ps_mcore.attention.flex import flex_tree_attention
-
-    return flex_tree_attention(q, k, v, plan, scale)
+    return ATTENTION_BACKENDS[resolve_backend(backend, q)](q, k, v, plan, scale)
 
 
-__all__ = ["BACKENDS", "tree_attention", "resolve_backend"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "BACKENDS",
+    "backend_names",
+    "check_backend_name",
+    "cp_backend_names",
+    "cp_kernel",
+    "register_backend",
+    "resolve_backend",
+    "tree_attention",
+]

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ps_mcore.attention import resolve_backend
-from ps_mcore.attention.gather_kv import MATH_KERNEL, flash_kernel_for, gather_kv_attention
+from ps_mcore.attention.backends import cp_backend_names, cp_kernel
+from ps_mcore.attention.gather_kv import gather_kv_attention
 from ps_mcore.logprobs import token_logprobs
 from ps_mcore.planner import TreePlan, ragged_arange
 
-# Backends that run local queries against all-gathered K/V (a gather-KV kernel).
-CP_BACKENDS = ("auto", "chunked", "varlen", "npu")
+# Backends that run local queries against all-gathered K/V (a gather-KV kernel): read from
+# the backend table (ps_mcore.attention.backends), which also gives ``cp_kernel``.
+CP_BACKENDS = cp_backend_names()
 
 
 def cp_chunk_rows(num_rows: int, cp_size: int, cp_rank: int) -> np.ndarray:
@@ -235,25 +236,6 @@ class _SumDisjoint(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- attention
-
-
-def cp_kernel(backend: str, q: torch.Tensor):
-    """The gather-KV kernel ``backend`` means under CP for ``q`` (``auto`` never picks flex)."""
-    name = resolve_backend(backend, q)
-    if backend == "auto" and name == "flex":
-        name = "chunked"
-    if name == "chunked":
-        return MATH_KERNEL
-    if name == "varlen":
-        return flash_kernel_for(q.device)
-    if name == "npu":
-        from ps_mcore.attention.npu import NPU_KERNEL
-
-        return NPU_KERNEL
-    raise NotImplementedError(
-        f"tree attention backend {name!r} cannot run under context parallelism: local queries "
-        f"against all-gathered K/V need a gather-KV kernel; use one of {CP_BACKENDS}"
-    )
 
 
 def cp_tree_attention(

@@ -28,8 +28,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ps_mcore.attention import BACKENDS, tree_attention
-from ps_mcore.layer_specs.context_parallel import CP_BACKENDS, cp_tree_attention
+from ps_mcore.attention import tree_attention
+from ps_mcore.attention.backends import check_backend_name, cp_backend_names
+from ps_mcore.layer_specs.context_parallel import cp_tree_attention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -108,15 +109,14 @@ class TreeCoreAttention(MegatronModule):
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
         if backend is None:
             backend = getattr(config, "tree_attention_backend", None) or "auto"
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown tree attention backend {backend!r}; expected one of {BACKENDS}")
+        check_backend_name(backend)
         self.backend = backend
         self.cp_group = _cp_group(config, pg_collection, kwargs)
         self.cp_size = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
-        if self.cp_size > 1 and backend not in CP_BACKENDS:
+        if self.cp_size > 1 and backend not in cp_backend_names():
             raise NotImplementedError(
                 f"tree attention backend {backend!r} cannot run under context parallelism "
-                f"(cp={self.cp_size}): it needs a gather-KV kernel; use one of {CP_BACKENDS}"
+                f"(cp={self.cp_size}): it needs a gather-KV kernel; use one of {cp_backend_names()}"
             )
 
     def _scale(self, head_dim: int) -> float:

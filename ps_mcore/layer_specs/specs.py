@@ -16,14 +16,9 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, get_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from ps_mcore.attention import BACKENDS
+from ps_mcore.attention.backends import check_backend_name
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
-
-
-def _check_backend(backend: str | None) -> None:
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown tree attention backend {backend!r}; expected one of {BACKENDS}")
 
 
 def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
@@ -74,7 +69,7 @@ def to_tree_spec(spec, tree_attention_backend: str | None = None):
     Returns:
         A spec of the same type; layers that shared one spec object still share one.
     """
-    _check_backend(tree_attention_backend)
+    check_backend_name(tree_attention_backend)
     if isinstance(spec, TransformerBlockSubmodules):
         converted: dict[int, ModuleSpec] = {}
         layers = []

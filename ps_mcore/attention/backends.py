@@ -1,0 +1,180 @@
+"""The one table of tree-attention backends: name -> availability check, kernel, CP support.
+
+Modelled on transformers' ``AttentionInterface``: every place that maps a backend name to
+code (``tree_attention``, the context-parallel path, the layer-spec builders) reads
+:data:`ATTENTION_BACKENDS`. Adding a backend is one :func:`register_backend` call with an
+:class:`AttentionBackend` (give it a ``gather_kv_kernel`` and it also runs under context
+parallelism, where local queries attend to all-gathered K/V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ps_mcore.attention.gather_kv import MATH_KERNEL, VarlenKernel, flash_kernel_for, gather_kv_attention
+from ps_mcore.planner import TreePlan
+
+AUTO = "auto"
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TreePlan, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One named way to compute tree attention.
+
+    Attributes:
+        name: what users pass as ``backend`` / ``tree_attention_backend``.
+        attend: ``(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], plan, scale) -> [T, Hq, D]``
+            over the whole plan; None for a gather-KV backend (then it is
+            ``gather_kv_attention`` with ``gather_kv_kernel``).
+        gather_kv_kernel: ``device -> VarlenKernel`` for gather-KV backends (these, and only
+            these, support context parallelism); None otherwise.
+        check: raises ``ValueError`` saying why the backend cannot run for ``q`` (explicit
+            choices only; ``auto`` picks a backend that can).
+    """
+
+    name: str
+    attend: AttendFn | None = None
+    gather_kv_kernel: Callable[[torch.device], VarlenKernel] | None = None
+    check: Callable[[torch.Tensor], None] | None = None
+
+    @property
+    def supports_cp(self) -> bool:
+        return self.gather_kv_kernel is not None
+
+    def __call__(self, q, k, v, plan: TreePlan, scale: float) -> torch.Tensor:
+        if self.attend is not None:
+            return self.attend(q, k, v, plan, scale)
+        return gather_kv_attention(q, k, v, plan, scale, self.gather_kv_kernel(q.device))
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> AttentionBackend:
+    """Add (or replace) a backend in the table."""
+    if backend.name == AUTO:
+        raise ValueError(f"{AUTO!r} is reserved: it picks a registered backend per input")
+    ATTENTION_BACKENDS[backend.name] = backend
+    return backend
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every name ``backend`` accepts: ``auto`` then the table's, in registration order."""
+    return (AUTO, *ATTENTION_BACKENDS)
+
+
+def cp_backend_names() -> tuple[str, ...]:
+    """The names that run under context parallelism (``auto`` then the gather-KV backends)."""
+    return (AUTO, *(name for name, b in ATTENTION_BACKENDS.items() if b.supports_cp))
+
+
+def check_backend_name(backend: str | None) -> None:
+    """Raise ``ValueError`` for a name the table does not know (None means the default)."""
+    if backend is not None and backend not in backend_names():
+        raise ValueError(f"unknown tree attention backend {backend!r}; expected one of {backend_names()}")
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+
+def _reference(q, k, v, plan, scale):
+    from ps_mcore.attention.reference import reference_attention
+
+    return reference_attention(q, k, v, plan, scale)
+
+
+def _flex(q, k, v, plan, scale):
+    from ps_mcore.attention.flex import flex_tree_attention
+
+    return flex_tree_attention(q, k, v, plan, scale)
+
+
+def _check_flex(q: torch.Tensor) -> None:
+    if not q.is_cuda and torch.is_grad_enabled() and q.requires_grad:
+        raise ValueError(
+            "backend 'flex' runs forward only off CUDA (FlexAttention has no CPU backward); "
+            "use 'chunked' for training on CPU"
+        )
+
+
+def _check_varlen(q: torch.Tensor) -> None:
+    if flash_kernel_for(q.device) is None:
+        raise ValueError(
+            f"backend 'varlen' needs a CUDA device with a varlen flash kernel (torch's flash "
+            f"attention or flash-attn); q is on {q.device}. Use 'chunked' or 'reference'."
+        )
+    if q.dtype not in _FLASH_DTYPES:
+        raise ValueError(f"backend 'varlen' needs fp16 or bf16 inputs, got {q.dtype}")
+
+
+def _npu_kernel(device: torch.device) -> VarlenKernel:
+    from ps_mcore.attention.npu import NPU_KERNEL
+
+    return NPU_KERNEL
+
+
+def _check_npu(q: torch.Tensor) -> None:
+    from ps_mcore.attention.npu import require_torch_npu
+
+    require_torch_npu()
+
+
+register_backend(AttentionBackend("reference", attend=_reference))
+register_backend(AttentionBackend("chunked", gather_kv_kernel=lambda device: MATH_KERNEL))
+register_backend(AttentionBackend("varlen", gather_kv_kernel=flash_kernel_for, check=_check_varlen))
+register_backend(AttentionBackend("flex", attend=_flex, check=_check_flex))
+register_backend(AttentionBackend("npu", gather_kv_kernel=_npu_kernel, check=_check_npu))
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The concrete backend ``backend`` means for ``q``; raises if it cannot run there.
+
+    ``auto``: npu on an NPU device, varlen on CUDA for fp16/bf16 (with a flash kernel), else
+    flex on CUDA, else chunked.
+    """
+    check_backend_name(backend)
+    if backend == AUTO:
+        if q.device.type == "npu":
+            return "npu"
+        if q.is_cuda and q.dtype in _FLASH_DTYPES and flash_kernel_for(q.device) is not None:
+            return "varlen"
+        return "flex" if q.is_cuda else "chunked"
+    check = ATTENTION_BACKENDS[backend].check
+    if check is not None:
+        check(q)
+    return backend
+
+
+def cp_kernel(backend: str, q: torch.Tensor) -> VarlenKernel:
+    """The gather-KV kernel ``backend`` means under CP for ``q`` (``auto`` never picks flex)."""
+    name = resolve_backend(backend, q)
+    if backend == AUTO and not ATTENTION_BACKENDS[name].supports_cp:
+        name = "chunked"
+    chosen = ATTENTION_BACKENDS[name]
+    if not chosen.supports_cp:
+        raise NotImplementedError(
+            f"tree attention backend {name!r} cannot run under context parallelism: local queries "
+            f"against all-gathered K/V need a gather-KV kernel; use one of {cp_backend_names()}"
+        )
+    return chosen.gather_kv_kernel(q.device)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "backend_names",
+    "check_backend_name",
+    "cp_backend_names",
+    "cp_kernel",
+    "register_backend",
+    "resolve_backend",
+]
