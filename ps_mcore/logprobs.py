@@ -9,6 +9,8 @@ the softmax chunk by chunk from the saved logits: peak extra memory is one fp32 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -76,9 +78,30 @@ class _RowStats(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+class TokenRows(Protocol):
+    """What :func:`token_logprobs` reads: which packed row each original token reads.
+
+    A :class:`~ps_mcore.planner.TreePlan` is one; so is one CP rank's share of a plan
+    (:class:`ps_mcore.layer_specs.cp_logprobs.LocalTokenRows`).
+
+    Attributes:
+        num_tokens: T, the packed rows the logits hold (at least).
+        unpack_index: ``[N]`` packed row of each original token.
+        next_token_ids: ``[N]`` the token that follows each original token (its label).
+        next_token_mask: ``[N]`` bool, False at each sequence's last token.
+    """
+
+    num_tokens: int
+    unpack_index: torch.Tensor
+    next_token_ids: torch.Tensor
+    next_token_mask: torch.Tensor
+
+    def to(self, device) -> "TokenRows": ...
+
+
 def token_logprobs(
     logits: torch.Tensor,
-    plan: TreePlan,
+    plan: TreePlan | TokenRows,
     temperature: float = 1.0,
     compute_entropy: bool = False,
     tp_group=None,

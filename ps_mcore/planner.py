@@ -235,7 +235,8 @@ def _validate(
 # ----------------------------------------------------------------------------- trie
 
 
-def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
     m = min(a.size, b.size)
     diff = np.flatnonzero(a[:m] != b[:m])
     return int(diff[0]) if diff.size else m
@@ -253,7 +254,7 @@ def _sorted_order_and_lcp(
         keys = [a.astype(">i8").tobytes() for a in arrays]
         order = sorted(range(b), key=lambda i: (group[i], keys[i]))
         lcp = [0] + [
-            _common_prefix_len(arrays[i], arrays[j]) if group[i] == group[j] else 0
+            common_prefix_len(arrays[i], arrays[j]) if group[i] == group[j] else 0
             for i, j in zip(order, order[1:])
         ]
     else:  # prompt_only: only whole, identical prompts are shared (PrefixGrouper)

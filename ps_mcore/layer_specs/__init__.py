@@ -24,12 +24,9 @@ causal sbhd batches. Importing this package imports megatron-core (nothing else 
 does).
 """
 
-from ps_mcore.layer_specs.context_parallel import (
-    CPLayout,
-    cp_chunk_rows,
-    cp_token_logprobs,
-    gather_cp_rows,
-)
+from ps_mcore.layer_specs.context_parallel import gather_cp_rows
+from ps_mcore.layer_specs.cp_layout import CPLayout, cp_chunk_rows
+from ps_mcore.layer_specs.cp_logprobs import cp_token_logprobs
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.pipeline import assert_same_plan, plan_fingerprint

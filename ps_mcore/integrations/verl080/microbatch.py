@@ -29,15 +29,10 @@ import numpy as np
 
 from ps_mcore.integrations.verl080.batch import group_ids, plan_sequences, prompt_lengths, sequences
 from ps_mcore.config import PrefixGrouperConfig
+from ps_mcore.planner import common_prefix_len
 
 
 # ----------------------------------------------------------------------------- units
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(a.size, b.size)
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if diff.size else m
 
 
 def sharing_units(
@@ -66,7 +61,7 @@ def sharing_units(
         order = sorted(range(n), key=lambda i: seqs[i].astype(">i8").tobytes())
         units, current = [], [order[0]] if order else []
         for a, b in zip(order, order[1:]):
-            if _lcp(seqs[a], seqs[b]) >= config.min_prefix_len:
+            if common_prefix_len(seqs[a], seqs[b]) >= config.min_prefix_len:
                 current.append(b)
             else:
                 units.append(current)

@@ -1,0 +1,92 @@
+"""Per-token log-probs under context parallelism: each rank normalises only its own rows.
+
+:func:`ps_mcore.token_logprobs` reads a small protocol (:class:`ps_mcore.logprobs.TokenRows`);
+:class:`LocalTokenRows` is that protocol over one CP rank's rows, so no stand-in plan is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ps_mcore.layer_specs.cp_collectives import SumDisjoint, check_cp_group, cp_group_or_default
+from ps_mcore.layer_specs.cp_layout import CPLayout
+from ps_mcore.logprobs import token_logprobs
+from ps_mcore.planner import TreePlan
+
+
+@dataclass(frozen=True)
+class LocalTokenRows:
+    """The original tokens whose packed row is on this CP rank (a :class:`TokenRows`).
+
+    Attributes:
+        num_tokens: t, this rank's rows.
+        unpack_index: ``[n]`` local row of each such token.
+        next_token_ids, next_token_mask: ``[n]`` their next-token labels and validity.
+    """
+
+    num_tokens: int
+    unpack_index: torch.Tensor
+    next_token_ids: torch.Tensor
+    next_token_mask: torch.Tensor
+
+    @classmethod
+    def of(cls, plan: TreePlan, layout: CPLayout) -> "LocalTokenRows":
+        """Original token ``layout.token_index[i]`` reads local row ``layout.token_rows[i]``."""
+        dev = layout.local_rows.device
+        return cls(
+            num_tokens=layout.num_local_rows,
+            unpack_index=layout.token_rows,
+            next_token_ids=plan.next_token_ids.to(dev).index_select(0, layout.token_index),
+            next_token_mask=plan.next_token_mask.to(dev).index_select(0, layout.token_index),
+        )
+
+    def to(self, device) -> "LocalTokenRows":
+        if self.unpack_index.device == torch.device(device):
+            return self
+        return LocalTokenRows(
+            self.num_tokens,
+            self.unpack_index.to(device),
+            self.next_token_ids.to(device),
+            self.next_token_mask.to(device),
+        )
+
+
+def cp_token_logprobs(
+    logits: torch.Tensor,
+    packed_seq_params,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    tp_group=None,
+    cp_group=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`ps_mcore.token_logprobs` from this CP rank's logits.
+
+    Args:
+        logits: ``[t, V_local]`` this rank's LM-head rows (a vocab shard under TP).
+        packed_seq_params: the batch's ``TreePackedSeqParams`` (built with ``cp_size``).
+        tp_group: the vocab-parallel group; cp_group: the CP group (default: Megatron's).
+
+    Returns:
+        ``logprobs [N]`` and ``entropy [N]`` or None, on every CP rank: each rank normalises
+        only its own rows (no ``[T_pad, V]`` gather), then the ``[N]`` results are combined.
+        Backward: every CP rank must compute the same loss from them.
+    """
+    plan, layout = packed_seq_params.plan, packed_seq_params.cp_layout
+    if layout is None:
+        return token_logprobs(logits, plan, temperature, compute_entropy, tp_group)
+    group = cp_group_or_default(cp_group)
+    check_cp_group(layout, group)
+    if logits.dim() != 2 or logits.size(0) != layout.num_local_rows:
+        raise ValueError(
+            f"cp_token_logprobs expects logits [{layout.num_local_rows}, V] (this CP rank's "
+            f"rows), got {tuple(logits.shape)}"
+        )
+    lp, ent = token_logprobs(logits, LocalTokenRows.of(plan, layout), temperature, compute_entropy, tp_group)
+
+    def combine(x: torch.Tensor) -> torch.Tensor:
+        full = x.new_zeros(plan.num_input_tokens).index_copy(0, layout.token_index, x)
+        return SumDisjoint.apply(full, group)
+
+    return combine(lp), (combine(ent) if compute_entropy else None)
