@@ -11,9 +11,10 @@ Under context parallelism only tree batches run (K/V all-gathered over the CP gr
 queries against the global rows: :mod:`ps_mcore.layer_specs.context_parallel`); the others
 are refused.
 
-Megatron (0.13-0.19) builds core attention with keywords ``config, layer_number,
-attn_mask_type, attention_type, cp_comm_type, softmax_scale`` and ``pg_collection`` (0.15+)
-or ``model_comm_pgs`` (0.13/0.14); unknown keywords are accepted and ignored. From 0.16, the
+megatron-core (pinned and tested: 0.16) builds core attention with keywords ``config,
+layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale`` and
+``pg_collection`` (older releases passed ``model_comm_pgs``, still read; untested); unknown
+keywords are accepted and ignored. From 0.16, the
 config handed here may have a rewritten ``num_query_groups`` (when it is < TP), so head counts
 are read from the tensors.
 """
@@ -54,7 +55,7 @@ def _check_config(config, attention_type: str, attn_mask_type) -> None:
 
 
 def _cp_group(config, pg_collection, kwargs):
-    """The CP group from ``pg_collection`` (0.15+) / ``model_comm_pgs`` (0.13, 0.14), else
+    """The CP group from ``pg_collection`` (or an older release's ``model_comm_pgs``), else
     Megatron's parallel state when the config asks for CP (None without CP)."""
     pgs = pg_collection if pg_collection is not None else kwargs.get("model_comm_pgs")
     group = getattr(pgs, "cp", None)

@@ -1,23 +1,23 @@
-"""Engine-agnostic glue shared by the Megatron and FSDP patchsets: which engine is running
-(a context variable set around ``forward_backward_batch``), prefix-aware
-``prepare_micro_batches`` / ``postprocess_batch_func`` replacements, and the per
-micro-batch token counts that become the ``prefix_sharing/*`` metrics."""
+"""Engine-agnostic glue shared by the Megatron and FSDP patchsets: one context variable for
+the running engine step (set around ``forward_backward_batch``; it carries the plans the
+micro-batcher made and the micro-batch being run), prefix-aware ``prepare_micro_batches`` /
+``postprocess_batch_func`` replacements, the tree-or-stock decision of one micro-batch
+(:func:`plan_or_stock`), and the per micro-batch token counts that become the
+``prefix_sharing/*`` metrics."""
 
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
-from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl080.batch import batch_flag
+from ps_mcore.integrations.patching import info_once, warn_once
+from ps_mcore.integrations.verl080.batch import batch_flag, plan_batch, saved_fraction
 from ps_mcore.integrations.verl080.config import PrefixSharingSetting, resolve_setting
 from ps_mcore.integrations.verl080.microbatch import prefix_aware_prepare_micro_batches, restore_order
 from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
-
-_ENGINE: contextvars.ContextVar = contextvars.ContextVar("ps_mcore_engine", default=None)
-_MICRO: contextvars.ContextVar = contextvars.ContextVar("ps_mcore_micro_batch", default=None)
+from ps_mcore.planner import TreePlan
 
 
 def active_setting(engine: Any) -> PrefixSharingSetting | None:
@@ -35,24 +35,45 @@ class MicroBatchContext:
     batch: Any
     setting: PrefixSharingSetting
     tokens: tuple[int, int] | None = None  # (N, T) once the forward decided
+    plan: TreePlan | None = None  # made while sizing micro-batches, when the micro-batcher ran
 
     def record(self, n: int, t: int) -> None:
         self.tokens = (int(n), int(t))
 
 
+@dataclass
+class EngineStep:
+    """One ``forward_backward_batch`` call of one engine (the one context variable).
+
+    Attributes:
+        engine: the engine running it.
+        plans: ``id(micro-batch) -> TreePlan`` made by the micro-batcher while sizing; the
+            micro-batches stay alive for the whole call, so their ids are unique in it.
+        micro: the micro-batch whose ``forward_step`` runs now (None between steps).
+    """
+
+    engine: Any
+    plans: dict[int, TreePlan] = field(default_factory=dict)
+    micro: MicroBatchContext | None = None
+
+
+_STEP: contextvars.ContextVar[EngineStep | None] = contextvars.ContextVar("ps_mcore_engine_step", default=None)
+
+
 def current_micro_batch() -> MicroBatchContext | None:
-    return _MICRO.get()
+    step = _STEP.get()
+    return None if step is None else step.micro
 
 
 def with_engine_context(original: Callable) -> Callable:
     """Wrap ``forward_backward_batch`` so helpers called inside know the engine."""
 
     def forward_backward_batch(self, *args, **kwargs):
-        token = _ENGINE.set(self)
+        token = _STEP.set(EngineStep(engine=self))
         try:
             return original(self, *args, **kwargs)
         finally:
-            _ENGINE.reset(token)
+            _STEP.reset(token)
 
     return forward_backward_batch
 
@@ -75,10 +96,11 @@ def prefix_aware(stock: Callable) -> Callable:
             min_num_micro_batch=min_num_micro_batch,
             use_dynamic_bsz_balance=use_dynamic_bsz_balance,
         )
-        setting = active_setting(_ENGINE.get())
+        step = _STEP.get()
+        setting = active_setting(None if step is None else step.engine)
         if setting is None:
             return stock(data=data, **options)
-        return prefix_aware_prepare_micro_batches(data, setting.config, stock, **options)
+        return prefix_aware_prepare_micro_batches(data, setting.config, stock, plans=step.plans, **options)
 
     return prepare_micro_batches
 
@@ -116,12 +138,18 @@ def run_step_with_context(engine, batch_iter, call: Callable[[Any], tuple]):
     if setting is None:
         return call(batch_iter)
     batch = next(batch_iter)
-    micro = MicroBatchContext(engine=engine, batch=batch, setting=setting)
-    token = _MICRO.set(micro)
+    step = _STEP.get()
+    if step is None or step.engine is not engine:  # a forward_step called on its own
+        step = EngineStep(engine=engine)
+    micro = MicroBatchContext(engine=engine, batch=batch, setting=setting, plan=step.plans.get(id(batch)))
+    previous = step.micro
+    step.micro = micro
+    token = _STEP.set(step)
     try:
         output, postprocess = call(iter([batch]))
     finally:
-        _MICRO.reset(token)
+        _STEP.reset(token)
+        step.micro = previous
     if micro.tokens is not None:
         postprocess = with_token_metrics(postprocess, micro.tokens)
     elif batch_flag(batch, "use_fused_kernels"):
@@ -131,6 +159,50 @@ def run_step_with_context(engine, batch_iter, call: Callable[[Any], tuple]):
             "prefix sharing (set actor_rollout_ref.model.use_fused_kernels=False to share)",
         )
     return output, postprocess
+
+
+def plan_or_stock(
+    engine_name: str,
+    micro: MicroBatchContext | None,
+    setting: PrefixSharingSetting,
+    batch,
+    num_input_tokens: int,
+    reason: str | None,
+) -> TreePlan | None:
+    """The tree-or-stock decision of one micro-batch, for every engine.
+
+    Args:
+        engine_name: ``"Megatron"`` / ``"FSDP"`` (messages and warning keys).
+        micro: the published micro-batch (its token counts are recorded; its carried plan is
+            used), or None when the forward runs outside ``forward_step``.
+        setting: the engine's enabled setting.
+        batch: the micro-batch to plan when no plan was carried.
+        num_input_tokens: N, the micro-batch's tokens (recorded when it runs stock).
+        reason: why the micro-batch cannot take the tree path (None: it can).
+
+    Returns:
+        The plan to run the tree forward with, or None: run verl's stock forward (after one
+        warning for an unsupported batch, one info line for a plan that saves too little).
+    """
+    key = engine_name.lower()
+    if reason is not None:
+        warn_once(f"{key}:{reason}", f"{engine_name} micro-batch runs verl's stock forward: {reason}")
+        plan = None
+    else:
+        plan = micro.plan if micro is not None and micro.plan is not None else plan_batch(batch, setting.config)
+        if saved_fraction(plan) < setting.config.min_saved_fraction:
+            info_once(
+                f"{key}:small-savings",
+                "micro-batches whose plan saves less than min_saved_fraction of their tokens "
+                "run verl's stock forward",
+            )
+            plan = None
+    if micro is not None:
+        if plan is None:
+            micro.record(num_input_tokens, num_input_tokens)
+        else:
+            micro.record(plan.num_input_tokens, plan.num_tokens)
+    return plan
 
 
 def install_engine_micro_batching(patcher, engine_module, engine_cls, prepare: Callable | None = None) -> None:

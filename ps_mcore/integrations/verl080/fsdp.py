@@ -40,17 +40,20 @@ from typing import Callable
 
 import torch
 
-from ps_mcore.integrations.patching import info_once, warn_once
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_reason,
     nested_like,
-    plan_batch,
-    saved_fraction,
     sequence_lengths,
     uniform_temperature,
 )
-from ps_mcore.integrations.verl080.engine import active_setting, current_micro_batch, prefix_aware, run_step_with_context
+from ps_mcore.integrations.verl080.engine import (
+    active_setting,
+    current_micro_batch,
+    plan_or_stock,
+    prefix_aware,
+    run_step_with_context,
+)
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
 PLAN_KEY = "ps_mcore_tree_plan"
@@ -197,23 +200,9 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
         reason = fsdp_fallback_reason(self, source)
-        if reason is not None:
-            warn_once("fsdp:" + reason, f"FSDP micro-batch runs verl's stock forward: {reason}")
-            if micro is not None:
-                micro.record(n, n)
+        plan = plan_or_stock("FSDP", micro, setting, source, n, reason)
+        if plan is None:
             return original(self, micro_batch)
-        plan = plan_batch(source, setting.config)
-        if saved_fraction(plan) < setting.config.min_saved_fraction:
-            info_once(
-                "fsdp:small-savings",
-                "micro-batches whose plan saves less than min_saved_fraction of their tokens "
-                "run verl's stock forward",
-            )
-            if micro is not None:
-                micro.record(n, n)
-            return original(self, micro_batch)
-        if micro is not None:
-            micro.record(plan.num_input_tokens, plan.num_tokens)
         _switch_attention(self.module, patcher)
         return tree_model_inputs(micro_batch, plan, micro_batch_temperature(source))
 

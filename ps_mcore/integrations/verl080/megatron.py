@@ -36,12 +36,10 @@ from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_reason,
     nested_like,
-    plan_batch,
-    saved_fraction,
     uniform_temperature,
 )
 from ps_mcore.integrations.verl080.config import resolve_setting
-from ps_mcore.integrations.verl080.engine import current_micro_batch, run_step_with_context
+from ps_mcore.integrations.verl080.engine import current_micro_batch, plan_or_stock, run_step_with_context
 
 _HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -160,20 +158,9 @@ def tree_engine_forward(stock: Callable) -> Callable:
         model, input_ids = args["model"], args["input_ids"]
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
         reason = megatron_fallback_reason(model, args, micro.batch)
-        if reason is not None:
-            warn_once("megatron:" + reason, f"Megatron micro-batch runs verl's stock forward: {reason}")
-            micro.record(n, n)
+        plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
+        if plan is None:
             return stock(*call_args, **call_kwargs)
-        plan = plan_batch(micro.batch, micro.setting.config)
-        if saved_fraction(plan) < micro.setting.config.min_saved_fraction:
-            info_once(
-                "megatron:small-savings",
-                "micro-batches whose plan saves less than min_saved_fraction of their tokens "
-                "run verl's stock forward",
-            )
-            micro.record(n, n)
-            return stock(*call_args, **call_kwargs)
-        micro.record(plan.num_input_tokens, plan.num_tokens)
         return run_tree_forward(model, plan, input_ids, args, micro.batch)
 
     return forward
@@ -223,29 +210,57 @@ def tree_build_refusal(engine) -> str | None:
     return None
 
 
-def megatron_build_module(original: Callable) -> Callable:
-    """``MegatronEngine._build_megatron_module`` building the model with tree specs."""
+def tree_build(
+    original: Callable,
+    key: str,
+    refusal: Callable[[Any], str | None],
+    build: Callable[[Any, Callable], Any],
+    no_tree_message: str,
+) -> Callable:
+    """The ``_build_megatron_module`` wrapper of every Megatron-family engine.
+
+    When prefix sharing is on for the engine (and ``ENABLE_PREFIX_SHARING`` is not 0):
+    ``refusal(engine)`` names why the model must keep stock specs (one warning, stock build),
+    else ``build(engine, original)`` builds it with tree specs; a model that still has no tree
+    attention warns once with ``no_tree_message`` (its forward then falls back to stock).
+    """
 
     def _build_megatron_module(self):
         if resolve_setting(self.engine_config) is None or not prefix_sharing_enabled():
             return original(self)
-        refusal = tree_build_refusal(self)
-        if refusal is not None:
-            warn_once("build:" + refusal, f"model built with stock specs: {refusal} is not supported by tree attention")
+        reason = refusal(self)
+        if reason is not None:
+            warn_once(f"{key}:{reason}", f"model built with stock specs: {reason}")
             return original(self)
-        if self.provider is not None:
-            module = _build_with_bridge_provider(self, original)
-        else:
-            module = _build_with_mbridge(self, original)
+        module = build(self, original)
         if not any(has_tree_attention(m) for m in module):
-            warn_once(
-                "build:no-tree",
-                "the bridge built the model without our tree layer spec; prefix sharing falls "
-                "back to verl's stock forward for this model",
-            )
+            warn_once(f"{key}:no-tree", no_tree_message)
         return module
 
     return _build_megatron_module
+
+
+def _megatron_refusal(engine) -> str | None:
+    refusal = tree_build_refusal(engine)
+    return None if refusal is None else f"{refusal} is not supported by tree attention"
+
+
+def _megatron_tree_build(engine, original: Callable):
+    if engine.provider is not None:
+        return _build_with_bridge_provider(engine, original)
+    return _build_with_mbridge(engine, original)
+
+
+def megatron_build_module(original: Callable) -> Callable:
+    """``MegatronEngine._build_megatron_module`` building the model with tree specs."""
+    return tree_build(
+        original,
+        "build",
+        _megatron_refusal,
+        _megatron_tree_build,
+        "the bridge built the model without our tree layer spec; prefix sharing falls "
+        "back to verl's stock forward for this model",
+    )
 
 
 def _build_with_mbridge(engine, original: Callable):

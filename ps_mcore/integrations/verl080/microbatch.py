@@ -192,13 +192,19 @@ def fixed_order(units: _Units) -> list[int]:
 # ----------------------------------------------------------------------------- entry
 
 
-def prefix_aware_prepare_micro_batches(data, config: PrefixGrouperConfig, stock: Callable, **options):
+def prefix_aware_prepare_micro_batches(
+    data, config: PrefixGrouperConfig, stock: Callable, plans: dict | None = None, **options
+):
     """Drop-in for verl's ``prepare_micro_batches`` keeping sharing units together.
 
     Args:
         data: the worker batch (TensorDict).
         config: the engine's ``prefix_grouper`` config.
         stock: verl's ``prepare_micro_batches`` (used when its result is already right).
+        plans: when given, ``id(micro_batch) -> TreePlan`` is filled for every micro-batch
+            built here, planned from the sequences already read for sizing, so the forward
+            uses that plan instead of planning the micro-batch again (same plan:
+            :func:`~ps_mcore.integrations.verl080.batch.plan_batch` of the micro-batch).
         options: verl's keywords: ``dp_group``, ``num_batches_divided_by``,
             ``same_micro_num_in_dp``, ``min_num_micro_batch``, ``use_dynamic_bsz_balance``.
 
@@ -233,7 +239,17 @@ def prefix_aware_prepare_micro_batches(data, config: PrefixGrouperConfig, stock:
         if len(order) % mbs:
             raise ValueError(f"data size {len(order)} is not divisible by micro_batch_size_per_gpu {mbs}")
         parts = [order[a : a + mbs] for a in range(0, len(order), mbs)]
-    return [tu.index_select_tensor_dict(data, p) for p in parts], parts
+    micro_batches = [tu.index_select_tensor_dict(data, p) for p in parts]
+    if plans is not None:
+        groups = group_ids(data)
+        for batch, part in zip(micro_batches, parts):
+            plans[id(batch)] = plan_sequences(
+                [seqs[i] for i in part],
+                config,
+                None if prompts is None else prompts[part],
+                None if groups is None else [groups[i] for i in part],
+            )
+    return micro_batches, parts
 
 
 def restore_order(output: dict, indices, data) -> dict:

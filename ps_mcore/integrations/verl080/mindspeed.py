@@ -27,7 +27,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 from ps_mcore.integrations.env import module_importable
-from ps_mcore.integrations.patching import Patcher, info_once, warn_once
+from ps_mcore.integrations.patching import Patcher, info_once
 
 ENGINE_MODULE = "verl.workers.engine.mindspeed.transformer_impl"
 ENGINE_CLASS = "MindSpeedMegatronEngineWithLMHead"
@@ -76,35 +76,35 @@ def build_refusal(engine: Any, args: Any) -> str | None:
     return None
 
 
+def _mindspeed_refusal(engine) -> str | None:
+    from ps_mcore.mindspeed.spec import megatron_args
+
+    return build_refusal(engine, megatron_args())
+
+
+def _mindspeed_tree_build(engine, original: Callable):
+    from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REASON
+    from ps_mcore.mindspeed.spec import megatron_args
+
+    info_once("rope-fusion", ROPE_FUSION_REASON)
+    with tree_spec_args(megatron_args()):
+        return original(engine)
+
+
 def mindspeed_build_module(original: Callable) -> Callable:
     """``MindSpeedMegatronEngineWithLMHead._build_megatron_module`` with tree specs."""
+    from ps_mcore.integrations.verl080.megatron import tree_build
 
-    def _build_megatron_module(self):
-        from ps_mcore.mindspeed.spec import megatron_args
-        from ps_mcore.integrations.env import prefix_sharing_enabled
-        from ps_mcore.integrations.verl080.config import resolve_setting
-        from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REASON, has_tree_attention
-
-        if resolve_setting(self.engine_config) is None or not prefix_sharing_enabled():
-            return original(self)
-        args = megatron_args()
-        refusal = build_refusal(self, args)
-        if refusal is not None:
-            warn_once("mindspeed-build:" + refusal, f"model built with stock specs: {refusal}")
-            return original(self)
-        info_once("rope-fusion", ROPE_FUSION_REASON)
-        with tree_spec_args(args):
-            module = original(self)
-        if not any(has_tree_attention(m) for m in module):
-            warn_once(
-                "mindspeed-build:no-tree",
-                "gpt_model_provider built the model without the tree spec; prefix sharing falls "
-                "back to verl's stock forward for this model",
-            )
-        return module
-
-    setattr(_build_megatron_module, _MARK, True)
-    return _build_megatron_module
+    build = tree_build(
+        original,
+        "mindspeed-build",
+        _mindspeed_refusal,
+        _mindspeed_tree_build,
+        "gpt_model_provider built the model without the tree spec; prefix sharing falls "
+        "back to verl's stock forward for this model",
+    )
+    setattr(build, _MARK, True)
+    return build
 
 
 def install_mindspeed_build_patch(patcher: Patcher) -> bool:
