@@ -1,0 +1,109 @@
+"""The ``ps-mcore analyze`` subcommand: its arguments and the run (read -> report -> plot)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable
+
+from ps_mcore.analyze.plot import _require_matplotlib, plot_plan
+from ps_mcore.analyze.read import DEFAULT_UID, AnalyzeError, read_rollouts
+from ps_mcore.analyze.report import (
+    DEFAULTS,
+    _header,
+    batch_table,
+    micro_batches,
+    mode_table,
+    plan_micro_batch,
+    threshold_table,
+)
+from ps_mcore.planner import MODES
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    value = _int_list(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return value[0]
+
+
+def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE", help=".jsonl / .json / .parquet rollouts")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="local Hugging Face tokenizer directory (for text columns)")
+    parser.add_argument("--column", action="append", metavar="NAME",
+                        help="sequence column, or twice: prompt column then response column")
+    parser.add_argument("--uid-column", metavar="NAME",
+                        help=f"group column (default {DEFAULT_UID!r} when present)")
+    parser.add_argument("--micro-batch-size", type=_positive, default=8, metavar="N",
+                        help="sequences per micro-batch, as verl's *_micro_batch_size_per_gpu "
+                        "(default 8)")
+    parser.add_argument("--min-prefix-len", type=_positive, default=DEFAULTS.min_prefix_len,
+                        metavar="L", help=f"default {DEFAULTS.min_prefix_len}")
+    parser.add_argument("--min-group-size", type=_positive, default=DEFAULTS.min_group_size,
+                        metavar="G", help=f"default {DEFAULTS.min_group_size}")
+    parser.add_argument("--sweep-prefix-lens", type=_int_list, default=[1, 8, 32, 128, 512],
+                        metavar="L,L,...", help="min_prefix_len values of the threshold table")
+    parser.add_argument("--sweep-group-sizes", type=_int_list, default=[2, 4, 8],
+                        metavar="G,G,...", help="min_group_size values of the threshold table")
+    parser.add_argument("--per-batch", action="store_true", help="also print one row per micro-batch")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="write a PNG of the sharing structure of one micro-batch")
+    parser.add_argument("--plot-batch", type=int, metavar="K",
+                        help="micro-batch to draw (default: the one with the highest dedup)")
+    parser.add_argument("--plot-mode", choices=MODES, default="arbitrary_prefix")
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    """The ``analyze`` subcommand; raises :class:`AnalyzeError` on bad input (exit code 2)."""
+    files = [read_rollouts(p, args.column, args.uid_column, args.tokenizer) for p in args.files]
+    batches = [(r, idx) for r in files for idx in micro_batches(r, args.micro_batch_size)]
+    plot_job = _plot_job(args, batches) if args.plot else None  # validate before printing
+    out = [
+        _header(files, batches, args.micro_batch_size),
+        "",
+        f"Sharing per mode (min_prefix_len {args.min_prefix_len}, min_group_size {args.min_group_size})",
+        "",
+        mode_table(batches, args.min_prefix_len, args.min_group_size),
+        "",
+        "Threshold effects: dedup N/T",
+        "",
+        threshold_table(batches, args.sweep_prefix_lens, args.sweep_group_sizes),
+    ]
+    if args.per_batch:
+        out += ["", "Per micro-batch", "", batch_table(batches, args.min_prefix_len, args.min_group_size)]
+    if any(r.tokenized for r in files):
+        out += ["", "note: text was re-tokenised; verl dumps decode with skip_special_tokens, so "
+                "chat-template special tokens are missing from the counts"]
+    if plot_job is not None:
+        plot_job()
+        out += ["", f"wrote {args.plot}"]
+    print("\n".join(out))
+    return 0
+
+
+def _plot_job(args, batches) -> Callable[[], None]:
+    """Pick and plan the micro-batch to draw; return the drawing step."""
+    plans = [plan_micro_batch(r, idx, args.plot_mode, args.min_prefix_len, args.min_group_size)
+             for r, idx in batches]
+    if plans[0] is None:
+        raise AnalyzeError("--plot-mode prompt_only needs a prompt/response split in the data")
+    k = args.plot_batch
+    if k is None:
+        k = max(range(len(plans)), key=lambda j: plans[j].num_input_tokens / plans[j].num_tokens)
+    elif not 0 <= k < len(plans):
+        raise AnalyzeError(f"--plot-batch {k}: there are {len(plans)} micro-batches (0..{len(plans) - 1})")
+    _require_matplotlib()
+    r = batches[k][0]
+    title = f"{os.path.basename(r.path)}, micro-batch {k}, {args.plot_mode}"
+    return lambda: plot_plan(plans[k], args.plot, title)
