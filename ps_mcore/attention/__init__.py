@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ps_mcore.attention import backends
 from ps_mcore.attention.backends import (
     ATTENTION_BACKENDS,
     AttentionBackend,
@@ -84,15 +85,4 @@ def tree_attention(
     return ATTENTION_BACKENDS[resolve_backend(backend, q)](q, k, v, plan, scale)
 
 
-__all__ = [
-    "ATTENTION_BACKENDS",
-    "AttentionBackend",
-    "BACKENDS",
-    "backend_names",
-    "check_backend_name",
-    "cp_backend_names",
-    "cp_kernel",
-    "register_backend",
-    "resolve_backend",
-    "tree_attention",
-]
+__all__ = ["BACKENDS", "tree_attention", *backends.__all__]

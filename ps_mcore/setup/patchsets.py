@@ -8,6 +8,8 @@ Supporting a new verl release: add ``ps_mcore/integrations/verl0XY/`` (a sibling
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ps_mcore.integrations.env import distribution_version, module_importable
 from ps_mcore.integrations.patching import Patcher
 from ps_mcore.setup.registry import Component, Patchset, register
@@ -23,30 +25,39 @@ def verl080_reason() -> str | None:
     return None
 
 
-def verl080_mcore016_reason() -> str | None:
-    """None when verl 0.8.0 + megatron-core 0.16.x (+ MindSpeed 0.16, if any) are installed."""
-    reason = verl080_reason()
-    if reason is not None:
-        return reason
+def mcore016_reason() -> str | None:
+    """None when megatron-core 0.16.x is installed, else why not."""
     mcore = distribution_version("megatron-core", "megatron_core")
     if mcore is None and not module_importable("megatron.core"):
         return "megatron-core is not installed"
     if mcore is not None and not mcore.startswith("0.16."):
         return f"megatron-core {mcore} is installed, this patchset is for 0.16.x"
+    return None
+
+
+def mindspeed016_reason() -> str | None:
+    """None when MindSpeed is absent (GPU) or 0.16 (Ascend), else why not."""
     mindspeed = distribution_version("mindspeed")
     if mindspeed is not None and not mindspeed.startswith("0.16"):
         return f"MindSpeed {mindspeed} is installed, this patchset pairs with MindSpeed 0.16.0"
     return None
 
 
-def verl080_fsdp_reason() -> str | None:
-    """None when verl 0.8.0 and transformers are installed."""
-    reason = verl080_reason()
-    if reason is not None:
-        return reason
-    if distribution_version("transformers") is None:
-        return "transformers is not installed"
-    return None
+def transformers_reason() -> str | None:
+    return "transformers is not installed" if distribution_version("transformers") is None else None
+
+
+def first_reason(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
+    """A ``detect`` function: the first check's reason, None when every check passes."""
+
+    def detect() -> str | None:
+        for check in checks:
+            reason = check()
+            if reason is not None:
+                return reason
+        return None
+
+    return detect
 
 
 def _install_verl080_common(patcher: Patcher) -> None:
@@ -73,7 +84,7 @@ VERL080_MCORE = register(
     Patchset(
         name="verl080_mcore0161_ms0160",
         description="verl 0.8.0 Megatron engine, megatron-core 0.16.x, MindSpeed 0.16.0 (optional)",
-        detect=verl080_mcore016_reason,
+        detect=first_reason(verl080_reason, mcore016_reason, mindspeed016_reason),
         install=_install_verl080_megatron,
         components=(VERL080_COMMON,),
     )
@@ -83,7 +94,7 @@ VERL080_FSDP = register(
     Patchset(
         name="verl080_fsdp",
         description="verl 0.8.0 FSDP / FSDP2 engines with Hugging Face transformers",
-        detect=verl080_fsdp_reason,
+        detect=first_reason(verl080_reason, transformers_reason),
         install=_install_verl080_fsdp,
         components=(VERL080_COMMON,),
     )
