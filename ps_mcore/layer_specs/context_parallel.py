@@ -33,6 +33,7 @@ from ps_mcore.layer_specs.cp_collectives import (
     cp_group_or_default,
 )
 from ps_mcore.layer_specs.cp_layout import CPLayout, build_cp_layout, cp_chunk_rows
+from ps_mcore.layer_specs.cp_logprobs import cp_token_logprobs
 
 # Backends that run local queries against all-gathered K/V (a gather-KV kernel): read from
 # the backend table (ps_mcore.attention.backends), which also gives ``cp_kernel``.
@@ -102,6 +103,7 @@ __all__ = [
     "build_cp_layout",
     "cp_chunk_rows",
     "cp_kernel",
+    "cp_token_logprobs",
     "cp_tree_attention",
     "gather_cp_rows",
 ]
