@@ -66,6 +66,33 @@ def test_dynamic_micro_batches_keep_units_and_respect_budget(seed, mode):
     assert len(micro) <= len(stock_micro)  # dedup tokens never need more micro-batches
 
 
+@pytest.mark.parametrize("use_dynamic_bsz", [True, False])
+@pytest.mark.parametrize("mode", ["prompt_only", "arbitrary_prefix"])
+def test_carried_plans_are_the_forward_plans(mode, use_dynamic_bsz):
+    """Plan once: the plan carried with each micro-batch equals the one the forward would make
+    from that micro-batch (plan_batch), row for row."""
+    from ps_mcore.integrations.verl080.batch import plan_batch
+
+    rng = np.random.default_rng(7)
+    if use_dynamic_bsz:
+        samples, kwargs = _mixed_samples(rng), dict(max_token_len_per_gpu=60)
+    else:  # 12 samples in 4 groups, shuffled so the micro-batcher reorders them
+        grpo = WORKLOADS["grpo"](rng, prompts=4, group=3)
+        samples, kwargs = [grpo[i] for i in rng.permutation(len(grpo))], dict(micro_batch_size_per_gpu=3)
+    data = make_batch(samples, rng, use_dynamic_bsz=use_dynamic_bsz, **kwargs)
+    config = PrefixGrouperConfig(mode=mode, min_prefix_len=4)
+    plans: dict = {}
+    micro, parts = prefix_aware_prepare_micro_batches(data, config, _stock, plans=plans)
+    assert parts is not None and len(plans) == len(micro)
+    for mb in micro:
+        carried_batch, carried = plans[id(mb)]
+        assert carried_batch is mb
+        fresh = plan_batch(mb, config)
+        assert carried.num_tokens == fresh.num_tokens and carried.num_input_tokens == fresh.num_input_tokens
+        for name in ("input_ids", "position_ids", "unpack_index", "kv_index", "next_token_ids"):
+            assert torch.equal(getattr(carried, name), getattr(fresh, name)), name
+
+
 def test_dedup_budget_fits_more_samples_than_verl():
     rng = np.random.default_rng(0)
     samples = WORKLOADS["grpo"](rng, prompts=2, group=6)

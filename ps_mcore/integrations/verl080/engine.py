@@ -47,14 +47,19 @@ class EngineStep:
 
     Attributes:
         engine: the engine running it.
-        plans: ``id(micro-batch) -> TreePlan`` made by the micro-batcher while sizing; the
-            micro-batches stay alive for the whole call, so their ids are unique in it.
+        plans: ``id(micro-batch) -> (micro-batch, TreePlan)`` made by the micro-batcher while
+            sizing (:meth:`carried_plan` checks the identity).
         micro: the micro-batch whose ``forward_step`` runs now (None between steps).
     """
 
     engine: Any
-    plans: dict[int, TreePlan] = field(default_factory=dict)
+    plans: dict[int, tuple[Any, TreePlan]] = field(default_factory=dict)
     micro: MicroBatchContext | None = None
+
+    def carried_plan(self, batch) -> TreePlan | None:
+        """The plan the micro-batcher made for exactly this micro-batch object (or None)."""
+        entry = self.plans.get(id(batch))
+        return entry[1] if entry is not None and entry[0] is batch else None
 
 
 _STEP: contextvars.ContextVar[EngineStep | None] = contextvars.ContextVar("ps_mcore_engine_step", default=None)
@@ -141,7 +146,7 @@ def run_step_with_context(engine, batch_iter, call: Callable[[Any], tuple]):
     step = _STEP.get()
     if step is None or step.engine is not engine:  # a forward_step called on its own
         step = EngineStep(engine=engine)
-    micro = MicroBatchContext(engine=engine, batch=batch, setting=setting, plan=step.plans.get(id(batch)))
+    micro = MicroBatchContext(engine=engine, batch=batch, setting=setting, plan=step.carried_plan(batch))
     previous = step.micro
     step.micro = micro
     token = _STEP.set(step)

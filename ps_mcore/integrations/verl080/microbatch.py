@@ -201,10 +201,11 @@ def prefix_aware_prepare_micro_batches(
         data: the worker batch (TensorDict).
         config: the engine's ``prefix_grouper`` config.
         stock: verl's ``prepare_micro_batches`` (used when its result is already right).
-        plans: when given, ``id(micro_batch) -> TreePlan`` is filled for every micro-batch
-            built here, planned from the sequences already read for sizing, so the forward
-            uses that plan instead of planning the micro-batch again (same plan:
-            :func:`~ps_mcore.integrations.verl080.batch.plan_batch` of the micro-batch).
+        plans: when given, ``id(micro_batch) -> (micro_batch, TreePlan)`` is filled for every
+            micro-batch built here, planned from the sequences already read for sizing, so the
+            forward uses that plan instead of planning the micro-batch again (same plan:
+            :func:`~ps_mcore.integrations.verl080.batch.plan_batch` of the micro-batch). The
+            entry holds the micro-batch, so its id cannot be reused while the entry lives.
         options: verl's keywords: ``dp_group``, ``num_batches_divided_by``,
             ``same_micro_num_in_dp``, ``min_num_micro_batch``, ``use_dynamic_bsz_balance``.
 
@@ -243,7 +244,7 @@ def prefix_aware_prepare_micro_batches(
     if plans is not None:
         groups = group_ids(data)
         for batch, part in zip(micro_batches, parts):
-            plans[id(batch)] = plan_sequences(
+            plans[id(batch)] = batch, plan_sequences(
                 [seqs[i] for i in part],
                 config,
                 None if prompts is None else prompts[part],
