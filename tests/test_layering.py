@@ -1,0 +1,51 @@
+"""The package layout (#11): old import paths still work, and the floors import one way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def _imported_after(code: str) -> set[str]:
+    """Top-level package names in ``sys.modules`` after running ``code`` in a fresh interpreter."""
+    probe = code + "\nimport sys\nprint(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_lower_floors_import_no_framework():
+    """Core, ``mindspeed`` and ``setup`` (detecting stacks) import no training framework."""
+    code = (
+        "import ps_mcore, ps_mcore.config, ps_mcore.attention, ps_mcore.logprobs, ps_mcore.flops\n"
+        "import ps_mcore.mindspeed, ps_mcore.setup\n"
+        "ps_mcore.setup.detect()"
+    )
+    frameworks = {"verl", "megatron", "transformers", "mindspeed", "torch_npu"}
+    assert not _imported_after(code) & frameworks
+
+
+def test_old_import_paths_are_the_same_modules():
+    import ps_mcore.integrations.env as env
+    import ps_mcore.integrations.patching as patching
+    import ps_mcore.integrations.verl080 as verl080
+    import ps_mcore.setup.env as old_env
+    import ps_mcore.setup.patching as old_patching
+    import ps_mcore.verl as old_verl
+    import ps_mcore.verl.engine as old_engine
+    from ps_mcore.integrations.verl080 import engine
+
+    assert old_env is env and old_patching is patching and old_engine is engine
+    assert old_verl.CONFIG_DIR == verl080.CONFIG_DIR
+    from ps_mcore.config import PrefixGrouperConfig
+    from ps_mcore.verl.config import PrefixGrouperConfig as old_config
+
+    assert old_config is PrefixGrouperConfig
+
+
+def test_one_backend_table_serves_every_caller():
+    from ps_mcore.attention import BACKENDS, backends
+    from ps_mcore.layer_specs.context_parallel import CP_BACKENDS
+
+    assert BACKENDS == ("auto", *backends.ATTENTION_BACKENDS)
+    assert CP_BACKENDS == ("auto", *(n for n, b in backends.ATTENTION_BACKENDS.items() if b.supports_cp))
+    assert "reference" in BACKENDS and "reference" not in CP_BACKENDS and "chunked" in CP_BACKENDS
