@@ -237,11 +237,15 @@ def _validate(
     if prompt_lens is not None:
         raw = np.asarray(list(prompt_lens))
         if raw.size and raw.dtype.kind not in "iu":  # floats only when whole (never truncated)
-            whole = raw == np.round(raw) if raw.dtype.kind == "f" else np.zeros(raw.shape, bool)
+            whole = (
+                np.isfinite(raw) & (raw == np.round(raw)) if raw.dtype.kind == "f"
+                else np.zeros(raw.shape, bool)
+            )
             bad = np.flatnonzero(~whole)
             if bad.size:
                 i = int(bad[0])
-                raise ValueError(f"prompt_lens must be integers; prompt_lens[{i}]={raw.flat[i]!r}")
+                value = raw.flat[i].item() if hasattr(raw.flat[i], "item") else raw.flat[i]
+                raise ValueError(f"prompt_lens must be integers; prompt_lens[{i}]={value!r}")
         prompts = raw.astype(np.int64)
         if prompts.shape != (len(arrays),):
             raise ValueError(

@@ -41,6 +41,8 @@ def test_uint64_ids_past_int64_say_so_not_negative():
 def test_fractional_prompt_lens_are_rejected_not_truncated():
     with pytest.raises(ValueError, match=r"prompt_lens must be integers; prompt_lens\[1\]=2\.5"):
         plan_prefix_tree(SEQS, mode="prompt_only", prompt_lens=[2, 2.5, 1])
+    with pytest.raises(ValueError, match=r"prompt_lens must be integers; prompt_lens\[0\]=inf"):
+        plan_prefix_tree(SEQS, mode="prompt_only", prompt_lens=np.array([np.inf, 2.0, 1.0]))
     whole = plan_prefix_tree(SEQS, mode="prompt_only", prompt_lens=[3.0, 3.0, 1.0], min_prefix_len=1)
     ints = plan_prefix_tree(SEQS, mode="prompt_only", prompt_lens=[3, 3, 1], min_prefix_len=1)
     assert torch.equal(whole.input_ids, ints.input_ids)
