@@ -9,7 +9,11 @@ the softmax chunk by chunk from the saved logits: peak extra memory is one fp32 
 
 from __future__ import annotations
 
+<<<<<<< HEAD
 from typing import Protocol
+=======
+import math
+>>>>>>> i17-newuser
 
 import torch
 import torch.distributed as dist
@@ -124,8 +128,17 @@ def token_logprobs(
         raise ValueError(
             f"token_logprobs expects logits [T>={plan.num_tokens}, V], got {tuple(logits.shape)}"
         )
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
+    if not math.isfinite(float(temperature)) or float(temperature) <= 0:
+        raise ValueError(f"temperature must be a finite positive number, got {temperature}")
+    if logits.size(1) == 0:
+        raise ValueError(f"token_logprobs needs a non-empty vocab dimension, got {tuple(logits.shape)}")
+    # A label past the vocab would silently read a logit of 0 (the in-shard mask drops it).
+    vocab = logits.size(1) * (dist.get_world_size(tp_group) if tp_group is not None else 1)
+    if plan.max_token_id >= vocab:  # cached per plan: no sync for a CPU plan
+        raise ValueError(
+            f"token id {plan.max_token_id} is outside the vocab of the logits (V={vocab}); "
+            "pass the full (or TP-sharded) LM-head output"
+        )
     plan = plan.to(logits.device)
     logits = logits[: plan.num_tokens]
     rank = dist.get_rank(tp_group) if tp_group is not None else 0

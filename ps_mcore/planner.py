@@ -91,6 +91,13 @@ class TreePlan:
         return int(self.node_parent.numel())
 
     @property
+    def max_token_id(self) -> int:
+        """Largest id in ``input_ids`` (computed once per plan object; one sync on a GPU)."""
+        if "max_token_id" not in self._cache:
+            self._cache["max_token_id"] = int(self.input_ids.max()) if self.num_tokens else -1
+        return self._cache["max_token_id"]
+
+    @property
     def device(self) -> torch.device:
         return self.input_ids.device
 
@@ -122,7 +129,7 @@ class TreePlan:
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, ...] -> [N, ...]``; differentiable (backward is a scatter-add over shared rows)."""
-        if x.size(0) < self.num_tokens:
+        if x.dim() == 0 or x.size(0) < self.num_tokens:
             raise ValueError(
                 f"unpack expects at least T={self.num_tokens} rows, got shape {tuple(x.shape)}"
             )
@@ -163,7 +170,17 @@ def _as_int_array(seq: Any, i: int) -> np.ndarray:
             raise ValueError(f"sequence {i}: token ids must be integers, got {seq.dtype}")
         arr = seq.detach().cpu().numpy()
     else:
-        arr = np.asarray(seq)
+        try:
+            arr = np.asarray(seq)
+        except ValueError as err:  # ragged nesting: numpy's "inhomogeneous shape"
+            raise ValueError(
+                f"sequence {i}: could not read it as a 1-D array of token ids ({err})"
+            ) from None
+        if arr.size and arr.dtype.kind in "fO" and _all_python_ints(seq):
+            # numpy holds ints past int64 as float64 or object: say that, not "float64"
+            raise ValueError(
+                f"sequence {i}: token ids must be < 2**63 (int64), found {max(seq)}"
+            )
         if arr.dtype == object:
             raise ValueError(f"sequence {i}: could not read it as a 1-D array of token ids")
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
@@ -175,10 +192,18 @@ def _as_int_array(seq: Any, i: int) -> np.ndarray:
         )
     if arr.size == 0:
         raise ValueError(f"sequence {i} is empty; every sequence needs at least one token")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"sequence {i}: token ids must be < 2**63 (int64), found {int(arr.max())}")
     arr = arr.astype(np.int64, copy=False)
     if arr.min() < 0:
         raise ValueError(f"sequence {i}: token ids must be non-negative, found {int(arr.min())}")
     return arr
+
+
+def _all_python_ints(seq: Any) -> bool:
+    return isinstance(seq, (list, tuple)) and all(
+        isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in seq
+    )
 
 
 def _validate(
@@ -210,7 +235,18 @@ def _validate(
         if prompt_lens is None:
             raise ValueError("mode='prompt_only' needs prompt_lens (one prompt length per sequence)")
     if prompt_lens is not None:
-        prompts = np.asarray(list(prompt_lens), dtype=np.int64)
+        raw = np.asarray(list(prompt_lens))
+        if raw.size and raw.dtype.kind not in "iu":  # floats only when whole (never truncated)
+            whole = (
+                np.isfinite(raw) & (raw == np.round(raw)) if raw.dtype.kind == "f"
+                else np.zeros(raw.shape, bool)
+            )
+            bad = np.flatnonzero(~whole)
+            if bad.size:
+                i = int(bad[0])
+                value = raw.flat[i].item() if hasattr(raw.flat[i], "item") else raw.flat[i]
+                raise ValueError(f"prompt_lens must be integers; prompt_lens[{i}]={value!r}")
+        prompts = raw.astype(np.int64)
         if prompts.shape != (len(arrays),):
             raise ValueError(
                 f"prompt_lens has {prompts.size} entries for {len(arrays)} sequences"
@@ -228,7 +264,15 @@ def _validate(
             raise ValueError(f"group_ids has {len(labels)} entries for {len(arrays)} sequences")
         # Dense ranks keep arbitrary hashable labels (verl uids are strings) sortable.
         rank: dict = {}
-        groups = np.array([rank.setdefault(g, len(rank)) for g in labels], dtype=np.int64)
+        for i, g in enumerate(labels):
+            try:
+                rank.setdefault(g, len(rank))
+            except TypeError:
+                raise TypeError(
+                    f"group_ids[{i}] = {g!r} is not hashable; group_ids need hashable labels "
+                    "(ints or strings, e.g. verl's uid)"
+                ) from None
+        groups = np.array([rank[g] for g in labels], dtype=np.int64)
     return arrays, prompts, groups
 
 

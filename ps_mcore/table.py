@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 
-def _cell(x: object) -> str:
+def format_cell(x: object) -> str:
+    """One value as the tables show it (3 significant digits, "-" for NaN)."""
     if isinstance(x, float):
         if x != x:
             return "-"
@@ -15,7 +16,7 @@ def _cell(x: object) -> str:
 
 def format_table(headers: list[str], rows: list[list[object]]) -> str:
     """Rows under headers, right-aligned columns, valid markdown (pastes into docs)."""
-    cells = [[_cell(x) for x in r] for r in rows]
+    cells = [[format_cell(x) for x in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(r):

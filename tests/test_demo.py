@@ -22,11 +22,18 @@ def _args(**kw):
     )
 
 
-def test_demo_passes_parity_and_prints_table(capsys):
+def test_demo_passes_parity_and_prints_table(capsys, monkeypatch):
+    monkeypatch.setattr(demo, "NOISE_SPREAD", -1.0)  # every row counts as noisy: the caveat shows
     assert demo.run_demo(_args()) == 0
     out = capsys.readouterr().out
     assert "grpo-wide" in out and "step-wise" in out and "FAIL" not in out
     assert "shared == unshared" in out
+    lines = out.splitlines()
+    speedup_col = lines[1].split("|").index(" speedup ")
+    row = next(line for line in lines if line.startswith("| grpo-wide"))
+    assert row.split("|")[speedup_col].strip().endswith("*")
+    assert "ideal: model-FLOP ratio" in out and "speedup = unshared/shared ms" in out  # legend
+    assert "* noisy timing" in out
 
 
 def test_demo_fails_on_a_broken_plan(capsys, monkeypatch):
@@ -39,3 +46,62 @@ def test_demo_fails_on_a_broken_plan(capsys, monkeypatch):
     assert demo.run_demo(_args()) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "FAILED" in out
+
+
+# ----------------------------------------------------------------------------- CLI edges
+
+
+def _cli(argv, capsys):
+    from ps_mcore import cli
+
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exit_:  # argparse usage errors
+        rc = exit_.code
+    return rc, capsys.readouterr().err
+
+
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
+    rc, err = _cli(["demo", "--device", "cuda"], capsys)
+    assert rc == 2
+    assert err.strip().splitlines() == [err.strip()]  # one line, no traceback
+    assert err.startswith("ps-mcore demo: error: --device cuda: no CUDA device is available")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--scale", "-1"], "argument --scale: must be positive, got -1"),
+    (["--scale", "nan"], "argument --scale: must be positive, got nan"),
+    (["--iters", "0"], "argument --iters: must be positive, got 0"),
+    (["--iters", "2.5"], "argument --iters: expected a int, got '2.5'"),
+])
+def test_bad_demo_arguments_are_usage_errors(argv, message, capsys):
+    rc, err = _cli(["demo", *argv], capsys)
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_third_party_warnings_hidden_unless_verbose():
+    import warnings
+
+    def emit():
+        warnings.warn_explicit("Apex is not installed", UserWarning, "backends.py", 21,
+                               module="megatron.core.models.backends")
+        warnings.warn_explicit("[prefix_sharing] fell back to stock", UserWarning, "x.py", 1,
+                               module="ps_mcore.verl.batch")
+
+    for verbose, expected in ((False, ["[prefix_sharing] fell back to stock"]),
+                              (True, ["Apex is not installed", "[prefix_sharing] fell back to stock"])):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with demo._third_party_warnings(verbose):
+                emit()
+        assert [str(w.message) for w in seen] == expected
+
+
+def test_noisy_timing_flags_spread_and_speedup_beyond_ideal():
+    steady = [[10.0, 10.5, 10.2], [5.0, 5.1, 5.2]]
+    assert not demo.noisy_timing(steady, speedup=2.0, ideal=2.5)
+    assert demo.noisy_timing(steady, speedup=2.0 * 1.0, ideal=1.2)  # 2.0 > 1.2 x 1.5
+    assert demo.noisy_timing([[10.0, 30.0, 11.0], [5.0, 5.1, 5.2]], speedup=2.0, ideal=2.5)
+

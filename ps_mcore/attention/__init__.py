@@ -50,6 +50,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeP
         )
     if q.size(2) != k.size(2):
         raise ValueError(f"head dims differ: q {q.size(2)}, k/v {k.size(2)}")
+    if q.size(1) == 0 or k.size(1) == 0 or q.size(2) == 0:
+        raise ValueError(
+            f"tree_attention needs Hq, Hkv and head dim D >= 1; got q {tuple(q.shape)}, "
+            f"k/v {tuple(k.shape)}"
+        )
     if q.size(1) % k.size(1) != 0:
         raise ValueError(f"GQA needs Hq % Hkv == 0; got Hq={q.size(1)}, Hkv={k.size(1)}")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():

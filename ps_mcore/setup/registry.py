@@ -5,7 +5,9 @@ needs and which glue it installs."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,6 +47,17 @@ class Patchset:
 PATCHSETS: dict[str, Patchset] = {}
 _INSTALLED: dict[str, Patcher] = {}
 _COMPONENTS: dict[str, tuple[Patcher, set[str]]] = {}
+# install/uninstall from several threads (e.g. worker start-up hooks) must patch once.
+_LOCK = threading.RLock()
+
+
+def _locked(fn):
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        with _LOCK:
+            return fn(*args, **kwargs)
+
+    return guarded
 
 
 def register(patchset: Patchset) -> Patchset:
@@ -105,6 +118,7 @@ def _release_components(user: str) -> None:
             del _COMPONENTS[name]
 
 
+@_locked
 def install(patchsets: list[str] | str | None = None) -> list[str]:
     """Install patchsets (idempotent).
 
@@ -149,6 +163,7 @@ def _install_one(ps: Patchset) -> None:
     logger.info("[prefix_sharing] installed patchset %s (%s)", ps.name, ps.description)
 
 
+@_locked
 def uninstall(patchsets: list[str] | None = None) -> None:
     """Remove installed patchsets (all by default), restoring every patched attribute."""
     names = list(_INSTALLED) if patchsets is None else [n for n in patchsets if n in _INSTALLED]
@@ -157,6 +172,7 @@ def uninstall(patchsets: list[str] | None = None) -> None:
         _release_components(name)
 
 
+@_locked
 def installed() -> list[str]:
     """Names of the installed patchsets."""
     return list(_INSTALLED)
