@@ -9,11 +9,8 @@ the softmax chunk by chunk from the saved logits: peak extra memory is one fp32 
 
 from __future__ import annotations
 
-<<<<<<< HEAD
-from typing import Protocol
-=======
 import math
->>>>>>> i17-newuser
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
