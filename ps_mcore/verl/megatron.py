@@ -268,14 +268,14 @@ def _build_with_mbridge(engine, original: Callable):
 
 
 def _build_with_bridge_provider(engine, original: Callable):
-    """Megatron-Bridge: ``provider.transformer_layer_spec = tree_layer_spec``."""
-    from ps_mcore.layer_specs import tree_layer_spec
+    """Megatron-Bridge: the provider's own spec (instance or class default), converted."""
+    from ps_mcore.layer_specs import tree_layer_spec_from
 
     provider = engine.provider
     provider.apply_rope_fusion = False  # the provider is the model's config: stays False
     info_once("rope-fusion", ROPE_FUSION_REASON)
     stock_spec = provider.transformer_layer_spec
-    provider.transformer_layer_spec = tree_layer_spec
+    provider.transformer_layer_spec = tree_layer_spec_from(stock_spec)
     try:
         return original(engine)
     finally:
