@@ -32,7 +32,7 @@ def _spec_class(spec: Any) -> Any:
     """The class a spec builds: ``ModuleSpec`` -> its module, ``functools.partial`` -> its
     function (megatron 0.17+ builds some specs as partials), else the object itself."""
     if isinstance(spec, ModuleSpec):
-        spec = get_module(spec)
+        spec = spec.module if isinstance(spec.module, functools.partial) else get_module(spec)
     while isinstance(spec, functools.partial):
         spec = spec.func
     return spec
