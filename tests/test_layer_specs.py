@@ -328,7 +328,7 @@ def test_to_tree_spec_moe_pattern_untouched_except_attention():
     block = stock_specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     tree = get_gpt_decoder_block_tree_spec(cfg, False, normalization="RMSNorm")
     assert len(tree.layer_specs) == 4
-    for old, new in zip(block.layer_specs, tree.layer_specs):
+    for old, new in zip(block.layer_specs, to_tree_spec(block).layer_specs):
         assert new.submodules.mlp is old.submodules.mlp  # MLP / MoE specs (partials in 0.17+) as built
         assert new.submodules.pre_mlp_layernorm is old.submodules.pre_mlp_layernorm
         assert _attn(new).module is TreeSelfAttention

@@ -130,17 +130,81 @@ def _tree_layer_spec(spec: Any, backend: str | None) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=submodules)
 
 
+# Hybrid stacks (HybridStackSubmodules in 0.19+, MambaStackSubmodules before): attention layers
+# are converted; layers whose token mixing is not attention cannot run a tree batch.
+_HYBRID_TREE_LAYERS = ("attention_layer",)
+_HYBRID_TOKENWISE_LAYERS = ("mlp_layer", "moe_layer", "mtp_block_spec")
+_REFUSING_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _is_hybrid_submodules(spec: Any) -> bool:
+    return dataclasses.is_dataclass(spec) and not isinstance(spec, type) and hasattr(spec, "attention_layer")
+
+
+def _tree_batch_refusing(cls: type, field: str) -> type:
+    """A subclass of layer ``cls`` (same parameters and state_dict keys) that raises when a
+    tree batch reaches it, instead of mixing tokens across the packed branches."""
+    key = (cls, field)
+    if key not in _REFUSING_CLASSES:
+        from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+
+        def forward(self, *args, **kwargs):
+            if any(isinstance(v, TreePackedSeqParams) for v in (*args, *kwargs.values())):
+                raise NotImplementedError(
+                    f"a prefix-tree batch reached {cls.__name__} (the hybrid stack's {field}), "
+                    "which has no tree support: its token mixing would run across the packed "
+                    "branches. Run this model with the stock (unshared) batch"
+                )
+            return cls.forward(self, *args, **kwargs)
+
+        _REFUSING_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": forward, "__module__": cls.__module__,
+            "__doc__": f"{cls.__name__} refusing prefix-tree batches (ps_mcore.to_tree_spec)."})
+    return _REFUSING_CLASSES[key]
+
+
+def _refuse_tree_batches(layer: Any, field: str) -> Any:
+    if layer is None or _is_identity(layer):
+        return layer
+    if isinstance(layer, ModuleSpec):
+        cls = _spec_class(layer)
+        if isinstance(layer.module, functools.partial) or not isinstance(cls, type):
+            raise NotImplementedError(f"cannot wrap the hybrid stack's {field} spec {layer!r}")
+        return dataclasses.replace(layer, module=_tree_batch_refusing(cls, field))
+    if isinstance(layer, functools.partial) and isinstance(layer.func, type):
+        return functools.partial(_tree_batch_refusing(layer.func, field), *layer.args, **layer.keywords)
+    if isinstance(layer, type):
+        return _tree_batch_refusing(layer, field)
+    raise NotImplementedError(f"cannot wrap the hybrid stack's {field} spec {layer!r}")
+
+
+def _tree_hybrid_submodules(spec: Any, backend: str | None) -> Any:
+    changes = {}
+    for field in dataclasses.fields(spec):
+        layer = getattr(spec, field.name)
+        if field.name in _HYBRID_TREE_LAYERS:
+            if not _is_identity(layer):
+                changes[field.name] = _tree_layer_spec(layer, backend)
+        elif field.name not in _HYBRID_TOKENWISE_LAYERS:  # mamba, gdn, dsa, mla, future kinds
+            changes[field.name] = _refuse_tree_batches(layer, field.name)
+    return dataclasses.replace(spec, **changes)
+
+
 def to_tree_spec(spec, tree_attention_backend: str | None = None):
-    """Tree version of a GPT layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``.
+    """Tree version of a GPT layer ``ModuleSpec``, a ``TransformerBlockSubmodules`` or a hybrid
+    stack spec (``HybridStackSubmodules`` / a ``ModuleSpec`` of ``HybridStack``).
 
     Args:
-        spec: a stock (or mbridge / Megatron-Bridge built) layer spec or block spec; it is not
-            modified.
+        spec: a stock (or mbridge / Megatron-Bridge built) layer, block or hybrid stack spec;
+            it is not modified.
         tree_attention_backend: ``tree_attention`` backend for every layer (None: each
             ``TreeCoreAttention`` reads ``config.tree_attention_backend``, else ``"auto"``).
 
     Returns:
-        A spec of the same type; layers that shared one spec object still share one.
+        A spec of the same type; layers that shared one spec object still share one. In a
+        hybrid stack the attention layers get tree attention, MLP / MoE layers stay as they are,
+        and every other layer kind (Mamba, GDN, DSA, MLA) keeps its parameters but raises
+        ``NotImplementedError`` naming itself when a tree batch reaches it.
     """
     _check_backend(tree_attention_backend)
     if isinstance(spec, TransformerBlockSubmodules):
@@ -151,6 +215,11 @@ def to_tree_spec(spec, tree_attention_backend: str | None = None):
                 converted[id(layer)] = _tree_layer_spec(layer, tree_attention_backend)
             layers.append(converted[id(layer)])
         return dataclasses.replace(spec, layer_specs=layers)
+    if _is_hybrid_submodules(spec):
+        return _tree_hybrid_submodules(spec, tree_attention_backend)
+    if isinstance(spec, ModuleSpec) and _is_hybrid_submodules(spec.submodules):
+        return dataclasses.replace(
+            spec, submodules=_tree_hybrid_submodules(spec.submodules, tree_attention_backend))
     return _tree_layer_spec(spec, tree_attention_backend)
 
 
