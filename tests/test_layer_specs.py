@@ -402,8 +402,8 @@ def test_tree_layer_spec_for_megatron_bridge():
     local = types.SimpleNamespace(name="local")
     with pytest.raises(ValueError, match="attention_backend='local'"):
         tree_layer_spec(_fake_provider(attention_backend=local)[0])
-    with pytest.raises(ValueError, match="apply_rope_fusion"):
-        tree_layer_spec(_fake_provider(apply_rope_fusion=True)[0])
+    fused = tree_layer_spec(_fake_provider(apply_rope_fusion=True)[0])  # RoPE fusion stays on
+    assert _attn(fused).module is TreeSelfAttention
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -413,8 +413,6 @@ def test_refusals(models):
     cfg, _, tree = models
     plan = _plan(FORESTS["random3"])
     spec = get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))
-    with pytest.raises(ValueError, match="apply_rope_fusion"):
-        build_gpt(dataclasses.replace(cfg, apply_rope_fusion=True), spec)
     with pytest.raises(ValueError, match="backend"):
         TreeCoreAttention(cfg, 1, backend="bogus")
     with pytest.raises(NotImplementedError, match="self attention only"):

@@ -272,3 +272,59 @@ def test_te_like_spec_tree_model_is_a_te_state_model_for_every_layer():
     block = to_tree_spec(TransformerBlockSubmodules(layer_specs=[spec] * 3))
     assert len({id(s) for s in block.layer_specs}) == 1
     assert _attn(block.layer_specs[0]).submodules.core_attention.module is TreeCoreAttentionTEState
+
+
+# ----------------------------------------------------------------------------- fused RoPE
+
+
+def _te_thd_rope(t, cu_seqlens, freqs, cp_size=1, cp_rank=0):
+    """TE's fused THD RoPE contract (test-only stand-in: the kernel needs CUDA): row j of
+    each sequence in ``cu_seqlens`` is rotated by ``freqs[j]`` (rotate-half, first
+    ``freqs.size(-1)`` channels). No CP here."""
+    assert cp_size == 1
+    d = freqs.size(-1)
+    out = t.clone()
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        f = freqs[: end - start, 0].float()  # [n, 1, d]
+        x = t[start:end, :, :d].float()
+        x1, x2 = x.chunk(2, -1)
+        out[start:end, :, :d] = (x * f.cos() + torch.cat([-x2, x1], -1) * f.sin()).to(t.dtype)
+    return out
+
+
+def test_fused_rope_stays_on_for_tree_batches(monkeypatch):
+    """apply_rope_fusion=True: the tree batch goes through Megatron's fused THD path (here
+    TE's kernel contract in torch) with the per-token table and equals the unshared unfused
+    stock model; nothing forces fusion off."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    calls = []
+
+    def fused_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0):
+        calls.append(int(cu_seqlens[-1]))
+        return _te_thd_rope(t, cu_seqlens, freqs, cp_size, cp_rank)
+
+    def fused_sbhd(*args, **kwargs):
+        raise AssertionError("tree batches are THD")
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", fused_thd)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", fused_sbhd)
+    cfg = tiny_config("qwen3")
+    stock = build_gpt(cfg, stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg)))
+    randomize_(stock, seed=8)
+    fused_cfg = tiny_config("qwen3", apply_rope_fusion=True)
+    tree = build_gpt(fused_cfg, to_tree_spec(stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg))))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    assert tree.config.apply_rope_fusion
+    for pad in (1, 8):
+        calls.clear()
+        seqs = _forest()
+        plan = plan_prefix_tree(seqs, min_prefix_len=1)
+        psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=pad)
+        with torch.no_grad():
+            got = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
+                       attention_mask=None, packed_seq_params=psp)[0][: plan.num_tokens]
+            ref = torch.cat([stock_forward(stock, s) for s in seqs])
+        torch.testing.assert_close(plan.unpack(got), ref, rtol=1e-5, atol=1e-5)
+        assert calls == [psp.num_rows] * (2 * cfg.num_layers)  # q and k of every layer, fused

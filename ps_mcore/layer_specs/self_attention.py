@@ -4,7 +4,9 @@
 ``[S, 1, 1, d]`` and ``Attention.forward`` applies it. For a tree batch we hand the parent
 ``table[positions]`` (one row per packed token); in THD with ``freqs.size(0) ==
 cu_seqlens[-1]`` Megatron then uses row i for token i, so every packed token is rotated by
-its original position and rope scaling / interleaving stay Megatron's. Under context
+its original position and rope scaling / interleaving stay Megatron's. RoPE fusion stays on:
+the packed rows are ONE THD sequence (plus a padding sequence), so TE's fused THD kernel, which
+rotates row j of a sequence by table row j, reads exactly the per-token table too. Under context
 parallelism the table still covers all T_pad rows (global order) and Megatron's THD RoPE takes
 this rank's 2*cp chunks of it, so each local row gets its global tree position.
 """
@@ -73,11 +75,6 @@ class TreeSelfAttention(SelfAttention):
     """
 
     def __init__(self, config, *args, **kwargs):
-        if getattr(config, "apply_rope_fusion", False):
-            raise ValueError(
-                "TreeSelfAttention needs apply_rope_fusion=False: the fused RoPE kernels cannot "
-                "take a per-token position table (tree positions repeat across branches)"
-            )
         _check_forward_signature(_FORWARD_SIGNATURE)
         super().__init__(config, *args, **kwargs)
 

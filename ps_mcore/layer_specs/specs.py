@@ -303,11 +303,6 @@ def _tree_spec_of(provider, base, vp_stage):
             "DotProductAttention after building the spec; use attention_backend='auto' (or "
             "'flash') with tree_layer_spec"
         )
-    if getattr(provider, "apply_rope_fusion", False):
-        raise ValueError(
-            "tree_layer_spec needs provider.apply_rope_fusion = False (fused RoPE cannot take "
-            "per-token tree positions)"
-        )
     if base is None:
         base = getattr(provider, "transformer_layer_spec", None)
         if base is None or _is_tree_spec_callable(base):  # already ours: the class's default
