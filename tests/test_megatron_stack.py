@@ -301,7 +301,8 @@ def test_fused_rope_stays_on_for_tree_batches(monkeypatch):
 
     calls = []
 
-    def fused_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0):
+    def fused_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0, interleaved=False):
+        assert not interleaved  # megatron 0.19 passes config.rotary_interleaved
         calls.append(int(cu_seqlens[-1]))
         return _te_thd_rope(t, cu_seqlens, freqs, cp_size, cp_rank)
 
