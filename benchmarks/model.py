@@ -5,6 +5,13 @@ the LM head and per-token log-probs, unshared THD batch vs. prefix tree, every s
     python benchmarks/model.py --tiny                          # CPU smoke run (gloo), tiny dims
     torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tp 2   # or --cp 2, --tp 2 --cp 2
     torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tiny --cp 2   # CPU (gloo)
+    python benchmarks/model.py --spec te                       # CUDA + transformer-engine
+
+``--spec te`` (TP=CP=1): the baseline is what users run today, the STOCK TE model
+(``get_gpt_layer_with_transformer_engine_spec``: TE fused attention, fused RoPE) on the
+unshared THD batch; the tree model is ``to_tree_spec`` of the same spec with the stock model's
+weights (strict load), RoPE fusion on in both. Table: workload, ideal, TE stock ms, tree ms,
+speedup, meas/ideal, peak memory.
 
 The world is one model replica (world size = tp * cp); rank 0 prints the table (its times).
 One model (tree layer specs, local linear layers; no sequence parallelism: the local spec's
@@ -70,8 +77,11 @@ def init_parallel(device: str, tp: int = 1, cp: int = 1) -> None:
 
 
 def build_model(
-    shape: DecoderShape, device: str, dtype: torch.dtype, fusions: bool, tp: int = 1, cp: int = 1
+    shape: DecoderShape, device: str, dtype: torch.dtype, fusions: bool, tp: int = 1, cp: int = 1,
+    spec: str = "local",
 ):
+    """The tree model (``spec="local"``); for ``spec="te"`` the pair (stock TE model, tree
+    model of the same spec with the stock weights)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -84,18 +94,31 @@ def build_model(
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=True, attention_dropout=0.0, hidden_dropout=0.0,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, use_cpu_initialization=device == "cpu",
-        apply_rope_fusion=False,  # tree RoPE needs the unfused path
+        apply_rope_fusion=spec == "te",  # TE's fused THD RoPE takes the per-token tree table
         bias_activation_fusion=fusions, bias_dropout_fusion=fusions, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp, context_parallel_size=cp,
     )
-    torch.manual_seed(0)
-    model = GPTModel(
-        config, get_gpt_layer_local_tree_spec(normalization="RMSNorm"), vocab_size=shape.vocab,
-        max_sequence_length=1 << 15, position_embedding_type="rope", rotary_base=1_000_000,
-        share_embeddings_and_output_weights=False,
-    )
-    return model.to(device).train()
+
+    def gpt(layer_spec):
+        torch.manual_seed(0)
+        model = GPTModel(
+            config, layer_spec, vocab_size=shape.vocab, max_sequence_length=1 << 15,
+            position_embedding_type="rope", rotary_base=1_000_000,
+            share_embeddings_and_output_weights=False,
+        )
+        return model.to(device).train()
+
+    if spec == "local":
+        return gpt(get_gpt_layer_local_tree_spec(normalization="RMSNorm"))
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from ps_mcore.layer_specs import to_tree_spec
+
+    te_spec = get_gpt_layer_with_transformer_engine_spec()
+    stock, tree = gpt(te_spec), gpt(to_tree_spec(te_spec))
+    tree.load_state_dict(stock.state_dict(), strict=True)  # TE checkpoint keys, both ways
+    return stock, tree
 
 
 def thd_params(lengths: list[int], device: str):
@@ -110,12 +133,13 @@ def thd_params(lengths: list[int], device: str):
 class Steps:
     """The baseline and tree fwd+bwd steps of one workload (one weight per sample)."""
 
-    def __init__(self, model, sequences, device):
+    def __init__(self, model, sequences, device, base_model=None):
         from megatron.core import parallel_state as ps
 
         from ps_mcore.layer_specs import TreePackedSeqParams
 
         self.model = model
+        self.base_model = model if base_model is None else base_model  # --spec te: stock TE
         self.tp_group, self.cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         pad = 2 * cp * ps.get_tensor_model_parallel_world_size() if cp > 1 else 1
@@ -145,7 +169,8 @@ class Steps:
     def _logprobs(self, plan, ids, pos, psp):
         from ps_mcore.layer_specs import TreePackedSeqParams, cp_token_logprobs
 
-        logits = self.model(input_ids=ids[None], position_ids=pos[None], attention_mask=None,
+        model = self.model if isinstance(psp, TreePackedSeqParams) else self.base_model
+        logits = model(input_ids=ids[None], position_ids=pos[None], attention_mask=None,
                             packed_seq_params=psp)[0]
         if isinstance(psp, TreePackedSeqParams):
             return cp_token_logprobs(logits, psp, tp_group=self.tp_group, cp_group=self.cp_group)[0]
@@ -159,6 +184,7 @@ class Steps:
 
     def _step(self, logprobs_fn) -> None:
         self.model.zero_grad(set_to_none=True)
+        self.base_model.zero_grad(set_to_none=True)
         (logprobs_fn() * self.token_weights).sum().backward()
 
     def base_step(self) -> None:
@@ -179,6 +205,8 @@ def run(args) -> str:
     shape = DecoderShape(layers=args.layers, **(TINY if args.tiny else QWEN25_15B))
     scale = 1 / 32 if args.tiny else 1.0
     init_parallel(device, args.tp, args.cp)
+    if args.spec == "te":
+        return run_te(args, shape, device, dtype)
     model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp)
     verbose = dist.get_rank() == 0
     headers = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "base ms", "tree ms",
@@ -217,13 +245,50 @@ def run(args) -> str:
     return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
 
 
+def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
+    """Stock TE model on the unshared THD batch vs. its tree spec on the prefix tree."""
+    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te")
+    headers = ["workload", "N", "T", "ideal", "TE stock ms", "tree ms", "speedup", "meas/ideal",
+               "TE stock MiB", "tree MiB", "mem ratio", "max |dlogp|"]
+    rows = []
+    for i, name in enumerate(args.workloads):
+        print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
+        w = make_workload(name, seed=args.seed, vocab=shape.vocab)
+        steps = Steps(tree, w.sequences, device, base_model=stock)
+        stats = steps.plan.stats()
+        ideal = shape.ideal_speedup(stats)
+        base_ms = time_ms(steps.base_step, args.warmup, args.iters)
+        tree_ms = time_ms(steps.tree_step, args.warmup, args.iters)
+        base_mib, tree_mib = peak_mib(steps.base_step), peak_mib(steps.tree_step)
+        speedup = base_ms / tree_ms
+        rows.append([name, stats["N"], stats["T"], ideal, base_ms, tree_ms, speedup,
+                     speedup / ideal, base_mib, tree_mib, tree_mib / base_mib,
+                     steps.max_logprob_diff()])
+        del steps
+        torch.cuda.empty_cache()
+    backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
+    title = (
+        f"megatron-core GPTModel, transformer-engine spec (Qwen2.5-1.5B shapes: hidden "
+        f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, ffn {shape.ffn}, "
+        f"vocab {shape.vocab}, {shape.layers} layers, random init, bf16), fwd+bwd with LM head and "
+        f"token log-probs; baseline = STOCK TE spec (TE fused attention, fused RoPE) on the "
+        f"unshared THD batch; tree = to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE "
+        f"on, tree attention backend auto -> {backend}; MiB = peak allocated above the idle models"
+    )
+    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+
+
 def main() -> None:
     p = model_benchmark_parser(__doc__)
     p.add_argument("--fusions", action="store_true",
                    help="megatron's bias-activation / bias-dropout fusions (torch.compile'd)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (run under torchrun)")
     p.add_argument("--cp", type=int, default=1, help="context parallel size (run under torchrun)")
+    p.add_argument("--spec", choices=("local", "te"), default="local",
+                   help="te: stock TE model (baseline) vs to_tree_spec(TE spec); CUDA + TE, TP=CP=1")
     args = parse_model_benchmark_args(p, "benchmarks/model.py")
+    if args.spec == "te" and (args.tiny or args.tp > 1 or args.cp > 1):
+        sys.exit("--spec te runs on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
     report = run(args)
     if dist.get_rank() == 0:
         write_report(report, args.out)

@@ -217,3 +217,57 @@ def run_torchrun(script, nproc: int, *args, timeout: int = 300) -> None:
         raise AssertionError(
             f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
+
+
+# ----------------------------------------------------------------------------- TE-like specs
+
+
+def te_like_core_attention():
+    """Megatron's local ``DotProductAttention`` with the checkpoint behaviour of TE's
+    ``DotProductAttention`` (test-only: TE needs CUDA): ``_extra_state`` is TE's byte tensor
+    (empty for a module that never ran FP8, as ``TransformerEngineBaseModule.get_extra_state``
+    returns), nothing in the sharded state dict (``TEDotProductAttention``, vanilla softmax),
+    and a missing key tolerated on load (TE's ``remove_extra_states_check`` hook)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class TELikeDotProductAttention(DotProductAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.fp8_state = torch.empty(0, dtype=torch.uint8)
+
+            def tolerate_missing(module, keys):
+                for key in list(keys.missing_keys):
+                    if "core_attention._extra_state" in key:
+                        keys.missing_keys.remove(key)
+
+            self.register_load_state_dict_post_hook(tolerate_missing)
+
+        def get_extra_state(self):
+            return self.fp8_state
+
+        def set_extra_state(self, state):
+            if state is not None:
+                self.fp8_state = state
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            return {}
+
+    return TELikeDotProductAttention
+
+
+def te_like_layer_spec(**kwargs):
+    """``get_gpt_layer_local_spec(**kwargs)`` whose core attention keys are TE's."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(**kwargs)
+    attn = spec.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(
+        attn.submodules, core_attention=te_like_core_attention()))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+
+
+def enable_cpu_dist_checkpointing() -> None:
+    """Test-only: megatron's dist-checkpoint writer calls ``torch.cuda.synchronize()``."""
+    torch.cuda.synchronize = lambda *args, **kwargs: None

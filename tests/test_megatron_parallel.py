@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import inspect
 import types
 from pathlib import Path
 
@@ -139,14 +140,23 @@ def _fake_group(size: int, rank: int):
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3])
-def test_cp_chunks_are_megatrons(cp):
+def test_cp_chunks_are_megatrons(cp, monkeypatch):
+    # megatron 0.18+ asks torch.distributed for the fake group's size and rank
+    for name, attr in (("get_world_size", "size"), ("get_rank", "rank")):
+        real = getattr(torch.distributed, name)
+        monkeypatch.setattr(torch.distributed, name, lambda group=None, _real=real, _attr=attr: (
+            getattr(group, _attr)() if isinstance(group, types.SimpleNamespace) else _real(group)))
     from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     rows = 12 * cp
     for rank in range(cp):
         ours = cp_chunk_rows(rows, cp, rank)
-        batch = get_batch_on_this_cp_rank({"tokens": torch.arange(rows)[None]}, _fake_group(cp, rank))
+        tokens = {"tokens": torch.arange(rows)[None]}
+        if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:  # 0.18+
+            batch = get_batch_on_this_cp_rank(tokens, is_hybrid_cp=False, cp_group=_fake_group(cp, rank))
+        else:
+            batch = get_batch_on_this_cp_rank(tokens, _fake_group(cp, rank))
         assert ours.tolist() == batch["tokens"][0].tolist()
         freqs = torch.arange(rows, dtype=torch.float32)[:, None, None, None]
         local = _get_thd_freqs_on_this_cp_rank(rank, cp, torch.empty(rows // cp), freqs, 0)

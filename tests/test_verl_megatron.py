@@ -283,7 +283,7 @@ def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
     module = engine._build_megatron_module()
     tree = any(isinstance(m, TreeCoreAttention) for m in module[0].modules())
     assert tree is (enabled == "1") and has_tree_attention(module[0]) is tree
-    assert config.apply_rope_fusion is (enabled == "0")  # forced off only for tree specs
+    assert config.apply_rope_fusion is True  # kept: fused THD RoPE is exact on tree batches
     assert "_get_transformer_layer_spec" not in vars(engine.bridge)  # instance hook removed
 
 

@@ -3,7 +3,7 @@
 Swap one spec and the same GPTModel trains on prefix forests::
 
     spec = get_gpt_layer_local_tree_spec(qk_layernorm=True, normalization="RMSNorm")
-    model = GPTModel(config, spec, ...)            # config.apply_rope_fusion = False
+    model = GPTModel(config, spec, ...)            # RoPE fusion may stay on
     psp = TreePackedSeqParams.from_plan(plan)
     logits = model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None],
                    attention_mask=None, packed_seq_params=psp)      # [1, T, V]
@@ -27,7 +27,7 @@ does).
 from ps_mcore.layer_specs.context_parallel import gather_cp_rows
 from ps_mcore.layer_specs.cp_layout import CPLayout, cp_chunk_rows
 from ps_mcore.layer_specs.cp_logprobs import cp_token_logprobs
-from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.pipeline import assert_same_plan, plan_fingerprint
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
@@ -44,6 +44,7 @@ from ps_mcore.logprobs import token_logprobs
 __all__ = [
     "CPLayout",
     "TreeCoreAttention",
+    "TreeCoreAttentionTEState",
     "TreePackedSeqParams",
     "TreeSelfAttention",
     "assert_same_plan",

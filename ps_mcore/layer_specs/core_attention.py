@@ -48,6 +48,11 @@ def _check_config(config, attention_type: str, attn_mask_type) -> None:
         raise NotImplementedError(
             f"softmax_type={config.softmax_type!r} (attention sinks) is not supported by TreeCoreAttention"
         )
+    if getattr(config, "fp8_dot_product_attention", False):
+        raise NotImplementedError(
+            "fp8_dot_product_attention is not supported by TreeCoreAttention (it runs the tree "
+            "kernels in the activation dtype); turn it off for tree specs"
+        )
     if getattr(config, "window_size", None) is not None:
         raise NotImplementedError(
             f"sliding-window attention (window_size={config.window_size}) is not supported by TreeCoreAttention"
@@ -227,3 +232,50 @@ class TreeCoreAttention(MegatronModule):
                 allowed = causal & ~attention_mask
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
+
+
+class TreeCoreAttentionTEState(TreeCoreAttention):
+    """:class:`TreeCoreAttention` with the checkpoint keys of Transformer Engine's
+    ``DotProductAttention`` (``to_tree_spec`` uses it where it replaces a TE core attention).
+
+    TE stores ``core_attention._extra_state`` (its FP8 metadata; an empty uint8 tensor for a
+    module that never ran FP8) in ``state_dict``, contributes nothing to megatron's
+    ``sharded_state_dict`` (``TEDotProductAttention``, vanilla softmax) and tolerates the key
+    missing on load. This module does the same, so a stock TE checkpoint loads strictly into
+    the tree model and back. A non-empty state (a checkpoint trained with FP8 attention) is kept
+    as it came and saved again unchanged; the tree kernels never read it.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._te_extra_state: torch.Tensor | None = None
+        self.register_load_state_dict_post_hook(_tolerate_missing_te_extra_state)
+
+    def get_extra_state(self) -> torch.Tensor:
+        """TE's format: a uint8 byte tensor, empty without FP8 metadata."""
+        if self._te_extra_state is None:
+            return torch.empty(0, dtype=torch.uint8)
+        return self._te_extra_state
+
+    def set_extra_state(self, state) -> None:
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            self._te_extra_state = None
+        elif isinstance(state, torch.Tensor):
+            self._te_extra_state = state.detach().to("cpu", copy=True)
+        else:
+            raise RuntimeError(
+                f"core_attention._extra_state of type {type(state).__name__}: TE's byte-tensor "
+                "format expected (convert older TE checkpoints with TE first)"
+            )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Empty, as ``TEDotProductAttention`` gives for vanilla softmax."""
+        return {}
+
+
+def _tolerate_missing_te_extra_state(module, incompatible_keys) -> None:
+    # TE's DotProductAttention registers the same hook: checkpoints without the key (older TE,
+    # megatron dist-checkpoints, which never store it) load strictly.
+    for key in list(incompatible_keys.missing_keys):
+        if key.endswith("core_attention._extra_state"):
+            incompatible_keys.missing_keys.remove(key)

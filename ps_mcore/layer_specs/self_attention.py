@@ -4,7 +4,9 @@
 ``[S, 1, 1, d]`` and ``Attention.forward`` applies it. For a tree batch we hand the parent
 ``table[positions]`` (one row per packed token); in THD with ``freqs.size(0) ==
 cu_seqlens[-1]`` Megatron then uses row i for token i, so every packed token is rotated by
-its original position and rope scaling / interleaving stay Megatron's. Under context
+its original position and rope scaling / interleaving stay Megatron's. RoPE fusion stays on:
+the packed rows are ONE THD sequence (plus a padding sequence), so TE's fused THD kernel, which
+rotates row j of a sequence by table row j, reads exactly the per-token table too. Under context
 parallelism the table still covers all T_pad rows (global order) and Megatron's THD RoPE takes
 this rank's 2*cp chunks of it, so each local row gets its global tree position.
 """
@@ -20,6 +22,20 @@ from ps_mcore.layer_specs.core_attention import TreeCoreAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 
 _FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
+_BOUND_ARGUMENTS = ("hidden_states", "rotary_pos_emb", "packed_seq_params")
+
+
+def _check_forward_signature(signature: inspect.Signature) -> None:
+    """Tree RoPE rewrites ``rotary_pos_emb`` for ``packed_seq_params`` batches: both must be
+    named parameters of ``SelfAttention.forward``. If a Megatron release hides them (e.g. wraps
+    the forward in ``(*args, **kwargs)``), tree RoPE would be skipped silently: refuse instead."""
+    missing = [name for name in _BOUND_ARGUMENTS if name not in signature.parameters]
+    if missing:
+        raise RuntimeError(
+            f"TreeSelfAttention cannot bind {missing} in SelfAttention.forward{signature} of this "
+            "megatron-core: tree RoPE would be skipped silently. This megatron-core version is "
+            "not supported (tested: 0.16.1-0.19.x)"
+        )
 
 
 def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Tensor:
@@ -59,19 +75,28 @@ class TreeSelfAttention(SelfAttention):
     """
 
     def __init__(self, config, *args, **kwargs):
-        if getattr(config, "apply_rope_fusion", False):
-            raise ValueError(
-                "TreeSelfAttention needs apply_rope_fusion=False: the fused RoPE kernels cannot "
-                "take a per-token position table (tree positions repeat across branches)"
-            )
+        _check_forward_signature(_FORWARD_SIGNATURE)
         super().__init__(config, *args, **kwargs)
+
+    def _tp_world_size(self) -> int:
+        # megatron 0.16+ stores Attention.world_size; 0.15 does not.
+        size = getattr(self, "world_size", None)
+        if size is None:
+            tp = getattr(getattr(self, "pg_collection", None), "tp", None)
+            if tp is not None:
+                size = torch.distributed.get_world_size(tp)
+            else:
+                from megatron.core import parallel_state
+
+                size = parallel_state.get_tensor_model_parallel_world_size()
+        return int(size)
 
     def _check_tree_batch(self, psp: TreePackedSeqParams, hidden_states: torch.Tensor) -> None:
         if psp.plan is None or psp.position_ids is None:
             raise ValueError("TreePackedSeqParams without a plan; build it with from_plan(plan)")
         rows = hidden_states.size(0)
         if self.config.sequence_parallel:  # each rank holds T_pad / cp / tp rows before the gather
-            rows *= self.world_size
+            rows *= self._tp_world_size()
         if rows != psp.num_local_rows:
             raise ValueError(
                 f"the layer got {rows} rows but the packed params describe {psp.num_local_rows} "
@@ -98,6 +123,13 @@ class TreeSelfAttention(SelfAttention):
                 "spec (its weights and state_dict keys are identical)"
             )
         psp = arg.get("packed_seq_params")
+        if not isinstance(psp, TreePackedSeqParams) and any(
+            isinstance(v, TreePackedSeqParams) for v in list(bound.args) + list(bound.kwargs.values())
+        ):
+            raise RuntimeError(
+                "a TreePackedSeqParams reached TreeSelfAttention but not as packed_seq_params "
+                f"(SelfAttention.forward{_FORWARD_SIGNATURE}): tree RoPE cannot be applied"
+            )
         if isinstance(psp, TreePackedSeqParams):
             self._check_tree_batch(psp, arg["hidden_states"])
             rope = arg.get("rotary_pos_emb")

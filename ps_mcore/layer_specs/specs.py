@@ -9,23 +9,55 @@ HF<->Megatron conversion and layer shims keep working.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable
 
+import torch
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, get_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ps_mcore.attention.backends import check_backend_name
-from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
 
 
-def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
-    """The self-attention spec with tree classes, or ``attn`` itself for a layer without one."""
-    if not isinstance(attn, ModuleSpec):
-        return attn  # IdentityOp: a layer without attention (e.g. hybrid models)
-    cls = get_module(attn)
+def _spec_class(spec: Any) -> Any:
+    """The class a spec builds: ``ModuleSpec`` -> its module, ``functools.partial`` -> its
+    function (megatron 0.17+ builds some specs as partials), else the object itself."""
+    if isinstance(spec, ModuleSpec):
+        spec = spec.module if isinstance(spec.module, functools.partial) else get_module(spec)
+    while isinstance(spec, functools.partial):
+        spec = spec.func
+    return spec
+
+
+def _is_identity(spec: Any) -> bool:
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    cls = _spec_class(spec)
+    return isinstance(cls, type) and issubclass(cls, IdentityOp)
+
+
+def _carries_extra_state(core_spec: Any) -> bool:
+    """Whether the stock core attention has a ``_extra_state`` checkpoint key (TE's
+    DotProductAttention does; Megatron's local one does not)."""
+    cls = _spec_class(core_spec)
+    return (
+        isinstance(cls, type)
+        and issubclass(cls, torch.nn.Module)
+        and cls.get_extra_state is not torch.nn.Module.get_extra_state
+    )
+
+
+def _tree_core_spec(stock_core: Any, backend: str | None) -> ModuleSpec:
+    """Our core attention, with TE's checkpoint keys where it replaces one that has them."""
+    cls = TreeCoreAttentionTEState if _carries_extra_state(stock_core) else TreeCoreAttention
+    return ModuleSpec(module=cls, params={} if backend is None else {"backend": backend})
+
+
+def _tree_self_attention_class(cls: Any, where: str) -> type:
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     if isinstance(cls, type) and issubclass(cls, MLASelfAttention):
@@ -34,15 +66,51 @@ def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
             "needs its own tree position handling"
         )
     if cls is SelfAttention:
-        cls = TreeSelfAttention
-    elif not (isinstance(cls, type) and issubclass(cls, TreeSelfAttention)):
-        raise NotImplementedError(
-            f"cannot convert self attention {getattr(cls, '__name__', cls)!r}: to_tree_spec swaps "
-            "megatron's SelfAttention only (a custom subclass would lose its behaviour)"
-        )
-    core = ModuleSpec(module=TreeCoreAttention, params={} if backend is None else {"backend": backend})
-    submodules = dataclasses.replace(attn.submodules, core_attention=core)
-    return dataclasses.replace(attn, module=cls, params=dict(attn.params), submodules=submodules)
+        return TreeSelfAttention
+    if isinstance(cls, type) and issubclass(cls, TreeSelfAttention):
+        return cls
+    raise NotImplementedError(
+        f"cannot convert self attention {getattr(cls, '__name__', cls)!r} ({where}): to_tree_spec "
+        "swaps megatron's SelfAttention only (a custom subclass would lose its behaviour)"
+    )
+
+
+def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
+    """The self-attention spec with tree classes; ``attn`` itself for a layer without
+    attention (IdentityOp). Anything else it cannot convert raises: a stock self attention
+    left in a tree model would silently ignore the tree mask."""
+    if _is_identity(attn):
+        return attn  # a layer without attention (hybrid / MLP-only layers)
+    if isinstance(attn, ModuleSpec):
+        module = attn.module
+        if isinstance(module, functools.partial):  # ModuleSpec(module=partial(SelfAttention, ...))
+            cls = _tree_self_attention_class(_spec_class(module), "a partial module")
+            module = functools.partial(cls, *module.args, **module.keywords)
+        else:
+            module = _tree_self_attention_class(get_module(attn), "ModuleSpec")
+        submodules = attn.submodules
+        if submodules is None or not hasattr(submodules, "core_attention"):
+            raise NotImplementedError(
+                f"cannot convert self attention spec without core_attention submodules: {attn!r}"
+            )
+        submodules = dataclasses.replace(
+            submodules, core_attention=_tree_core_spec(submodules.core_attention, backend))
+        return dataclasses.replace(attn, module=module, params=dict(attn.params), submodules=submodules)
+    if isinstance(attn, functools.partial):  # partial(SelfAttention, submodules=..., ...)
+        cls = _tree_self_attention_class(_spec_class(attn), "functools.partial")
+        submodules = attn.keywords.get("submodules")
+        if submodules is None or not hasattr(submodules, "core_attention"):
+            raise NotImplementedError(
+                "cannot convert a functools.partial self attention without a submodules= "
+                f"keyword holding core_attention: {attn!r}"
+            )
+        keywords = dict(attn.keywords, submodules=dataclasses.replace(
+            submodules, core_attention=_tree_core_spec(submodules.core_attention, backend)))
+        return functools.partial(cls, *attn.args, **keywords)
+    raise NotImplementedError(
+        f"cannot convert self attention spec {attn!r} (a {type(attn).__name__}): to_tree_spec "
+        "understands ModuleSpec, functools.partial and IdentityOp"
+    )
 
 
 def _tree_layer_spec(spec: Any, backend: str | None) -> ModuleSpec:
@@ -57,17 +125,81 @@ def _tree_layer_spec(spec: Any, backend: str | None) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=submodules)
 
 
+# Hybrid stacks (HybridStackSubmodules in 0.19+, MambaStackSubmodules before): attention layers
+# are converted; layers whose token mixing is not attention cannot run a tree batch.
+_HYBRID_TREE_LAYERS = ("attention_layer",)
+_HYBRID_TOKENWISE_LAYERS = ("mlp_layer", "moe_layer", "mtp_block_spec")
+_REFUSING_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _is_hybrid_submodules(spec: Any) -> bool:
+    return dataclasses.is_dataclass(spec) and not isinstance(spec, type) and hasattr(spec, "attention_layer")
+
+
+def _tree_batch_refusing(cls: type, field: str) -> type:
+    """A subclass of layer ``cls`` (same parameters and state_dict keys) that raises when a
+    tree batch reaches it, instead of mixing tokens across the packed branches."""
+    key = (cls, field)
+    if key not in _REFUSING_CLASSES:
+        from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+
+        def forward(self, *args, **kwargs):
+            if any(isinstance(v, TreePackedSeqParams) for v in (*args, *kwargs.values())):
+                raise NotImplementedError(
+                    f"a prefix-tree batch reached {cls.__name__} (the hybrid stack's {field}), "
+                    "which has no tree support: its token mixing would run across the packed "
+                    "branches. Run this model with the stock (unshared) batch"
+                )
+            return cls.forward(self, *args, **kwargs)
+
+        _REFUSING_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": forward, "__module__": cls.__module__,
+            "__doc__": f"{cls.__name__} refusing prefix-tree batches (ps_mcore.to_tree_spec)."})
+    return _REFUSING_CLASSES[key]
+
+
+def _refuse_tree_batches(layer: Any, field: str) -> Any:
+    if layer is None or _is_identity(layer):
+        return layer
+    if isinstance(layer, ModuleSpec):
+        cls = _spec_class(layer)
+        if isinstance(layer.module, functools.partial) or not isinstance(cls, type):
+            raise NotImplementedError(f"cannot wrap the hybrid stack's {field} spec {layer!r}")
+        return dataclasses.replace(layer, module=_tree_batch_refusing(cls, field))
+    if isinstance(layer, functools.partial) and isinstance(layer.func, type):
+        return functools.partial(_tree_batch_refusing(layer.func, field), *layer.args, **layer.keywords)
+    if isinstance(layer, type):
+        return _tree_batch_refusing(layer, field)
+    raise NotImplementedError(f"cannot wrap the hybrid stack's {field} spec {layer!r}")
+
+
+def _tree_hybrid_submodules(spec: Any, backend: str | None) -> Any:
+    changes = {}
+    for field in dataclasses.fields(spec):
+        layer = getattr(spec, field.name)
+        if field.name in _HYBRID_TREE_LAYERS:
+            if not _is_identity(layer):
+                changes[field.name] = _tree_layer_spec(layer, backend)
+        elif field.name not in _HYBRID_TOKENWISE_LAYERS:  # mamba, gdn, dsa, mla, future kinds
+            changes[field.name] = _refuse_tree_batches(layer, field.name)
+    return dataclasses.replace(spec, **changes)
+
+
 def to_tree_spec(spec, tree_attention_backend: str | None = None):
-    """Tree version of a GPT layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``.
+    """Tree version of a GPT layer ``ModuleSpec``, a ``TransformerBlockSubmodules`` or a hybrid
+    stack spec (``HybridStackSubmodules`` / a ``ModuleSpec`` of ``HybridStack``).
 
     Args:
-        spec: a stock (or mbridge / Megatron-Bridge built) layer spec or block spec; it is not
-            modified.
+        spec: a stock (or mbridge / Megatron-Bridge built) layer, block or hybrid stack spec;
+            it is not modified.
         tree_attention_backend: ``tree_attention`` backend for every layer (None: each
             ``TreeCoreAttention`` reads ``config.tree_attention_backend``, else ``"auto"``).
 
     Returns:
-        A spec of the same type; layers that shared one spec object still share one.
+        A spec of the same type; layers that shared one spec object still share one. In a
+        hybrid stack the attention layers get tree attention, MLP / MoE layers stay as they are,
+        and every other layer kind (Mamba, GDN, DSA, MLA) keeps its parameters but raises
+        ``NotImplementedError`` naming itself when a tree batch reaches it.
     """
     check_backend_name(tree_attention_backend)
     if isinstance(spec, TransformerBlockSubmodules):
@@ -78,6 +210,11 @@ def to_tree_spec(spec, tree_attention_backend: str | None = None):
                 converted[id(layer)] = _tree_layer_spec(layer, tree_attention_backend)
             layers.append(converted[id(layer)])
         return dataclasses.replace(spec, layer_specs=layers)
+    if _is_hybrid_submodules(spec):
+        return _tree_hybrid_submodules(spec, tree_attention_backend)
+    if isinstance(spec, ModuleSpec) and _is_hybrid_submodules(spec.submodules):
+        return dataclasses.replace(
+            spec, submodules=_tree_hybrid_submodules(spec.submodules, tree_attention_backend))
     return _tree_layer_spec(spec, tree_attention_backend)
 
 
@@ -146,7 +283,7 @@ def _provider_base_spec(provider) -> Callable | Any:
             base = field.default
         elif field.default_factory is not dataclasses.MISSING:
             base = field.default_factory()
-    if base is None or base is tree_layer_spec:
+    if base is None or _is_tree_spec_callable(base):
         from megatron.bridge.models.gpt_provider import default_layer_spec
 
         base = default_layer_spec
@@ -161,24 +298,27 @@ def _tree_spec_of(provider, base, vp_stage):
             "DotProductAttention after building the spec; use attention_backend='auto' (or "
             "'flash') with tree_layer_spec"
         )
-    if getattr(provider, "apply_rope_fusion", False):
-        raise ValueError(
-            "tree_layer_spec needs provider.apply_rope_fusion = False (fused RoPE cannot take "
-            "per-token tree positions)"
-        )
-    if base is None or base is tree_layer_spec:
-        base = _provider_base_spec(provider)
+    if base is None:
+        base = getattr(provider, "transformer_layer_spec", None)
+        if base is None or _is_tree_spec_callable(base):  # already ours: the class's default
+            base = _provider_base_spec(provider)
     spec = base if isinstance(base, (ModuleSpec, TransformerBlockSubmodules)) else _call_spec(base, provider, vp_stage)
     return to_tree_spec(spec, getattr(provider, "tree_attention_backend", None))
 
 
-def tree_layer_spec(provider, vp_stage: int | None = None):
-    """Megatron-Bridge ``provider.transformer_layer_spec`` callable: the spec the provider's
-    class builds by default, with tree attention.
+def _is_tree_spec_callable(spec) -> bool:
+    return spec is tree_layer_spec or getattr(spec, "_ps_mcore_tree_spec", False)
 
-    Usage: ``provider.transformer_layer_spec = tree_layer_spec``. Set
-    ``provider.tree_attention_backend`` to pick the backend. To keep a spec set on the
-    instance, use ``tree_layer_spec_from(provider.transformer_layer_spec)`` instead.
+
+def tree_layer_spec(provider, vp_stage: int | None = None):
+    """Megatron-Bridge spec callable: the provider's own spec with tree attention.
+
+    Called directly (``tree_layer_spec(provider)``) it converts the spec set on the provider
+    instance (``provider.transformer_layer_spec``: a ModuleSpec, block spec or Bridge spec
+    callable). Installed as ``provider.transformer_layer_spec = tree_layer_spec`` it can no
+    longer see what was there and converts the provider class's default; to keep an instance
+    spec, install ``tree_layer_spec_from(provider.transformer_layer_spec)``. Set
+    ``provider.tree_attention_backend`` to pick the backend.
     """
     return _tree_spec_of(provider, None, vp_stage)
 
@@ -187,7 +327,11 @@ def tree_layer_spec_from(base) -> Callable:
     """A ``transformer_layer_spec`` callable converting ``base`` (a ModuleSpec, a block spec
     or a Bridge spec callable) to tree attention."""
 
+    if _is_tree_spec_callable(base):
+        return base  # already converting: idempotent
+
     def spec(provider, vp_stage: int | None = None):
         return _tree_spec_of(provider, base, vp_stage)
 
+    spec._ps_mcore_tree_spec = True
     return spec

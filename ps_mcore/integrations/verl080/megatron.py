@@ -191,8 +191,8 @@ def megatron_forward_step(original: Callable) -> Callable:
 
 
 ROPE_FUSION_REASON = (
-    "apply_rope_fusion forced to False: fused RoPE kernels cannot take the per-token tree "
-    "positions prefix sharing needs"
+    "apply_rope_fusion forced to False under MindSpeed: its NPU RoPE kernels are not verified "
+    "with the per-token tree positions prefix sharing needs (TE's fused THD RoPE is, and stays on)"
 )
 
 
@@ -268,8 +268,6 @@ def _build_with_mbridge(engine, original: Callable):
     from ps_mcore.layer_specs import to_tree_spec
 
     bridge = engine.bridge
-    bridge.config.apply_rope_fusion = False
-    info_once("rope-fusion", ROPE_FUSION_REASON)
     stock_spec = bridge._get_transformer_layer_spec
 
     def _get_transformer_layer_spec(vp_stage=None):
@@ -283,14 +281,12 @@ def _build_with_mbridge(engine, original: Callable):
 
 
 def _build_with_bridge_provider(engine, original: Callable):
-    """Megatron-Bridge: ``provider.transformer_layer_spec = tree_layer_spec``."""
-    from ps_mcore.layer_specs import tree_layer_spec
+    """Megatron-Bridge: the provider's own spec (instance or class default), converted."""
+    from ps_mcore.layer_specs import tree_layer_spec_from
 
     provider = engine.provider
-    provider.apply_rope_fusion = False  # the provider is the model's config: stays False
-    info_once("rope-fusion", ROPE_FUSION_REASON)
     stock_spec = provider.transformer_layer_spec
-    provider.transformer_layer_spec = tree_layer_spec
+    provider.transformer_layer_spec = tree_layer_spec_from(stock_spec)
     try:
         return original(engine)
     finally:

@@ -1,0 +1,169 @@
+"""Transformer-engine specs on a GPU (skipped without CUDA or transformer-engine).
+
+Real TE modules, bf16, NCCL world 1: ``to_tree_spec`` of TE layer / decoder-block specs,
+``get_gpt_layer_with_tree_attention_spec``, log-prob and gradient parity of the tree model vs.
+the stock TE model on the unshared THD batch, strict checkpoint round trips (plain state_dict
+and megatron dist-checkpointing), fused RoPE on tree batches.
+
+    python -m pytest -q tests/test_gpu_te.py        # on the GPU machine, TE installed
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("transformer_engine")
+pytest.importorskip("megatron.core")
+
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
+from ps_mcore.layer_specs import (  # noqa: E402
+    TreePackedSeqParams, TreeSelfAttention, get_gpt_decoder_block_tree_spec,
+    get_gpt_layer_with_tree_attention_spec, to_tree_spec,
+)
+from ps_mcore.layer_specs.core_attention import TreeCoreAttentionTEState  # noqa: E402
+from ps_mcore.logprobs import token_logprobs  # noqa: E402
+
+if not stock_specs.HAVE_TE:
+    pytest.skip("megatron-core does not see transformer-engine", allow_module_level=True)
+
+VOCAB = 512
+EXTRA = "decoder.layers.0.self_attention.core_attention._extra_state"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nccl_world_1():
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    yield
+
+
+def _config(fusion: bool = True, **kw) -> TransformerConfig:
+    base = dict(
+        num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2, kv_channels=64,
+        ffn_hidden_size=512, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=True, attention_dropout=0.0,
+        hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16, apply_rope_fusion=fusion,
+        gradient_accumulation_fusion=False,
+    )
+    return TransformerConfig(**{**base, **kw})
+
+
+def _gpt(config, spec):
+    torch.manual_seed(0)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=4096,
+                    position_embedding_type="rope", rotary_base=1_000_000,
+                    share_embeddings_and_output_weights=False).cuda()
+
+
+def _forest():
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, VOCAB, 300)
+    seqs = [np.concatenate([prompt, rng.integers(0, VOCAB, n)]) for n in (120, 77, 1, 200)]
+    return seqs + [prompt[:50], rng.integers(0, VOCAB, 33)]
+
+
+def _stock_thd_logprobs(model, seqs):
+    flat = plan_unshared(seqs).cuda()
+    lengths = [len(s) for s in seqs]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths]).cuda()
+    logits = model(input_ids=flat.input_ids[None], position_ids=pos[None], attention_mask=None,
+                   packed_seq_params=psp)[0]
+    return token_logprobs(logits, flat)[0]
+
+
+def _tree_logprobs(model, seqs):
+    plan = plan_prefix_tree(seqs).cuda()
+    psp = TreePackedSeqParams.from_plan(plan)
+    logits = model(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
+                   attention_mask=None, packed_seq_params=psp)[0]
+    return token_logprobs(logits, plan)[0]
+
+
+def _pair(fusion=True):
+    cfg = _config(fusion)
+    spec = stock_specs.get_gpt_layer_with_transformer_engine_spec()
+    stock = _gpt(cfg, spec)
+    tree = _gpt(cfg, to_tree_spec(spec))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    return cfg, spec, stock, tree
+
+
+def test_te_spec_conversion():
+    spec = stock_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    tree = get_gpt_layer_with_tree_attention_spec(qk_layernorm=True)
+    for s in (tree, to_tree_spec(spec)):
+        attn = s.submodules.self_attention
+        assert attn.module is TreeSelfAttention
+        assert attn.submodules.core_attention.module is TreeCoreAttentionTEState
+        assert attn.submodules.linear_qkv is spec.submodules.self_attention.submodules.linear_qkv
+    block = get_gpt_decoder_block_tree_spec(_config(num_layers=3), True)
+    assert [s.submodules.self_attention.submodules.core_attention.module for s in block.layer_specs] == (
+        [TreeCoreAttentionTEState] * 3)
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_tree_matches_stock_te_on_the_unshared_batch(fusion):
+    """bf16 log-probs and gradients of a per-sample weighted loss: tree model on the forest
+    vs. the stock TE model (TE fused attention, fused or unfused RoPE) on the unshared THD
+    batch, same weights. A wrong position or mask gives O(1) differences."""
+    _, _, stock, tree = _pair(fusion)
+    seqs = _forest()
+    weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
+    ref = _stock_thd_logprobs(stock, seqs)
+    (ref * weights).sum().backward()
+    got = _tree_logprobs(tree, seqs)
+    (got * weights).sum().backward()
+    diff = (got.float() - ref.float()).abs()
+    assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02, (float(diff.max()), float(diff.mean()))
+    for (name, a), (_, b) in zip(tree.named_parameters(), stock.named_parameters()):
+        rel = float((a.grad.float() - b.grad.float()).norm() / b.grad.float().norm().clamp_min(1e-6))
+        assert rel < 0.05, (name, rel)
+
+
+def test_strict_checkpoint_round_trip_plain_and_dist(tmp_path):
+    from megatron.core import dist_checkpointing
+
+    cfg, spec, stock, tree = _pair()
+    assert EXTRA in stock.state_dict() and list(tree.state_dict()) == list(stock.state_dict())
+    back = _gpt(cfg, spec)
+    back.load_state_dict(tree.state_dict(), strict=True)
+    (tmp_path / "stock").mkdir()
+    (tmp_path / "tree").mkdir()
+    dist_checkpointing.save(stock.sharded_state_dict(), str(tmp_path / "stock"))
+    fresh_tree = _gpt(cfg, to_tree_spec(spec))
+    loaded = dist_checkpointing.load(fresh_tree.sharded_state_dict(), str(tmp_path / "stock"), strict="raise_all")
+    fresh_tree.load_state_dict(loaded, strict=True)
+    dist_checkpointing.save(fresh_tree.sharded_state_dict(), str(tmp_path / "tree"))
+    fresh_stock = _gpt(cfg, spec)
+    loaded = dist_checkpointing.load(fresh_stock.sharded_state_dict(), str(tmp_path / "tree"), strict="raise_all")
+    fresh_stock.load_state_dict(loaded, strict=True)
+    for (name, a), (_, b) in zip(fresh_stock.named_parameters(), stock.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_fused_rope_equals_unfused_on_tree_batches():
+    _, _, _, fused = _pair(fusion=True)
+    _, _, _, unfused = _pair(fusion=False)
+    unfused.load_state_dict(fused.state_dict(), strict=True)
+    seqs = _forest()
+    with torch.no_grad():
+        a, b = _tree_logprobs(fused, seqs), _tree_logprobs(unfused, seqs)
+    assert float((a.float() - b.float()).abs().max()) < 0.05

@@ -1,0 +1,72 @@
+"""Real mbridge 0.15.1 code on CPU: its Qwen2 bridge builds the GPTModel through its own
+``_model_provider`` / ``_get_transformer_layer_spec``; the verl glue converts that spec with
+``to_tree_spec``. Only TE is shimmed: mbridge hard-codes ``use_transformer_engine=True``, so its
+``get_gpt_decoder_block_spec`` call is redirected to the local layers (TE needs CUDA; the GPU
+run with TE and HF weight loading is in the device notes of docs/megatron.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("einops")
+mbridge = pytest.importorskip("mbridge")
+transformers = pytest.importorskip("transformers")
+
+from megatron_shims import VOCAB, init_cpu_megatron, randomize_, stock_forward  # noqa: E402
+
+from ps_mcore import plan_prefix_tree  # noqa: E402
+
+init_cpu_megatron(1)
+
+from mbridge.core import llm_bridge  # noqa: E402
+
+from ps_mcore.layer_specs import TreeCoreAttention, TreePackedSeqParams, to_tree_spec  # noqa: E402
+
+
+@pytest.fixture
+def bridge(monkeypatch):
+    stock_block_spec = llm_bridge.get_gpt_decoder_block_spec
+
+    def local_layers(config, use_transformer_engine, **kwargs):  # the TE shim, nothing else
+        assert use_transformer_engine  # mbridge asks for TE
+        return stock_block_spec(config, False, **kwargs)
+
+    monkeypatch.setattr(llm_bridge, "get_gpt_decoder_block_spec", local_layers)
+    hf = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, attention_dropout=0.0)
+    hf.rope_theta = 1e6  # mbridge 0.15.1 reads it; transformers 5 keeps it in rope_parameters
+    bridge = mbridge.AutoBridge.from_config(hf)
+    bridge.config.use_cpu_initialization = True
+    bridge.config.params_dtype = torch.float32
+    bridge.config.bf16 = bridge.config.fp16 = False  # fp32 on the CPU (the oracle tolerance)
+    for name in ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+                 "gradient_accumulation_fusion", "apply_rope_fusion"):
+        setattr(bridge.config, name, False)
+    return bridge
+
+
+def test_mbridge_qwen2_tree_model_matches_its_stock_model(bridge):
+    stock = bridge._model_provider([])(True, True)
+    randomize_(stock, seed=2)
+    stock_spec = bridge._get_transformer_layer_spec
+    bridge._get_transformer_layer_spec = lambda vp_stage=None: to_tree_spec(stock_spec(vp_stage))
+    tree = bridge._model_provider([])(True, True)
+    assert type(tree.decoder.layers[0].self_attention.core_attention) is TreeCoreAttention
+    assert list(tree.state_dict()) == list(stock.state_dict())
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, VOCAB, 12)
+    seqs = [np.concatenate([prompt, rng.integers(0, VOCAB, n)]) for n in (5, 2, 9)]
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    psp = TreePackedSeqParams.from_plan(plan)
+    with torch.no_grad():
+        got = tree(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
+                   attention_mask=None, packed_seq_params=psp)[0]
+        ref = torch.cat([stock_forward(stock, s) for s in seqs])
+    torch.testing.assert_close(plan.unpack(got), ref, rtol=1e-5, atol=1e-5)
