@@ -31,6 +31,7 @@ from ps_mcore.layer_specs.context_parallel import (
     gather_cp_rows,
 )
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.pipeline import assert_same_plan, plan_fingerprint
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
@@ -47,6 +48,7 @@ from ps_mcore.logprobs import token_logprobs
 __all__ = [
     "CPLayout",
     "TreeCoreAttention",
+    "TreeGatedDeltaNet",
     "TreePackedSeqParams",
     "TreeSelfAttention",
     "assert_same_plan",

@@ -1,7 +1,9 @@
 """Tree layer specs: Megatron's GPT specs with only the attention swapped.
 
 ``to_tree_spec`` replaces, in every layer, the self-attention module class by
-:class:`TreeSelfAttention` and its core attention by :class:`TreeCoreAttention`. Linear layers,
+:class:`TreeSelfAttention` and its core attention by :class:`TreeCoreAttention`, and a
+recurrent mixer in the attention slot (Gated DeltaNet) by its tree version
+(``recurrent_specs.TREE_MIXERS``). Linear layers,
 norms, MLP / MoE and parameter names stay as the stock spec built them, so checkpoints,
 HF<->Megatron conversion and layer shims keep working.
 """
@@ -18,6 +20,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ps_mcore.attention import BACKENDS
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.recurrent_specs import tree_recurrent_spec
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
 
 
@@ -30,6 +33,9 @@ def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
     """The self-attention spec with tree classes, or ``attn`` itself for a layer without one."""
     if not isinstance(attn, ModuleSpec):
         return attn  # IdentityOp: a layer without attention (e.g. hybrid models)
+    recurrent = tree_recurrent_spec(attn)  # Gated DeltaNet in a hybrid GPT block
+    if recurrent is not None:
+        return recurrent
     cls = get_module(attn)
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 

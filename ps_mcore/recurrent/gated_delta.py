@@ -24,9 +24,14 @@ from ps_mcore.recurrent.tree import RecurrentTree
 GDN_BACKENDS = ("auto", "fla", "torch")
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half types, fp64 kept (exactness checks in double)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (flash-linear-attention's ``l2norm``)."""
-    return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(x.to(_compute_dtype(x)).pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
@@ -38,13 +43,14 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None)
         initial_state: ``[H, K, V]`` or None (zeros).
 
     Returns:
-        out ``[L, H, V]`` (dtype of q), final state ``[H, K, V]`` (fp32).
+        out ``[L, H, V]`` (dtype of q), final state ``[H, K, V]`` (fp32, fp64 for fp64 inputs).
     """
     dtype = q.dtype
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    ct = _compute_dtype(q)
+    q, k, v, g, beta = (t.to(ct) for t in (q, k, v, g, beta))
     h, dk, dv = k.size(1), k.size(2), v.size(2)
-    s = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.float()
+    s = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.to(ct)
     outs = []
     for t in range(q.size(0)):
         s = s * g[t].exp()[:, None, None]
@@ -65,8 +71,9 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
     c = chunk_size
     pad = (-length) % c
     # [H, n, C, *]; padding rows (k = v = beta = g = 0) leave the state unchanged.
-    q, k, v = (F.pad(t.float(), (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(h, -1, c, t.size(-1)) for t in (q, k, v))
-    g, beta = (F.pad(t.float(), (0, 0, 0, pad)).t().reshape(h, -1, c) for t in (g, beta))
+    ct = _compute_dtype(q)
+    q, k, v = (F.pad(t.to(ct), (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(h, -1, c, t.size(-1)) for t in (q, k, v))
+    g, beta = (F.pad(t.to(ct), (0, 0, 0, pad)).t().reshape(h, -1, c) for t in (g, beta))
     q = q * scale
     g = g.cumsum(-1)
     strict_upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
@@ -77,7 +84,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
     wy = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
     u = wy @ (v * beta[..., None])
     w = wy @ (k_beta * g.exp()[..., None])
-    s = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.float()
+    s = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.to(ct)
     outs = []
     for i in range(q.size(1)):
         qi, ki, gi = q[:, i], k[:, i], g[:, i]
