@@ -29,18 +29,14 @@ def gdn_config_overrides(**extra) -> dict:
 
 
 def gdn_layer_spec(config, layer_spec):
-    """A local-spec transformer layer with Gated DeltaNet in its attention slot (what
-    megatron-core 0.16's experimental hybrid block builds with TE modules)."""
+    """A local-spec layer with the STOCK GatedDeltaNet in its attention slot (the library's
+    local tree layer spec with the mixer class swapped back), so to_tree_spec is exercised."""
     import dataclasses
 
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    norm = layer_spec.submodules.input_layernorm
-    mixer = ModuleSpec(
-        module=GatedDeltaNet,
-        params={"conv_bias": True},
-        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
-    )
-    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=mixer))
+    from ps_mcore.layer_specs.gdn import get_gdn_layer_local_tree_spec
+
+    spec = get_gdn_layer_local_tree_spec(layer_spec, conv_bias=True)
+    mixer = dataclasses.replace(spec.submodules.self_attention, module=GatedDeltaNet)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=mixer))

@@ -85,3 +85,32 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         gate = gate.reshape(rows, -1, self.value_head_dim)
         norm_out = self._apply_gated_norm(out, gate.contiguous()).reshape(rows, 1, -1)
         return self.out_proj(norm_out)
+
+
+def get_gdn_layer_local_tree_spec(layer_spec, conv_bias: bool = False):
+    """A transformer layer with :class:`TreeGatedDeltaNet` in the attention slot, built from a
+    local-spec GPT layer (``get_gpt_layer_local_spec(...)``: its norms, MLP and bda).
+
+    megatron-core 0.16 builds Gated DeltaNet layers only with transformer-engine modules
+    (``get_transformer_block_with_experimental_attention_variant_spec``); this is the same
+    layer with Megatron's local linear layers (``in_proj`` column-parallel, ``out_proj``
+    row-parallel, ``out_norm`` the layer's norm class). Pass the stock ``GatedDeltaNet``
+    layer through ``to_tree_spec`` instead when you need the stock spec object.
+    """
+    import dataclasses
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    mixer = ModuleSpec(
+        module=TreeGatedDeltaNet,
+        params={"conv_bias": conv_bias},
+        submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=layer_spec.submodules.input_layernorm,
+            out_proj=RowParallelLinear,
+        ),
+    )
+    return dataclasses.replace(
+        layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=mixer)
+    )
