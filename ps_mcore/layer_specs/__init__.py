@@ -21,7 +21,8 @@ and only the last stage computes log-probs. Context parallelism::
 
 The same model also runs ordinary THD batches (standard ``PackedSeqParams``) and plain
 causal sbhd batches. Importing this package imports megatron-core (nothing else of ps_mcore
-does).
+does). Hybrid models: ``ps_mcore.layer_specs.gdn.TreeGatedDeltaNet`` (imported on demand, so
+megatron-core versions without ``megatron.core.ssm.gated_delta_net`` still import this package).
 """
 
 from ps_mcore.layer_specs.context_parallel import (
@@ -31,7 +32,6 @@ from ps_mcore.layer_specs.context_parallel import (
     gather_cp_rows,
 )
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
-from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.pipeline import assert_same_plan, plan_fingerprint
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
@@ -48,7 +48,6 @@ from ps_mcore.logprobs import token_logprobs
 __all__ = [
     "CPLayout",
     "TreeCoreAttention",
-    "TreeGatedDeltaNet",
     "TreePackedSeqParams",
     "TreeSelfAttention",
     "assert_same_plan",
