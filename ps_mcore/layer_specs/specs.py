@@ -1,7 +1,9 @@
 """Tree layer specs: Megatron's GPT specs with only the attention swapped.
 
 ``to_tree_spec`` replaces, in every layer, the self-attention module class by
-:class:`TreeSelfAttention` and its core attention by :class:`TreeCoreAttention`. Linear layers,
+:class:`TreeSelfAttention` and its core attention by :class:`TreeCoreAttention`, and a
+recurrent mixer in the attention slot (Gated DeltaNet) by its tree version
+(``recurrent_specs.TREE_MIXERS``). Linear layers,
 norms, MLP / MoE and parameter names stay as the stock spec built them, so checkpoints,
 HF<->Megatron conversion and layer shims keep working.
 """
@@ -20,6 +22,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ps_mcore.attention.backends import check_backend_name
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
+from ps_mcore.layer_specs.recurrent_specs import tree_recurrent_spec
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
 
 
@@ -81,6 +84,9 @@ def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
     left in a tree model would silently ignore the tree mask."""
     if _is_identity(attn):
         return attn  # a layer without attention (hybrid / MLP-only layers)
+    recurrent = tree_recurrent_spec(attn)  # Gated DeltaNet in megatron 0.16's hybrid GPT block
+    if recurrent is not None:
+        return recurrent
     if isinstance(attn, ModuleSpec):
         module = attn.module
         if isinstance(module, functools.partial):  # ModuleSpec(module=partial(SelfAttention, ...))

@@ -1,0 +1,183 @@
+"""Gated delta rule (Gated DeltaNet's recurrence) over a prefix forest.
+
+Per head, with state ``S`` of shape ``[K, V]`` and ``q`` scaled by ``scale``::
+
+    S_t = exp(g_t) S_{t-1};  S_t += beta_t k_t (v_t - S_t^T k_t)^T;  o_t = S_t^T q_t
+
+:func:`tree_gated_delta_rule` runs the forest level by level: every node of one depth in one
+varlen call, each starting from its parent's final state (roots from zero). The parent states
+reach the children through an ``index_select``, so autograd gives a shared state the sum of
+its children's gradients. Kernels: flash-linear-attention's ``chunk_gated_delta_rule``
+(varlen, ``initial_state`` / ``output_final_state``) on GPUs, a pure-torch chunked form
+elsewhere (CPU tests), checked against the token-by-token recurrence.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ps_mcore.recurrent.tree import RecurrentTree
+
+GDN_BACKENDS = ("auto", "fla", "torch")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half types, fp64 kept (exactness checks in double)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (flash-linear-attention's ``l2norm``)."""
+    return x * torch.rsqrt(x.to(_compute_dtype(x)).pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
+    """Token-by-token recurrence of one sequence (the reference for the chunked forms).
+
+    Args:
+        q, k: ``[L, H, K]``; v: ``[L, H, V]``; g (log decay), beta: ``[L, H]``.
+        scale: query scale (default ``K ** -0.5``).
+        initial_state: ``[H, K, V]`` or None (zeros).
+
+    Returns:
+        out ``[L, H, V]`` (dtype of q), final state ``[H, K, V]`` (fp32, fp64 for fp64 inputs).
+    """
+    dtype = q.dtype
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    ct = _compute_dtype(q)
+    q, k, v, g, beta = (t.to(ct) for t in (q, k, v, g, beta))
+    h, dk, dv = k.size(1), k.size(2), v.size(2)
+    s = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.to(ct)
+    outs = []
+    for t in range(q.size(0)):
+        s = s * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], s)) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[t] * scale, s))
+    out = torch.stack(outs) if outs else v.new_zeros(0, h, dv)
+    return out.to(dtype), s
+
+
+def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64):
+    """Chunked (WY) form of :func:`gated_delta_rule_recurrent`: same arguments and results,
+    ``O(L/C)`` sequential steps instead of ``L``. fp32 inside."""
+    dtype = q.dtype
+    length, h, dk = k.shape
+    dv = v.size(2)
+    scale = dk**-0.5 if scale is None else scale
+    c = chunk_size
+    pad = (-length) % c
+    # [H, n, C, *]; padding rows (k = v = beta = g = 0) leave the state unchanged.
+    ct = _compute_dtype(q)
+    q, k, v = (F.pad(t.to(ct), (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(h, -1, c, t.size(-1)) for t in (q, k, v))
+    g, beta = (F.pad(t.to(ct), (0, 0, 0, pad)).t().reshape(h, -1, c) for t in (g, beta))
+    q = q * scale
+    g = g.cumsum(-1)
+    strict_upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(strict_upper, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    lower = (k_beta @ k.transpose(-1, -2) * decay).tril(-1)
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    wy = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    u = wy @ (v * beta[..., None])
+    w = wy @ (k_beta * g.exp()[..., None])
+    s = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.to(ct)
+    outs = []
+    for i in range(q.size(1)):
+        qi, ki, gi = q[:, i], k[:, i], g[:, i]
+        v_new = u[:, i] - w[:, i] @ s
+        attn = qi @ ki.transpose(-1, -2) * decay[:, i]
+        outs.append((qi * gi.exp()[..., None]) @ s + attn @ v_new)
+        g_last = gi[:, -1:]
+        s = s * g_last.exp()[..., None] + (ki * (g_last - gi).exp()[..., None]).transpose(-1, -2) @ v_new
+    out = torch.cat(outs, 1)[:, :length].transpose(0, 1) if outs else v.new_zeros(h, 0, dv).transpose(0, 1)
+    return out.to(dtype), s
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_kernel():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def resolve_gdn_backend(backend: str, device: torch.device) -> str:
+    """``auto``: flash-linear-attention on CUDA when installed, else pure torch."""
+    if backend not in GDN_BACKENDS:
+        raise ValueError(f"unknown gated delta rule backend {backend!r}; expected one of {GDN_BACKENDS}")
+    if backend == "auto":
+        return "fla" if device.type == "cuda" and _fla_kernel() is not None else "torch"
+    if backend == "fla" and _fla_kernel() is None:
+        raise ImportError(
+            "gated delta rule backend 'fla' needs flash-linear-attention (pip install "
+            "flash-linear-attention fla-core), which is not installed"
+        )
+    return backend
+
+
+def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_list, initial_state=None,
+                            output_final_state=True, scale=None, backend="auto"):
+    """Independent sequences packed along rows, each from its own initial state.
+
+    Args:
+        q, k: ``[R, H, K]``; v: ``[R, H, V]``; g, beta: ``[R, H]``.
+        cu_seqlens: ``[n+1]`` int32 boundaries (device); cu_seqlens_list: the same as ints.
+        initial_state: ``[n, H, K, V]`` or None (zeros).
+
+    Returns:
+        out ``[R, H, V]``, final states ``[n, H, K, V]`` fp32 (None unless requested).
+    """
+    backend = resolve_gdn_backend(backend, q.device)
+    if backend == "fla":
+        out, final = _fla_kernel()(
+            q[None], k[None], v[None], g[None], beta[None], scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=torch.tensor(cu_seqlens_list, dtype=torch.long),
+        )
+        return out[0], final
+    outs, finals = [], []
+    for i, (a, b) in enumerate(zip(cu_seqlens_list[:-1], cu_seqlens_list[1:])):
+        o, s = chunk_gated_delta_rule_torch(
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], scale,
+            None if initial_state is None else initial_state[i],
+        )
+        outs.append(o)
+        finals.append(s)
+    return torch.cat(outs), (torch.stack(finals) if output_final_state else None)
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, tree: RecurrentTree, scale=None, backend="auto"):
+    """Gated delta rule of every packed row over its root path.
+
+    Args:
+        q, k: ``[rows, H, K]``; v: ``[rows, H, V]``; g (log decay), beta: ``[rows, H]``.
+        tree: the micro-batch's :class:`RecurrentTree`.
+        scale: query scale (default ``K ** -0.5``); backend: one of ``GDN_BACKENDS``.
+
+    Returns:
+        ``[rows, H, V]``: what each row's own sequence computes alone.
+    """
+    if q.size(0) != tree.num_rows:
+        raise ValueError(f"tree_gated_delta_rule expects {tree.num_rows} rows, got {tuple(q.shape)}")
+    levels = tree.levels()
+    if tree.is_flat:  # nothing forks: the rows are the level
+        lvl = levels[0]
+        out, _ = varlen_gated_delta_rule(q, k, v, g, beta, lvl.cu_seqlens, lvl.cu_seqlens_list,
+                                         output_final_state=False, scale=scale, backend=backend)
+        return out
+    outs, final = [], None
+    for lvl in levels:
+        rows = lvl.rows
+        init = None if lvl.parent_slot is None else final.index_select(0, lvl.parent_slot)
+        out, final = varlen_gated_delta_rule(
+            *(t.index_select(0, rows) for t in (q, k, v, g, beta)), lvl.cu_seqlens,
+            lvl.cu_seqlens_list, init, output_final_state=bool(lvl.has_children.any()),
+            scale=scale, backend=backend,
+        )
+        outs.append(out)
+    return torch.cat(outs).index_select(0, tree.level_inverse())

@@ -1,0 +1,169 @@
+"""The node tree of a :class:`TreePlan`, laid out for recurrent layers.
+
+A recurrent layer (gated delta rule, Mamba's SSM, their short causal convolution) carries state
+along each root-to-leaf path. On a prefix forest each node starts from its parent's final
+state, so nodes of one depth are independent given the depth above: :class:`RecurrentTree`
+groups them into levels, each one varlen kernel call. The short causal convolution needs no
+levels: each node reads the last ``kernel_size - 1`` rows of its ancestor chain (which may span
+several ancestors when nodes are short), gathered once (:meth:`RecurrentTree.conv_layout`).
+
+Pure torch/numpy (no Megatron import). Rows past the plan's ``T`` (padding to a TP / SP
+multiple) form one extra root node: they start from zero state and never reach a real row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ps_mcore.planner import TreePlan, ragged_arange
+
+
+@dataclass(frozen=True)
+class Level:
+    """All nodes of one depth, as one varlen batch.
+
+    Attributes:
+        nodes: ``[n]`` node ids (pre-order).
+        rows: ``[R]`` packed rows of these nodes, node after node.
+        cu_seqlens: ``[n+1]`` int32 node boundaries within ``rows``.
+        cu_seqlens_list: the same as Python ints (kernels that want host-side lengths).
+        parent_slot: ``[n]`` position of each node's parent within the level above (None at
+            depth 0, where every node is a root).
+        has_children: ``[n]`` bool; only these nodes' final states are read.
+    """
+
+    nodes: torch.Tensor
+    rows: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_list: tuple[int, ...]
+    parent_slot: torch.Tensor | None
+    has_children: np.ndarray
+
+
+class RecurrentTree:
+    """Nodes of a plan (plus one padding root) with depths, levels and conv tails.
+
+    Args:
+        plan: the micro-batch's plan.
+        rows: rows the layer sees (``T_pad >= T``); rows ``T..rows`` are a padding root.
+    """
+
+    def __init__(self, plan: TreePlan, rows: int):
+        t = plan.num_tokens
+        if rows < t:
+            raise ValueError(f"recurrent layers need all T={t} packed rows, got {rows}")
+        cu = plan.cu_seqlens_q.cpu().numpy().astype(np.int64)
+        parent = plan.node_parent.cpu().numpy().astype(np.int64)
+        self.num_rows = rows
+        self.plan_nodes = len(parent)
+        if rows > t:  # padding rows: one more root after every real node (pre-order kept)
+            cu = np.append(cu, rows)
+            parent = np.append(parent, -1)
+        self.start = cu[:-1]
+        self.length = np.diff(cu)
+        self.parent = parent
+        m = len(parent)
+        depth = np.zeros(m, dtype=np.int64)
+        for v in range(m):  # parents precede children in pre-order
+            if parent[v] >= 0:
+                depth[v] = depth[parent[v]] + 1
+        self.depth = depth
+        self.device = plan.device
+        self._plan = plan
+        self._levels: list[Level] | None = None
+        self._conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parent)
+
+    @property
+    def is_flat(self) -> bool:
+        """True when every node is a root: one varlen call over the rows as they are."""
+        return bool((self.parent < 0).all())
+
+    def levels(self) -> list[Level]:
+        """Nodes grouped by depth (depth 0 first); cached."""
+        if self._levels is None:
+            slot = np.zeros(self.num_nodes, dtype=np.int64)
+            has_children = np.zeros(self.num_nodes, dtype=bool)
+            has_children[self.parent[self.parent >= 0]] = True
+            levels = []
+            for d in range(int(self.depth.max()) + 1 if self.num_nodes else 0):
+                nodes = np.flatnonzero(self.depth == d)
+                slot[nodes] = np.arange(len(nodes))
+                lens = self.length[nodes]
+                cu = np.concatenate([[0], np.cumsum(lens)])
+                levels.append(
+                    Level(
+                        nodes=torch.from_numpy(nodes).to(self.device),
+                        rows=torch.from_numpy(ragged_arange(self.start[nodes], lens)).to(self.device),
+                        cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(self.device),
+                        cu_seqlens_list=tuple(int(x) for x in cu),
+                        parent_slot=None if d == 0 else torch.from_numpy(slot[self.parent[nodes]]).to(self.device),
+                        has_children=has_children[nodes],
+                    )
+                )
+            self._levels = levels
+            order = torch.cat([lvl.rows for lvl in levels]) if levels else torch.zeros(0, dtype=torch.long)
+            self._level_inverse = torch.empty_like(order)
+            self._level_inverse[order] = torch.arange(order.numel(), device=order.device)
+        return self._levels
+
+    def level_inverse(self) -> torch.Tensor:
+        """``[rows]``: position of each packed row in the level-by-level concatenation."""
+        self.levels()
+        return self._level_inverse
+
+    def conv_layout(self, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index tensors for a causal convolution of width ``kernel_size`` over the tree.
+
+        Returns:
+            ext_index: ``[E]`` with ``E = rows + num_nodes * (kernel_size - 1)``: for each node,
+                the packed rows of the last ``kernel_size - 1`` tokens of its ancestor chain
+                (the value ``rows`` = a zero row where the chain is shorter), then its own
+                rows. A plain causal convolution over these ``E`` rows gives every own row
+                exactly its root path's window.
+            out_index: ``[rows]`` position, in the valid (unpadded) convolution output over
+                the ``E`` rows, of each packed row's result.
+        """
+        if kernel_size < 1:
+            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+        if kernel_size not in self._conv:
+            w = kernel_size - 1
+            plan = self._plan
+            m, real = self.num_nodes, self.plan_nodes
+            tails = np.full((m, w), self.num_rows, dtype=np.int64)
+            if w and real:
+                cu_kv = plan.cu_seqlens_kv.cpu().numpy().astype(np.int64)
+                kv_index = plan.kv_index.cpu().numpy()
+                own_start = cu_kv[1:] - self.length[:real]  # context position of own row 0
+                pos = own_start[:, None] - w + np.arange(w)[None, :]
+                valid = pos >= cu_kv[:-1, None]
+                tails[:real][valid] = kv_index[pos[valid]]
+            ext_len = self.length + w
+            ext_off = np.concatenate([[0], np.cumsum(ext_len)[:-1]])
+            ext = np.empty(int(ext_len.sum()), dtype=np.int64)
+            if w:
+                ext[ragged_arange(ext_off, np.full(m, w))] = tails.reshape(-1)
+            ext[ragged_arange(ext_off + w, self.length)] = ragged_arange(self.start, self.length)
+            out = np.empty(self.num_rows, dtype=np.int64)
+            out[ragged_arange(self.start, self.length)] = ragged_arange(ext_off, self.length)
+            self._conv[kernel_size] = (
+                torch.from_numpy(ext).to(self.device),
+                torch.from_numpy(out).to(self.device),
+            )
+        return self._conv[kernel_size]
+
+
+def recurrent_tree(plan: TreePlan, rows: int) -> RecurrentTree:
+    """The plan's :class:`RecurrentTree` for ``rows`` rows, cached on the plan (every
+    recurrent layer of a micro-batch shares one)."""
+    key = ("recurrent_tree", rows)
+    tree = plan._cache.get(key)
+    if tree is None:
+        tree = plan._cache[key] = RecurrentTree(plan, rows)
+    return tree

@@ -1,0 +1,205 @@
+"""Hybrid (Gated DeltaNet + attention) megatron-core GPTModel on prefix forests (CPU, fp32).
+
+Oracle: the stock model (megatron's GatedDeltaNet and local attention, same weights) run on
+every sequence alone (sbhd). Tree model: ``to_tree_spec`` of the same block spec, fed the
+packed forest. Outputs at every original token and every parameter gradient of a
+per-sample-weighted loss must match.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from forests import random_forest  # noqa: E402
+from gdn_shims import gdn_config_overrides, gdn_layer_spec, shim_gdn_for_cpu  # noqa: E402
+from megatron_shims import (  # noqa: E402
+    VOCAB, build_gpt, init_cpu_megatron, layer_spec_args, randomize_, stock_forward, tiny_config,
+)
+
+from ps_mcore import plan_prefix_tree  # noqa: E402
+from ps_mcore.recurrent import gated_delta_rule_recurrent  # noqa: E402
+
+init_cpu_megatron(1)
+shim_gdn_for_cpu()
+
+from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
+
+from ps_mcore.layer_specs import TreePackedSeqParams, TreeSelfAttention, to_tree_spec  # noqa: E402
+from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
+from ps_mcore.layer_specs.recurrent_specs import refuse_tree_batch, tree_recurrent_spec  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+def _forests() -> dict[str, list[list[int]]]:
+    """Small nasty shapes (CPU time: every reference sequence runs the stock recurrence)."""
+    rng = np.random.default_rng(0)
+    p, chain = [int(x) for x in rng.integers(0, 50, 7)], [int(x) for x in rng.integers(0, 50, 12)]
+    return {
+        "single-sequence": [p],
+        "deep-chain-short-nodes": [chain[:n] for n in (2, 4, 5, 9, 12)],  # nodes of 1-4 tokens
+        "single-tokens": [[7], [7], [3], [7, 1, 2]],
+        "duplicates-and-prefix": [p, list(p), p[:3], p + [1, 2]],
+        "tree": [p + a + b for a in ([1, 2], [3]) for b in ([4, 5, 6], [])],
+        "no-sharing": [[1, 2, 3], [4, 5], [6]],
+        "random": random_forest(np.random.default_rng(3), max_seqs=5, max_len=12),
+    }
+
+
+FORESTS = _forests()
+
+
+def _block_spec(cfg, pattern="G*G"):
+    """``G``: Gated DeltaNet layer, ``*``: attention layer (local spec, dense MLP)."""
+    attn = stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg))
+    gdn = gdn_layer_spec(cfg, attn)
+    return TransformerBlockSubmodules(
+        layer_specs=[gdn if c == "G" else attn for c in pattern], layer_norm=attn.submodules.input_layernorm
+    )
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = tiny_config("qwen2", num_layers=3, **gdn_config_overrides())
+    spec = _block_spec(cfg)
+    stock = build_gpt(cfg, spec)
+    randomize_(stock, seed=11)
+    with torch.no_grad():  # decays away from 1 and short convs that reach across nodes
+        for layer in (0, 2):
+            mixer = stock.decoder.layers[layer].self_attention
+            mixer.A_log.copy_(torch.linspace(-1.0, 0.5, mixer.A_log.numel()))
+            mixer.conv1d.weight.mul_(4.0)
+    tree = build_gpt(cfg, to_tree_spec(spec))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    return cfg, stock, tree
+
+
+def _grads(model):
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_spec_substitution_and_stock_keys(models):
+    cfg, stock, tree = models
+    kinds = [type(layer.self_attention) for layer in tree.decoder.layers]
+    assert kinds == [TreeGatedDeltaNet, TreeSelfAttention, TreeGatedDeltaNet]
+    assert list(stock.state_dict()) == list(tree.state_dict())
+    assert tree_recurrent_spec(ModuleSpec(module=TreeGatedDeltaNet)).module is TreeGatedDeltaNet
+
+    class CustomGDN(GatedDeltaNet):
+        pass
+
+    with pytest.raises(NotImplementedError, match="CustomGDN"):
+        tree_recurrent_spec(ModuleSpec(module=CustomGDN))
+
+
+def _tree_vs_each_sequence(stock, tree, seqs, pad_to_multiple_of=4):
+    """(tree, reference) logits at every original token and parameter gradients of a
+    per-sample-weighted loss."""
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    dtype = next(stock.parameters()).dtype
+    w = torch.cat([torch.full((len(s),), 0.3 + 0.4 * i, dtype=dtype) for i, s in enumerate(seqs)])
+    probe = torch.randn(plan.num_input_tokens, VOCAB, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    ref = torch.cat([stock_forward(stock, s) for s in seqs])
+    (w[:, None] * ref * probe).sum().backward()
+    ref_grads = _grads(stock)
+
+    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=pad_to_multiple_of)
+    logits = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
+                  attention_mask=None, packed_seq_params=psp)[0]
+    got = plan.unpack(logits)
+    (w[:, None] * got * probe).sum().backward()
+    return (got.detach(), ref.detach()), (_grads(tree), ref_grads)
+
+
+def _assert_grads_close(got, ref, rel_atol, rtol):
+    assert got.keys() == ref.keys()
+    for name, r in ref.items():
+        scale = float(r.abs().max())
+        assert scale > 0, f"{name}: zero reference gradient, the test would not test it"
+        torch.testing.assert_close(got[name], r, rtol=rtol, atol=rel_atol * scale, msg=name)
+
+
+@pytest.mark.parametrize("forest", sorted(FORESTS))
+def test_hybrid_tree_matches_each_sequence(models, forest):
+    """fp32, stock kernels (megatron's torch chunked gated delta rule) for the reference.
+    Tolerances scale with each tensor's magnitude: ~40-step fp32 recurrences through a sharp
+    random model differ by summation order only (the fp64 test below is exact to ~1e-12)."""
+    _, stock, tree = models
+    (got, ref), (grads, ref_grads) = _tree_vs_each_sequence(stock, tree, FORESTS[forest])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    _assert_grads_close(grads, ref_grads, rel_atol=3e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gdn_only_fp64(models):
+    cfg, _, _ = models
+    spec = _block_spec(cfg, "GG")
+    stock = build_gpt(cfg, spec)
+    randomize_(stock, seed=5)
+    tree = build_gpt(cfg, to_tree_spec(spec))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    return stock.double(), tree.double()
+
+
+def _stock_kernel_recurrent(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False):
+    """The gated delta rule token by token, in the stock module's [b, s, h, d] layout (keeps
+    fp64, which megatron's torch kernel casts to fp32)."""
+    outs = [gated_delta_rule_recurrent(q[i], k[i], v[i], g[i], beta[i])[0] for i in range(q.size(0))]
+    return torch.stack(outs), None
+
+
+@pytest.mark.parametrize("forest", ["deep-chain-short-nodes", "tree"])
+def test_gdn_tree_exact_in_fp64(gdn_only_fp64, forest, monkeypatch):
+    """Gated DeltaNet layers only, fp64: the tree equals each sequence alone to rounding
+    (the gate is computed in fp32 by the stock module, so its gradients match to ~1e-7)."""
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", _stock_kernel_recurrent)
+    stock, tree = gdn_only_fp64
+    (got, ref), (grads, ref_grads) = _tree_vs_each_sequence(stock, tree, FORESTS[forest])
+    torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-7 * float(ref.abs().max()))
+    _assert_grads_close(grads, ref_grads, rel_atol=1e-6, rtol=1e-6)
+
+
+def test_hybrid_on_standard_thd_batch_matches_each_sequence(models):
+    """Ordinary PackedSeqParams (stock GatedDeltaNet in 0.16 refuses them): every sequence
+    from zero state, convolution windows not crossing sequence boundaries."""
+    _, stock, tree = models
+    seqs = FORESTS["no-sharing"] + FORESTS["duplicates-and-prefix"]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum([len(s) for s in seqs])]), dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max(map(len, seqs)), max_seqlen_kv=max(map(len, seqs)))
+    ids = torch.cat([torch.as_tensor(s) for s in seqs])
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    with torch.no_grad():
+        got = tree(ids[None], pos[None], None, packed_seq_params=psp)[0]
+        ref = torch.cat([stock_forward(stock, s) for s in seqs])
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_hybrid_sbhd_runs_stock_forward(models):
+    _, stock, tree = models
+    seq = FORESTS["single-sequence"][0]
+    with torch.no_grad():
+        torch.testing.assert_close(stock_forward(tree, seq), stock_forward(stock, seq), **TOL)
+
+
+def test_refusals(models):
+    _, _, tree = models
+    plan = plan_prefix_tree(FORESTS["tree"], min_prefix_len=1)
+    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=4, cp_size=2, cp_rank=0)
+    hidden = torch.zeros(psp.num_local_rows, 1, 64)
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        tree.decoder.layers[0].self_attention(hidden, None, packed_seq_params=psp)
+    with pytest.raises(NotImplementedError, match="Mamba.*prefix-tree batch"):
+        refuse_tree_batch("Mamba (MambaMixer)", "not implemented")
