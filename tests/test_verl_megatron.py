@@ -12,6 +12,7 @@ the only THD attention that runs on CPU). Test-only shims: ``tests/megatron_shim
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -45,6 +46,12 @@ def env():
     yield impl, model
     impl.get_forward_backward_func = stock_schedule
     setup.uninstall()
+
+
+def _tree_spec(cfg):
+    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
+
+    return get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))
 
 
 def _setting(mode, **kw):
@@ -323,3 +330,149 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
         np.testing.assert_allclose(rep["loss"][1], rep["loss"][0], rtol=RTOL)
         assert rep["grads"] <= 1e-5 * max(1.0, rep["grad_scale"]), rep
         assert rep["tokens"][1] < rep["tokens"][0], rep
+
+
+# ----------------------------------------------------------------------------- fallbacks
+# Each option the tree path does not support: every micro-batch takes verl's stock forward
+# (the option really active there), one warning names the option, and the step's outputs,
+# loss and gradients are the stock ones bit for bit.
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which one-time warnings were given, so the test sees its own."""
+    from ps_mcore.setup import patching
+
+    monkeypatch.setattr(patching, "_WARNED", set())
+
+
+def _fallback_batch(seed):
+    """GRPO groups of 2 in group order, micro-batches of 2: prefix-aware micro-batching is
+    verl's own there, so the fallback step must be stock bit for bit over 3 micro-batches."""
+    rng = np.random.default_rng(seed)
+    return make_batch(WORKLOADS["grpo"](rng, prompts=3, group=2), rng, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+
+
+def _fallback_case(impl, model, data, match, engine_setup=None):
+    """Inference and a ppo training step, stock vs patched: one warning containing ``match``,
+    bit-identical outputs, loss and gradients, every micro-batch recorded as unshared.
+    Returns the patched inference output."""
+
+    def run(patched, loss_fn=None):
+        setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
+        engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("prompt_only"))
+        if engine_setup is not None:
+            engine_setup(engine)
+        model.zero_grad(set_to_none=True)
+        out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+        return out, [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    stock, _ = run(False)
+    stock_train, g_stock = run(False, _ppo())
+    with pytest.warns(UserWarning) as record:
+        tree, _ = run(True)
+        tree_train, g_tree = run(True, _ppo())
+    assert len([w for w in record if match in str(w.message)]) == 1, [str(w.message) for w in record]
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(stock["model_output"][key].values(), tree["model_output"][key].values()), key
+    assert tree_train["loss"] == stock_train["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(g_stock, g_tree) if a is not None)
+    n = int(data["input_ids"].offsets()[-1])
+    assert len(tree["metrics"][TOKENS_IN]) == 3 and step_tokens(tree) == (n, n)  # stock, every micro-batch
+    return tree
+
+
+def _spy(monkeypatch, module, name):
+    """Record the keyword arguments of every call of ``module.name`` (still called)."""
+    calls = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_fallback_fp8(env, monkeypatch, fresh_warnings):
+    """``config.fp8 = "e4m3"``: verl's stock forward pads THD sequences by its fp8 rules
+    (checked: ``preprocess_thd_engine(use_fp8_padding=True)``). The fp8 GEMMs themselves need
+    Transformer Engine on a GPU; the local-spec model here computes in fp32."""
+    from verl.models.mcore import model_forward
+
+    impl, _ = env
+    cfg = tiny_config("qwen2")
+    model = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(model, seed=4)
+    model.config.fp8 = "e4m3"
+    calls = _spy(monkeypatch, model_forward, "preprocess_thd_engine")
+    _fallback_case(impl, model, _fallback_batch(20), "fp8")
+    assert calls and all(c["use_fp8_padding"] for c in calls)
+
+
+def test_fallback_multi_token_prediction(env, fresh_warnings):
+    """A real megatron-core MTP block (1 layer) with verl's MTP ``_postprocess`` patch, and
+    the engine's ``model_config.mtp`` enabled for training: verl's stock forward passes labels
+    and loss masks to the model, which adds the MTP loss (its metric shows up)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from verl.models.mcore.mtp_patch import patch_postprocess
+
+    impl, _ = env
+    cfg = tiny_config("qwen2", mtp_num_layers=1)
+    spec = _tree_spec(cfg)
+    model = build_gpt(cfg, spec, mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
+    randomize_(model, seed=5)
+    patch_postprocess(model)  # what MegatronEngine._build_megatron_module does with MTP on
+
+    def mtp(engine):
+        engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True)
+
+    tree = _fallback_case(impl, model, _fallback_batch(21), "multi-token prediction (MTP)", mtp)
+    assert any(key.startswith("mtp_losses/") for key in tree["metrics"])
+
+
+class _VisionLanguageStandIn(torch.nn.Module):
+    """What verl's VLM forward hands a Megatron vision-language model (mbridge's Qwen2.5-VL):
+    padded ``input_ids [B, S]`` with a bool ``attention_mask``, THD ``packed_seq_params`` and
+    the image tensors. Test-only: the vision tower (HF processor outputs, weights) is absent;
+    this packs the text tokens into one THD row for the tiny GPTModel and records its inputs."""
+
+    def __init__(self, language_model):
+        super().__init__()
+        self.language_model = language_model
+        self.config = language_model.config
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        self.calls = []
+
+    def forward(self, input_ids, attention_mask, position_ids, packed_seq_params, pixel_values=None, image_grid_thw=None):
+        self.calls.append(dict(shape=tuple(input_ids.shape), mask=attention_mask is not None, pixel_values=pixel_values))
+        tokens = input_ids[attention_mask][None]  # row-major: the sequences one after another
+        return self.language_model(input_ids=tokens, position_ids=None, attention_mask=None,
+                                   packed_seq_params=packed_seq_params)
+
+
+@pytest.mark.parametrize("images", [True, False], ids=["images", "text-only"])
+def test_fallback_vision_language(env, fresh_warnings, images):
+    """A VLM (``vision_config`` in the HF config) on a batch with or without images: verl's
+    stock VLM forward (bshd ids + mask, ``pixel_values`` from ``multi_modal_inputs``)."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+    impl, _ = env
+    cfg = tiny_config("qwen2")
+    lm = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(lm, seed=6)
+    model = _VisionLanguageStandIn(lm)
+    data = _fallback_batch(22)
+    if images:
+        gen = torch.Generator().manual_seed(22)
+        data["multi_modal_inputs"] = NonTensorStack.from_list(
+            [NonTensorData({"pixel_values": torch.randn(4, 6, generator=gen)}) for _ in range(data.batch_size[0])])
+
+    def vlm(engine):
+        engine.model_config.hf_config = SimpleNamespace(
+            architectures=["Qwen2_5_VLForConditionalGeneration"], vision_config=SimpleNamespace())
+
+    _fallback_case(impl, model, data, "vision-language", vlm)
+    assert model.calls and all(c["mask"] and len(c["shape"]) == 2 for c in model.calls)  # verl's VLM inputs
+    assert all((c["pixel_values"] is not None) is images for c in model.calls)
