@@ -259,27 +259,19 @@ class _MBridgeStandIn:
         pass
 
 
-@pytest.mark.parametrize("enabled", ["1", "0"])
-def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
-    from types import SimpleNamespace
-
-    from ps_mcore.layer_specs import TreeCoreAttention
-    from ps_mcore.verl.megatron import has_tree_attention
-
+def _mbridge_engine(impl, monkeypatch, config, **engine_config):
+    """A Megatron LM engine whose ``_build_megatron_module`` builds through the mbridge
+    stand-in (forward-only: no DDP wrapping); ``engine_config`` overrides its engine config."""
     import sys
     import types
 
-    impl, _ = env
     # verl imports mbridge's callbacks module for the value-model hook; mbridge is absent here
     stub = types.ModuleType("verl.models.mcore.mbridge")
     stub.freeze_moe_router = stub.make_value_model = stub.AutoBridge = None
     monkeypatch.setitem(sys.modules, "verl.models.mcore.mbridge", stub)
-    monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
-    setup.install(["verl080_mcore0161_ms0160"])
-    config = tiny_config("qwen2")
-    config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
     engine = engine_shell(impl.MegatronEngineWithLMHead, SimpleNamespace(config=config), _setting("prompt_only"))
-    engine.engine_config.forward_only = True  # no DDP wrapping
+    for key, value in dict(forward_only=True, **engine_config).items():
+        object.__setattr__(engine.engine_config, key, value)
     engine.tf_config = config
     engine.bridge = _MBridgeStandIn(config)
     engine.provider, engine.peft_cls, engine.vanilla_bridge, engine.enable_routing_replay = None, None, True, False
@@ -287,6 +279,20 @@ def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
         model_type="language_model", hf_config=SimpleNamespace(rope_theta=1e6, tie_word_embeddings=False),
         local_path="unused", lora=None,
     )
+    return engine
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
+    from ps_mcore.layer_specs import TreeCoreAttention
+    from ps_mcore.verl.megatron import has_tree_attention
+
+    impl, _ = env
+    monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
+    setup.install(["verl080_mcore0161_ms0160"])
+    config = tiny_config("qwen2")
+    config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
+    engine = _mbridge_engine(impl, monkeypatch, config)
     module = engine._build_megatron_module()
     tree = any(isinstance(m, TreeCoreAttention) for m in module[0].modules())
     assert tree is (enabled == "1") and has_tree_attention(module[0]) is tree
@@ -476,3 +482,73 @@ def test_fallback_vision_language(env, fresh_warnings, images):
     _fallback_case(impl, model, data, "vision-language", vlm)
     assert model.calls and all(c["mask"] and len(c["shape"]) == 2 for c in model.calls)  # verl's VLM inputs
     assert all((c["pixel_values"] is not None) is images for c in model.calls)
+
+
+# Context parallelism: the glue builds stock specs when the engine config asks for CP and sends
+# CP micro-batches to verl's stock forward (tree CP exists in ps_mcore.layer_specs but is not
+# wired through verl yet). When it is, these two tests turn into "CP shares" tests: the build
+# keeps tree specs, and the forward test moves to a torchrun worker (as tests/verl_tp_worker.py)
+# with a real CP group of 2, comparing the tree path with the stock run of the unshared plan.
+
+
+def _build_warnings(engine) -> tuple[bool, list[str]]:
+    """(tree specs built?, the prefix_sharing warnings given) for one model build."""
+    import warnings
+
+    from ps_mcore.layer_specs import TreeCoreAttention
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        module = engine._build_megatron_module()
+    tree = any(isinstance(m, TreeCoreAttention) for m in module[0].modules())
+    return tree, [str(w.message) for w in record if "prefix_sharing" in str(w.message)]
+
+
+def test_context_parallel_builds_stock_specs(env, monkeypatch, fresh_warnings):
+    """``context_parallel_size=2`` in the engine config: the bridge's stock layer spec, one
+    warning naming CP (twice built, still one); CP 1 keeps tree specs without a warning."""
+    impl, _ = env
+    setup.install(["verl080_mcore0161_ms0160"])
+    tree, warned = _build_warnings(_mbridge_engine(impl, monkeypatch, tiny_config("qwen2"), context_parallel_size=1))
+    assert tree and not warned
+    for _ in range(2):
+        tree, more = _build_warnings(_mbridge_engine(impl, monkeypatch, tiny_config("qwen2"), context_parallel_size=2))
+        assert not tree
+        warned += more
+    assert len(warned) == 1 and "context parallelism" in warned[0], warned
+
+
+def test_context_parallel_forward_falls_back(env, monkeypatch, fresh_warnings):
+    """CP world size 2 at the glue's per-micro-batch decision, through the engine's real
+    ``forward_backward_batch`` / ``forward_step``: verl's stock forward runs every micro-batch
+    and the step equals an unpatched one bit for bit, one warning naming CP.
+
+    How far this goes on CPU: a CP group of 2 needs two processes, and verl's stock THD forward
+    under CP needs an attention that runs ordinary THD batches over CP (Transformer Engine's, GPU
+    only; megatron's local attention and TreeCoreAttention refuse them). So megatron's
+    ``parallel_state`` reports CP 2 everywhere except inside verl's stock forward function,
+    which runs at CP 1 (test-only): stock and patched steps see the same world."""
+    import functools
+
+    from megatron.core import parallel_state
+    from verl.models.mcore import registry
+
+    impl, _ = env
+    cfg = tiny_config("qwen2")
+    model = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(model, seed=7)
+    cp1 = parallel_state.get_context_parallel_world_size
+    stock_forward = registry.gptmodel_forward_model_engine
+    calls = []
+
+    @functools.wraps(stock_forward)  # the glue binds verl's signature
+    def stock_forward_at_cp1(*args, **kwargs):
+        calls.append(1)
+        with monkeypatch.context() as m:
+            m.setattr(parallel_state, "get_context_parallel_world_size", cp1)
+            return stock_forward(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "gptmodel_forward_model_engine", stock_forward_at_cp1)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    _fallback_case(impl, model, _fallback_batch(23), "context parallelism is not supported")
+    assert len(calls) == 4 * 3  # 4 steps x 3 micro-batches, every one through verl's stock forward
