@@ -345,8 +345,7 @@ def test_fallback_fused_kernels_full_step(impl, monkeypatch):
     """``use_fused_kernels=True`` with verl's real fused forward (torch backend:
     ``patch_forward_with_backends`` swaps the model class's forward, restored afterwards):
     every micro-batch runs it (the engine reads ``log_probs`` from its output: a crash without
-    it), one warning, stock
-    numbers bit for bit."""
+    it), one warning, stock numbers bit for bit."""
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
 
     model = make_model(seed=6)
