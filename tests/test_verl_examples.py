@@ -1,6 +1,6 @@
-"""examples/: the run script's config composes and instantiates in verl 0.8.0 (driver
-``validate_config`` and the worker-side actor config), and the GSM8K converter writes
-verl's RL format."""
+"""examples/: the run scripts' configs (Megatron and FSDP) compose and instantiate in verl
+0.8.0 (driver ``validate_config`` and the worker-side actor config) with the seed's demo
+setting (``arbitrary_prefix``), and the GSM8K converter writes verl's RL format."""
 
 from __future__ import annotations
 
@@ -15,37 +15,83 @@ pytest.importorskip("verl")
 from verl_helpers import compose, installed_patchsets  # noqa: E402,F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "examples", "run_prefix_sharing.sh")
+SCRIPTS = {
+    "megatron": os.path.join(ROOT, "examples", "run_prefix_sharing.sh"),
+    "fsdp": os.path.join(ROOT, "examples", "run_prefix_sharing_fsdp.sh"),
+}
 
 
-def _script_overrides(**env):
+def _script_overrides(engine="megatron", **env):
     full = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
             "PRINT_OVERRIDES": "1", **env}
-    out = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, env=full, timeout=120, check=True)
+    out = subprocess.run(["bash", SCRIPTS[engine]], capture_output=True, text=True, env=full, timeout=120, check=True)
     lines = out.stdout.strip().splitlines()
     config_dir = lines[0].split("=", 1)[1]
     name = lines[1].split("=", 1)[1]
     return config_dir, name, lines[2:]
 
 
-def test_run_script_config_composes_and_instantiates(installed_patchsets):
+def _instantiate(config_dir, name, overrides):
+    """Driver-side validation, then the worker-side actor config and its engine setting."""
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig
+    from ps_mcore.integrations.verl080.config import ENGINE_ATTR
 
-    config_dir, name, overrides = _script_overrides(NGPUS="8", TP="2")
     cfg = compose(config_dir, name, overrides)
-    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.actor.strategy == "megatron"
-    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
     validate_config(cfg, use_reference_policy=True, use_critic=False)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    setting = getattr(actor.engine, ENGINE_ATTR)
-    assert setting.enabled and setting.config == PrefixGrouperConfig(mode="prompt_only")
+    return cfg, getattr(actor.engine, ENGINE_ATTR)
 
 
-def test_run_script_honours_enable_prefix_sharing():
-    _, _, overrides = _script_overrides(ENABLE_PREFIX_SHARING="0")
-    assert "trainer.experiment_name=qwen2.5-0.5b-grpo-megatron-ps0" in overrides
+def test_megatron_script_config_composes_and_instantiates(installed_patchsets):
+    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+
+    config_dir, name, overrides = _script_overrides("megatron", NGPUS="8", TP="2")
+    assert name == "prefix_sharing_megatron"
+    cfg, setting = _instantiate(config_dir, name, overrides)
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.actor.strategy == "megatron"
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
+    assert cfg.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
+    assert setting.enabled and setting.config == PrefixGrouperConfig(mode="arbitrary_prefix")
+
+
+def test_fsdp_script_config_composes_and_instantiates(installed_patchsets):
+    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+
+    config_dir, name, overrides = _script_overrides("fsdp", NGPUS="4")
+    assert name == "prefix_sharing_fsdp"
+    cfg, setting = _instantiate(config_dir, name, overrides)
+    actor = cfg.actor_rollout_ref.actor
+    assert cfg.algorithm.adv_estimator == "grpo" and actor.strategy == "fsdp2"
+    assert cfg.trainer.n_gpus_per_node == 4
+    # what would send every micro-batch to verl's stock forward is off
+    assert cfg.actor_rollout_ref.model.use_fused_kernels is False and actor.ulysses_sequence_parallel_size == 1
+    assert setting.enabled and setting.config == PrefixGrouperConfig(mode="arbitrary_prefix")
+
+
+def test_scripts_share_everything_but_the_engine():
+    """Both scripts run the same GRPO job: their overrides differ only in engine keys."""
+    _, _, megatron = _script_overrides("megatron")
+    _, _, fsdp = _script_overrides("fsdp")
+    only = set(megatron) ^ set(fsdp)
+    assert only and all(".megatron." in o or ".strategy=" in o or "experiment_name" in o or
+                        o.startswith(("actor_rollout_ref.model.", "actor_rollout_ref.actor.ulysses",
+                                      "actor_rollout_ref.actor.fsdp_config.")) for o in only), only
+    assert "actor_rollout_ref.actor.prefix_grouper.mode=arbitrary_prefix" in megatron
+
+
+def test_prompt_only_mode_from_the_environment(installed_patchsets):
+    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+
+    config_dir, name, overrides = _script_overrides("fsdp", PREFIX_GROUPER_MODE="prompt_only")
+    _, setting = _instantiate(config_dir, name, overrides)
+    assert setting.config == PrefixGrouperConfig(mode="prompt_only")
+
+
+@pytest.mark.parametrize("engine", list(SCRIPTS))
+def test_run_script_honours_enable_prefix_sharing(engine):
+    _, _, overrides = _script_overrides(engine, ENABLE_PREFIX_SHARING="0")
+    assert f"trainer.experiment_name=qwen2.5-0.5b-grpo-{engine}-ps0" in overrides
 
 
 def test_prepare_gsm8k_writes_verl_format(tmp_path):

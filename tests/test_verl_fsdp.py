@@ -271,12 +271,16 @@ def test_fallback_when_savings_too_small(impl):
 
 
 def _fallback_case(impl, model, data, setting, match, engine_setup=None, cls=None):
-    """Stock numbers, bit for bit, over several micro-batches, with one warning."""
+    """Stock numbers, bit for bit, over several micro-batches (inference, then a ppo training
+    step: loss and every gradient), with one warning for both steps."""
     stock, _ = _run(impl, model, data, setting, False, cls=cls, engine_setup=engine_setup)
+    stock_train, g_stock = _run(impl, model, data, setting, False, _ppo(), cls=cls, engine_setup=engine_setup)
     with pytest.warns(UserWarning, match=match) as record:
         tree, _ = _run(impl, model, data, setting, True, cls=cls, engine_setup=engine_setup)
+        tree_train, g_tree = _run(impl, model, data, setting, True, _ppo(), cls=cls, engine_setup=engine_setup)
     assert len([w for w in record if match in str(w.message)]) == 1
     _bit_identical(stock, tree)
+    _bit_identical(stock_train, tree_train, g_stock, g_tree)
     n = int(data["input_ids"].offsets()[-1])
     assert len(tree["metrics"][TOKENS_IN]) >= 2 and step_tokens(tree) == (n, n)
 
@@ -297,7 +301,10 @@ def test_fallback_engine_subclass_overriding_seams(impl):
 
 
 def test_fallback_ulysses_sp_flag_on_engine(impl):
-    """``use_ulysses_sp`` on the engine (SP world of one here, so verl's stock SP code runs)."""
+    """``use_ulysses_sp`` on the engine: verl's stock SP input path (pad and slice for the SP
+    group, gather of the outputs) runs at an SP world of one. A real SP group of 2 needs
+    all-to-all, which gloo (CPU) lacks; the batch-level ``sp_size`` flag is checked in
+    :func:`test_whole_batch_fallback_keeps_verl_micro_batches`."""
 
     def sp(engine):
         engine.use_ulysses_sp = True
@@ -332,6 +339,20 @@ def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
     assert (patched == stock) is bool(flags)
     uids = list(data["uid"])
     assert bool(flags) or all(len({uids[i] for i in part}) == 1 for part in patched)
+
+
+def test_fallback_fused_kernels_full_step(impl, monkeypatch):
+    """``use_fused_kernels=True`` with verl's real fused forward (torch backend:
+    ``patch_forward_with_backends`` swaps the model class's forward, restored afterwards):
+    every micro-batch runs it (the engine reads ``log_probs`` from its output: a crash without
+    it), one warning, stock numbers bit for bit."""
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+    model = make_model(seed=6)
+    monkeypatch.setattr(type(model), "forward", type(model).forward)  # restored after the test
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+    data = _batch("grpo", 13, use_fused_kernels=True, **FIXED_MBS)
+    _fallback_case(impl, model, data, _setting("prompt_only"), "use_fused_kernels=True")
 
 
 def test_fallback_fused_kernels_gives_verl_model_inputs(impl):

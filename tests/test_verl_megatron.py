@@ -12,6 +12,7 @@ the only THD attention that runs on CPU). Test-only shims: ``tests/megatron_shim
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -45,6 +46,12 @@ def env():
     yield impl, model
     impl.get_forward_backward_func = stock_schedule
     setup.uninstall()
+
+
+def _tree_spec(cfg):
+    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
+
+    return get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))
 
 
 def _setting(mode, **kw):
@@ -252,27 +259,19 @@ class _MBridgeStandIn:
         pass
 
 
-@pytest.mark.parametrize("enabled", ["1", "0"])
-def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
-    from types import SimpleNamespace
-
-    from ps_mcore.layer_specs import TreeCoreAttention
-    from ps_mcore.integrations.verl080.megatron import has_tree_attention
-
+def _mbridge_engine(impl, monkeypatch, config, **engine_config):
+    """A Megatron LM engine whose ``_build_megatron_module`` builds through the mbridge
+    stand-in (forward-only: no DDP wrapping); ``engine_config`` overrides its engine config."""
     import sys
     import types
 
-    impl, _ = env
     # verl imports mbridge's callbacks module for the value-model hook; mbridge is absent here
     stub = types.ModuleType("verl.models.mcore.mbridge")
     stub.freeze_moe_router = stub.make_value_model = stub.AutoBridge = None
     monkeypatch.setitem(sys.modules, "verl.models.mcore.mbridge", stub)
-    monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
-    setup.install(["verl080_mcore0161_ms0160"])
-    config = tiny_config("qwen2")
-    config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
     engine = engine_shell(impl.MegatronEngineWithLMHead, SimpleNamespace(config=config), _setting("prompt_only"))
-    engine.engine_config.forward_only = True  # no DDP wrapping
+    for key, value in dict(forward_only=True, **engine_config).items():
+        object.__setattr__(engine.engine_config, key, value)
     engine.tf_config = config
     engine.bridge = _MBridgeStandIn(config)
     engine.provider, engine.peft_cls, engine.vanilla_bridge, engine.enable_routing_replay = None, None, True, False
@@ -280,6 +279,20 @@ def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
         model_type="language_model", hf_config=SimpleNamespace(rope_theta=1e6, tie_word_embeddings=False),
         local_path="unused", lora=None,
     )
+    return engine
+
+
+@pytest.mark.parametrize("enabled", ["1", "0"])
+def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
+    from ps_mcore.layer_specs import TreeCoreAttention
+    from ps_mcore.integrations.verl080.megatron import has_tree_attention
+
+    impl, _ = env
+    monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
+    setup.install(["verl080_mcore0161_ms0160"])
+    config = tiny_config("qwen2")
+    config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
+    engine = _mbridge_engine(impl, monkeypatch, config)
     module = engine._build_megatron_module()
     tree = any(isinstance(m, TreeCoreAttention) for m in module[0].modules())
     assert tree is (enabled == "1") and has_tree_attention(module[0]) is tree
@@ -323,3 +336,219 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
         np.testing.assert_allclose(rep["loss"][1], rep["loss"][0], rtol=RTOL)
         assert rep["grads"] <= 1e-5 * max(1.0, rep["grad_scale"]), rep
         assert rep["tokens"][1] < rep["tokens"][0], rep
+
+
+# ----------------------------------------------------------------------------- fallbacks
+# Each option the tree path does not support: every micro-batch takes verl's stock forward
+# (the option really active there), one warning names the option, and the step's outputs,
+# loss and gradients are the stock ones bit for bit.
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which one-time warnings were given, so the test sees its own."""
+    from ps_mcore.setup import patching
+
+    monkeypatch.setattr(patching, "_WARNED", set())
+
+
+def _fallback_batch(seed):
+    """GRPO groups of 2 in group order, micro-batches of 2: prefix-aware micro-batching is
+    verl's own there, so the fallback step must be stock bit for bit over 3 micro-batches."""
+    rng = np.random.default_rng(seed)
+    return make_batch(WORKLOADS["grpo"](rng, prompts=3, group=2), rng, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+
+
+def _fallback_case(impl, model, data, match, engine_setup=None):
+    """Inference and a ppo training step, stock vs patched: one warning containing ``match``,
+    bit-identical outputs, loss and gradients, every micro-batch recorded as unshared.
+    Returns the patched inference output."""
+
+    def run(patched, loss_fn=None):
+        setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
+        engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("prompt_only"))
+        if engine_setup is not None:
+            engine_setup(engine)
+        model.zero_grad(set_to_none=True)
+        out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+        return out, [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    stock, _ = run(False)
+    stock_train, g_stock = run(False, _ppo())
+    with pytest.warns(UserWarning) as record:
+        tree, _ = run(True)
+        tree_train, g_tree = run(True, _ppo())
+    assert len([w for w in record if match in str(w.message)]) == 1, [str(w.message) for w in record]
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(stock["model_output"][key].values(), tree["model_output"][key].values()), key
+    assert tree_train["loss"] == stock_train["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(g_stock, g_tree) if a is not None)
+    n = int(data["input_ids"].offsets()[-1])
+    assert len(tree["metrics"][TOKENS_IN]) == 3 and step_tokens(tree) == (n, n)  # stock, every micro-batch
+    return tree
+
+
+def _spy(monkeypatch, module, name):
+    """Record the keyword arguments of every call of ``module.name`` (still called)."""
+    calls = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_fallback_fp8(env, monkeypatch, fresh_warnings):
+    """``config.fp8 = "e4m3"``: verl's stock forward pads THD sequences by its fp8 rules
+    (checked: ``preprocess_thd_engine(use_fp8_padding=True)``). The fp8 GEMMs themselves need
+    Transformer Engine on a GPU; the local-spec model here computes in fp32."""
+    from verl.models.mcore import model_forward
+
+    impl, _ = env
+    cfg = tiny_config("qwen2")
+    model = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(model, seed=4)
+    model.config.fp8 = "e4m3"
+    calls = _spy(monkeypatch, model_forward, "preprocess_thd_engine")
+    _fallback_case(impl, model, _fallback_batch(20), "fp8")
+    assert calls and all(c["use_fp8_padding"] for c in calls)
+
+
+def test_fallback_multi_token_prediction(env, fresh_warnings):
+    """A real megatron-core MTP block (1 layer) with verl's MTP ``_postprocess`` patch, and
+    the engine's ``model_config.mtp`` enabled for training: verl's stock forward passes labels
+    and loss masks to the model, which adds the MTP loss (its metric shows up)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from verl.models.mcore.mtp_patch import patch_postprocess
+
+    impl, _ = env
+    cfg = tiny_config("qwen2", mtp_num_layers=1)
+    spec = _tree_spec(cfg)
+    model = build_gpt(cfg, spec, mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
+    randomize_(model, seed=5)
+    patch_postprocess(model)  # what MegatronEngine._build_megatron_module does with MTP on
+
+    def mtp(engine):
+        engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True)
+
+    tree = _fallback_case(impl, model, _fallback_batch(21), "multi-token prediction (MTP)", mtp)
+    assert any(key.startswith("mtp_losses/") for key in tree["metrics"])
+
+
+class _VisionLanguageStandIn(torch.nn.Module):
+    """What verl's VLM forward hands a Megatron vision-language model (mbridge's Qwen2.5-VL):
+    padded ``input_ids [B, S]`` with a bool ``attention_mask``, THD ``packed_seq_params`` and
+    the image tensors. Test-only: the vision tower (HF processor outputs, weights) is absent;
+    this packs the text tokens into one THD row for the tiny GPTModel and records its inputs."""
+
+    def __init__(self, language_model):
+        super().__init__()
+        self.language_model = language_model
+        self.config = language_model.config
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        self.calls = []
+
+    def forward(self, input_ids, attention_mask, position_ids, packed_seq_params, pixel_values=None, image_grid_thw=None):
+        self.calls.append(dict(shape=tuple(input_ids.shape), mask=attention_mask is not None, pixel_values=pixel_values))
+        tokens = input_ids[attention_mask][None]  # row-major: the sequences one after another
+        return self.language_model(input_ids=tokens, position_ids=None, attention_mask=None,
+                                   packed_seq_params=packed_seq_params)
+
+
+@pytest.mark.parametrize("images", [True, False], ids=["images", "text-only"])
+def test_fallback_vision_language(env, fresh_warnings, images):
+    """A VLM (``vision_config`` in the HF config) on a batch with or without images: verl's
+    stock VLM forward (bshd ids + mask, ``pixel_values`` from ``multi_modal_inputs``)."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+    impl, _ = env
+    cfg = tiny_config("qwen2")
+    lm = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(lm, seed=6)
+    model = _VisionLanguageStandIn(lm)
+    data = _fallback_batch(22)
+    if images:
+        gen = torch.Generator().manual_seed(22)
+        data["multi_modal_inputs"] = NonTensorStack.from_list(
+            [NonTensorData({"pixel_values": torch.randn(4, 6, generator=gen)}) for _ in range(data.batch_size[0])])
+
+    def vlm(engine):
+        engine.model_config.hf_config = SimpleNamespace(
+            architectures=["Qwen2_5_VLForConditionalGeneration"], vision_config=SimpleNamespace())
+
+    _fallback_case(impl, model, data, "vision-language", vlm)
+    assert model.calls and all(c["mask"] and len(c["shape"]) == 2 for c in model.calls)  # verl's VLM inputs
+    assert all((c["pixel_values"] is not None) is images for c in model.calls)
+
+
+# Context parallelism: the glue builds stock specs when the engine config asks for CP and sends
+# CP micro-batches to verl's stock forward (tree CP exists in ps_mcore.layer_specs but is not
+# wired through verl yet). When it is, these two tests turn into "CP shares" tests: the build
+# keeps tree specs, and the forward test moves to a torchrun worker (as tests/verl_tp_worker.py)
+# with a real CP group of 2, comparing the tree path with the stock run of the unshared plan.
+
+
+def _build_warnings(engine) -> tuple[bool, list[str]]:
+    """(tree specs built?, the prefix_sharing warnings given) for one model build."""
+    import warnings
+
+    from ps_mcore.layer_specs import TreeCoreAttention
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        module = engine._build_megatron_module()
+    tree = any(isinstance(m, TreeCoreAttention) for m in module[0].modules())
+    return tree, [str(w.message) for w in record if "prefix_sharing" in str(w.message)]
+
+
+def test_context_parallel_builds_stock_specs(env, monkeypatch, fresh_warnings):
+    """``context_parallel_size=2`` in the engine config: the bridge's stock layer spec, one
+    warning naming CP (twice built, still one); CP 1 keeps tree specs without a warning."""
+    impl, _ = env
+    setup.install(["verl080_mcore0161_ms0160"])
+    tree, warned = _build_warnings(_mbridge_engine(impl, monkeypatch, tiny_config("qwen2"), context_parallel_size=1))
+    assert tree and not warned
+    for _ in range(2):
+        tree, more = _build_warnings(_mbridge_engine(impl, monkeypatch, tiny_config("qwen2"), context_parallel_size=2))
+        assert not tree
+        warned += more
+    assert len(warned) == 1 and "context parallelism" in warned[0], warned
+
+
+def test_context_parallel_forward_falls_back(env, monkeypatch, fresh_warnings):
+    """CP world size 2 at the glue's per-micro-batch decision, through the engine's real
+    ``forward_backward_batch`` / ``forward_step``: verl's stock forward runs every micro-batch
+    and the step equals an unpatched one bit for bit, one warning naming CP.
+
+    How far this goes on CPU: a CP group of 2 needs two processes, and verl's stock THD forward
+    under CP needs an attention that runs ordinary THD batches over CP (Transformer Engine's, GPU
+    only; megatron's local attention and TreeCoreAttention refuse them). So megatron's
+    ``parallel_state`` reports CP 2 everywhere except inside verl's stock forward function,
+    which runs at CP 1 (test-only): stock and patched steps see the same world."""
+    import functools
+
+    from megatron.core import parallel_state
+    from verl.models.mcore import registry
+
+    impl, _ = env
+    cfg = tiny_config("qwen2")
+    model = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(model, seed=7)
+    cp1 = parallel_state.get_context_parallel_world_size
+    stock_forward = registry.gptmodel_forward_model_engine
+    calls = []
+
+    @functools.wraps(stock_forward)  # the glue binds verl's signature
+    def stock_forward_at_cp1(*args, **kwargs):
+        calls.append(1)
+        with monkeypatch.context() as m:
+            m.setattr(parallel_state, "get_context_parallel_world_size", cp1)
+            return stock_forward(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "gptmodel_forward_model_engine", stock_forward_at_cp1)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    _fallback_case(impl, model, _fallback_batch(23), "context parallelism is not supported")
+    assert len(calls) == 4 * 3  # 4 steps x 3 micro-batches, every one through verl's stock forward

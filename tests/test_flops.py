@@ -1,0 +1,78 @@
+"""``ps_mcore.flops.DecoderShape``, the FLOP "ideal" every benchmark reports, against (1) a
+hand count of one small shape written out matmul by matmul, and (2) torch's FLOP counter on a
+real Hugging Face Qwen2 of that shape (eager attention: every query-key pair, so the
+attention term is L^2 per layer there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ps_mcore import plan_prefix_tree
+from ps_mcore.flops import DecoderShape
+
+# layers=2, hidden=8, 4 query heads and 2 kv heads of dim 4, ffn=10, vocab=20
+SHAPE = dict(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn=10, vocab=20)
+
+
+def _hand_linear_macs_per_token(gated: bool) -> int:
+    """Multiply-adds one token meets, by hand: a [1, in] x [in, out] matmul is in*out."""
+    q_proj = 8 * (4 * 4)  # hidden -> heads * head_dim = 128
+    k_proj = 8 * (2 * 4)  # hidden -> kv_heads * head_dim = 64
+    v_proj = 8 * (2 * 4)  # 64
+    o_proj = (4 * 4) * 8  # heads * head_dim -> hidden = 128
+    gate = 8 * 10 if gated else 0  # SwiGLU gate, hidden -> ffn = 80
+    up = 8 * 10  # 80
+    down = 10 * 8  # ffn -> hidden = 80
+    per_layer = q_proj + k_proj + v_proj + o_proj + gate + up + down  # 624 gated, 544 plain
+    lm_head = 8 * 20  # hidden -> vocab = 160
+    return 2 * per_layer + lm_head
+
+
+def test_linear_flops_per_token_hand_count():
+    assert _hand_linear_macs_per_token(True) == 2 * 624 + 160 == 1408
+    assert _hand_linear_macs_per_token(False) == 2 * 544 + 160 == 1248
+    for gated in (True, False):
+        shape = DecoderShape(**SHAPE, gated=gated)
+        assert shape.linear_flops_per_token() == 2 * _hand_linear_macs_per_token(gated)  # 1 MAC = 2 FLOPs
+
+
+def test_attention_and_step_flops_hand_count():
+    shape = DecoderShape(**SHAPE)
+    # one (query, key) pair, one head: q.k is head_dim MACs, p * v is head_dim MACs
+    per_pair_per_head = 2 * (4 + 4)  # FLOPs
+    assert shape.attention_flops_per_pair() == 2 * 4 * per_pair_per_head == 128  # layers * heads
+    # backward of a matmul is two matmuls of the same size (grad input, grad weight): 3x forward
+    assert shape.step_flops(10, 55) == 3 * (10 * 2816 + 55 * 128)
+
+
+def test_ideal_speedup_hand_count():
+    """Two sequences of 6 sharing their first 4 tokens: N = 12, T = 8; causal pairs
+    unshared 2 * (6 * 7 / 2) = 42, on the tree 4 * 5 / 2 + 2 * (2 * 4 + 2 * 3 / 2) = 32."""
+    plan = plan_prefix_tree([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8]], min_prefix_len=1)
+    stats = plan.stats()
+    assert (stats["N"], stats["T"], stats["attn_pairs_unshared"], stats["attn_pairs_tree"]) == (12, 8, 42, 32)
+    shape = DecoderShape(**SHAPE)
+    assert shape.ideal_speedup(stats) == pytest.approx((12 * 2816 + 42 * 128) / (8 * 2816 + 32 * 128), rel=1e-15)
+
+
+def test_matches_torch_flop_counter_on_qwen2():
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = transformers.Qwen2Config(
+        vocab_size=20, hidden_size=8, intermediate_size=10, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=4, tie_word_embeddings=False, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    shape = DecoderShape(**SHAPE)
+    length = 7
+    ids = torch.randint(0, 20, (1, length))
+    with FlopCounterMode(display=False) as forward:
+        model(input_ids=ids)
+    # eager attention scores every (query, key) pair, masked or not: L^2 pairs, not L(L+1)/2
+    assert forward.get_total_flops() == length * shape.linear_flops_per_token() + length**2 * shape.attention_flops_per_pair()
+    with FlopCounterMode(display=False) as step:
+        model(input_ids=ids).logits.sum().backward()
+    assert step.get_total_flops() == shape.step_flops(length, length**2)
