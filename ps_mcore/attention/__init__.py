@@ -2,8 +2,9 @@
 
 Backends:
     reference  dense tree mask, float32 math, any device (the oracle; O(T^2) memory).
-    chunked    gather-KV per node with a pure-torch kernel, any device (exact fp32 math).
-    varlen     gather-KV + varlen FlashAttention (torch's flash kernel or flash-attn), CUDA.
+    chunked    cascade layout (attention/layout.py) with a pure-torch kernel, any device (exact fp32 math).
+    varlen     cascade layout + varlen FlashAttention (torch's flash kernel or flash-attn), CUDA;
+               no K/V copy (gather-KV only for chain forests deeper than MAX_CASCADE_LEVELS).
     flex       FlexAttention with a BlockMask from subtree ends (compiled on CUDA).
     npu        gather-KV + torch_npu.npu_fusion_attention (TND, bottom-right causal), Ascend.
     auto       npu on an NPU device, varlen on CUDA for fp16/bf16, else flex on CUDA, else chunked.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ps_mcore.attention.cascade import tree_varlen_attention
 from ps_mcore.attention.gather_kv import (
     MATH_KERNEL,
     default_scale,
@@ -109,9 +111,9 @@ def tree_attention(
 
         return reference_attention(q, k, v, plan, scale)
     if name == "chunked":
-        return gather_kv_attention(q, k, v, plan, scale, MATH_KERNEL)
+        return tree_varlen_attention(q, k, v, plan, scale, MATH_KERNEL)
     if name == "varlen":
-        return gather_kv_attention(q, k, v, plan, scale, flash_kernel_for(q.device))
+        return tree_varlen_attention(q, k, v, plan, scale, flash_kernel_for(q.device))
     if name == "npu":
         from ps_mcore.attention.npu import NPU_KERNEL
 

@@ -6,10 +6,14 @@ node's context and any variable-length causal kernel with bottom-right alignment
 for backward: backward gathers again, runs the kernel's backward and scatter-adds dK/dV into
 the shared rows, so activation memory stays proportional to T, not to the sum of contexts.
 
-A kernel is a pair ``forward(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> (out, aux)`` and
-``backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale) -> (dq, dk, dv)``,
+A kernel is a pair ``forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True) -> (out, aux)``
+and ``backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True) -> (dq, dk, dv)``,
 q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (GQA grouped: query head i reads kv head
-``i // (Hq // Hkv)``); ``aux`` is whatever the kernel needs back (its logsumexp, rng state).
+``i // (Hq // Hkv)``); ``aux`` is whatever the kernel needs back, its logsumexp first (``[Hq, Tq]``
+float32, natural log, softmax scale included), then e.g. rng state. ``causal=False`` (full
+attention) is what the cascade layout's level calls use; the math, torch-flash and flash-attn
+kernels support it. A query row whose segment has no key gets out 0 and the kernel's logsumexp
+for "no key" (flash: +inf, math: -inf); callers mask those rows.
 """
 
 from __future__ import annotations
@@ -44,38 +48,47 @@ def _bottom_right_causal(len_q: int, len_k: int, device) -> torch.Tensor:
     return j > (len_k - len_q) + i
 
 
-def _math_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _math_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
     group = q.size(1) // k.size(1)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.size(0), q.size(1), dtype=torch.float32, device=q.device)
+    out = torch.zeros_like(q)  # rows of segments without keys stay 0, like flash
+    lse = torch.full((q.size(1), q.size(0)), float("-inf"), dtype=torch.float32, device=q.device)
     for q0, q1, k0, k1 in _segments(cu_q, cu_k):
+        if q1 == q0 or k1 == k0:
+            continue
         qs = q[q0:q1].float().transpose(0, 1)  # [H, l, D]
         ks = k[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
         vs = v[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
         s = torch.matmul(qs, ks.transpose(1, 2)) * scale
-        s.masked_fill_(_bottom_right_causal(q1 - q0, k1 - k0, q.device), float("-inf"))
+        if causal:
+            s.masked_fill_(_bottom_right_causal(q1 - q0, k1 - k0, q.device), float("-inf"))
         seg_lse = torch.logsumexp(s, dim=-1)  # [H, l]
         out[q0:q1] = torch.matmul(torch.exp(s - seg_lse[..., None]), vs).transpose(0, 1).to(q.dtype)
-        lse[q0:q1] = seg_lse.transpose(0, 1)
+        lse[:, q0:q1] = seg_lse
     return out, (lse,)
 
 
-def _math_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale):
-    (lse,) = aux
+def _math_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
+    # ``out`` and ``aux[0]`` may be those of a larger attention this call is one part of (the
+    # cascade layout passes the merged output and logsumexp): p and D are then the global ones,
+    # so the gradients are this part's share of the global gradient.
+    lse = aux[0]
     hq, hkv, d = q.size(1), k.size(1), q.size(2)
     group = hq // hkv
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
     for q0, q1, k0, k1 in _segments(cu_q, cu_k):
+        if q1 == q0 or k1 == k0:
+            continue
         qs = q[q0:q1].float().transpose(0, 1)
         ks = k[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
         vs = v[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
         do = dout[q0:q1].float().transpose(0, 1)
         o = out[q0:q1].float().transpose(0, 1)
         s = torch.matmul(qs, ks.transpose(1, 2)) * scale
-        s.masked_fill_(_bottom_right_causal(q1 - q0, k1 - k0, q.device), float("-inf"))
-        p = torch.exp(s - lse[q0:q1].transpose(0, 1)[..., None])  # [H, l, c]
+        if causal:
+            s.masked_fill_(_bottom_right_causal(q1 - q0, k1 - k0, q.device), float("-inf"))
+        p = torch.exp(s - lse[:, q0:q1][..., None])  # [H, l, c]
         dp = torch.matmul(do, vs.transpose(1, 2))
         ds = p * (dp - (do * o).sum(-1, keepdim=True)) * scale
         dq[q0:q1] = torch.matmul(ds, ks).transpose(0, 1).to(q.dtype)
@@ -93,18 +106,18 @@ MATH_KERNEL = VarlenKernel("math", _math_forward, _math_backward)
 # ----------------------------------------------------------------------------- flash kernels
 
 
-def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
     # is_causal with seqlen_k > seqlen_q is bottom-right aligned in FlashAttention-2.
     out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
     )
     return out, (lse, seed, offset)
 
 
-def _torch_flash_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale):
+def _torch_flash_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
     lse, seed, offset = aux
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
     )
     return dq, dk, dv
 
@@ -112,24 +125,24 @@ def _torch_flash_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, sca
 TORCH_FLASH_KERNEL = VarlenKernel("torch_flash", _torch_flash_forward, _torch_flash_backward)
 
 
-def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
     # flash-attn >= 2.6 private API (the public function keeps K/V alive for backward).
     from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
     out, lse, _, rng_state = _flash_attn_varlen_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=True
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal
     )
     return out, (lse, rng_state)
 
 
-def _flash_attn_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale):
+def _flash_attn_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     lse, rng_state = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_attn_varlen_backward(
         dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-        dropout_p=0.0, softmax_scale=scale, causal=True, window_size_left=-1,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
         window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
         rng_state=rng_state,
     )
