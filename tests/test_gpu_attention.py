@@ -51,3 +51,18 @@ def test_auto_picks_varlen_for_bf16():
     q = torch.zeros(4, 2, 64, device="cuda", dtype=torch.bfloat16)
     assert resolve_backend("auto", q) == "varlen"
     assert resolve_backend("auto", q.float()) == "flex"
+
+
+@pytest.mark.parametrize("max_levels, min_chunk", [(0, 512), (64, 512), (64, 16)])
+def test_varlen_gather_and_cascade_layouts(monkeypatch, max_levels, min_chunk):
+    """``auto`` layout picks gather-KV past MAX_CASCADE_LEVELS (0: always), else the cascade
+    (64: always), its level calls in place or (min_chunk 16) in chunks with gathered keys; all
+    exact on forests with many chain levels."""
+    monkeypatch.setattr("ps_mcore.attention.layout.MAX_CASCADE_LEVELS", max_levels)
+    monkeypatch.setattr("ps_mcore.attention.layout.MIN_CHUNK_ROWS", min_chunk)
+    rng = np.random.default_rng(7)
+    for i in range(3):
+        seqs = random_forest(rng, max_seqs=16, max_len=400)
+        check(plan_prefix_tree(seqs, min_prefix_len=2), "varlen", 8, 2, 128, torch.bfloat16, i)
+    deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]
+    check(plan_prefix_tree(deep, min_prefix_len=1), "varlen", 4, 4, 64, torch.float16)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from attention_oracle import random_qkv, unshared_attention
 from forests import forests, nasty_forests, random_forest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ps_mcore import plan_prefix_tree
@@ -25,14 +25,16 @@ def covered_pairs(plan, layout) -> np.ndarray:
     count = np.zeros((t, t), dtype=np.int64)
     for call in layout.calls:
         cq, ck = call.cu_q.tolist(), call.cu_k.tolist()
+        key_rows = np.arange(t) if call.kv_index is None else call.kv_index.numpy()
         for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
             assert q1 >= q0 and k1 >= k0
             if call.causal:
                 assert q1 - q0 == k1 - k0 and q0 == k0, "self segments are diagonal blocks"
                 count[q0:q1, k0:k1] += np.tril(np.ones((q1 - q0, k1 - k0), dtype=np.int64))
             else:
-                count[q0:q1, k0:k1] += 1
-        assert cq[-1] == t and ck[-1] == t, "every row is covered (kernels leave no row unwritten)"
+                np.add.at(count, (slice(q0, q1), key_rows[k0:k1]), 1)
+        # Every row is covered (kernels leave no row of out/dQ/dK unwritten).
+        assert cq[-1] == t and ck[-1] == key_rows.size
         assert max(np.diff(cq)) == call.max_q and max(np.diff(ck)) == call.max_k
         if call.rows is not None:
             has_key = np.zeros(t, dtype=bool)
@@ -49,15 +51,24 @@ def tree_mask(plan) -> np.ndarray:
     return ((ki <= qi) & (qi < se[None, :])).astype(np.int64)
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.fixture(params=["in-place", "chunked"])
+def level_calls(request, monkeypatch):
+    """Level calls in place (production sizes never chunk these tiny trees) or with their
+    queries cut into chunks of 2+ rows, each with a gathered copy of its keys."""
+    if request.param == "chunked":
+        monkeypatch.setattr(layout_mod, "MIN_CHUNK_ROWS", 2)
+    return request.param
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seqs=forests(max_seqs=10, max_len=30), min_prefix_len=st.sampled_from([1, 2, 8]))
-def test_every_tree_pair_exactly_once(seqs, min_prefix_len):
+def test_every_tree_pair_exactly_once(level_calls, seqs, min_prefix_len):
     plan = plan_prefix_tree(seqs, min_prefix_len=min_prefix_len)
     np.testing.assert_array_equal(covered_pairs(plan, build_cascade_layout(plan)), tree_mask(plan))
 
 
 @pytest.mark.parametrize("name", list(nasty_forests()))
-def test_nasty_shapes_pairs(name):
+def test_nasty_shapes_pairs(level_calls, name):
     plan = plan_prefix_tree(nasty_forests()[name], min_prefix_len=1)
     np.testing.assert_array_equal(covered_pairs(plan, build_cascade_layout(plan)), tree_mask(plan))
 
@@ -92,10 +103,17 @@ def check_exact(plan, layout, hq=4, hkv=2, d=8, seed=0):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5, msg=f"d{name} differs")
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seqs=forests(), layout=st.sampled_from(["cascade", "gather"]), gqa=st.sampled_from([(2, 2), (6, 2)]))
-def test_both_layouts_exact_on_random_forests(seqs, layout, gqa):
+def test_both_layouts_exact_on_random_forests(level_calls, seqs, layout, gqa):
     check_exact(plan_prefix_tree(seqs, min_prefix_len=1), layout, *gqa)
+
+
+def test_chunked_level_calls_are_used_and_exact(level_calls):
+    plan = plan_prefix_tree(make_workload("agent-tree", scale=1 / 64).sequences, min_prefix_len=1)
+    lay = build_cascade_layout(plan)
+    assert any(c.kv_index is not None for c in lay.calls[1:]) == (level_calls == "chunked")
+    check_exact(plan, "cascade", 6, 2, 8)
 
 
 def test_deep_forest_falls_back_to_gather(monkeypatch):

@@ -15,13 +15,7 @@ import torch
 
 from ps_mcore.attention.gather_kv import VarlenKernel
 from ps_mcore.attention.layout import CascadeLayout
-
-
-def _masked_lse(lse: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """``[H, T]`` logsumexp with rows that had no key set to -inf (flash writes +inf there)."""
-    if rows is None:
-        return lse
-    return lse.masked_fill(~rows, float("-inf"))
+from ps_mcore.attention.merge import merge
 
 
 def _check_lse(lse: torch.Tensor, q: torch.Tensor, kernel: VarlenKernel) -> None:
@@ -32,26 +26,29 @@ def _check_lse(lse: torch.Tensor, q: torch.Tensor, kernel: VarlenKernel) -> None
         )
 
 
+def _kv(call, k, v):
+    if call.kv_index is None:
+        return k, v
+    return k.index_select(0, call.kv_index), v.index_select(0, call.kv_index)
+
+
 class _CascadeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: CascadeLayout, scale, kernel: VarlenKernel):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        outs, lses, rests = [], [], []
-        for call in layout.calls:
-            o, aux = kernel.forward(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, scale, causal=call.causal)
+        calls = layout.calls
+        out = lse = None
+        rests = []
+        for i, call in enumerate(calls):
+            kc, vc = _kv(call, k, v)
+            o, aux = kernel.forward(q, kc, vc, call.cu_q, call.cu_k, call.max_q, call.max_k, scale, causal=call.causal)
             _check_lse(aux[0], q, kernel)
-            outs.append(o)
-            lses.append(_masked_lse(aux[0], call.rows))
             rests.append(tuple(aux[1:]))
-        if len(outs) == 1:
-            out, lse = outs[0], lses[0]
-        else:
-            lse = torch.logsumexp(torch.stack(lses), 0)  # [H, T]; the self call covers every row
-            acc = None
-            for o, part in zip(outs, lses):
-                w = torch.exp(part - lse).t().unsqueeze(-1)  # [T, H, 1]
-                acc = o * w if acc is None else acc.addcmul_(o, w)
-            out = acc.to(q.dtype)
+            if out is None:  # the self call: every row has a key
+                out, lse = o, aux[0]
+            else:  # intermediate merges stay fp32, the last casts to q's dtype
+                dtype = q.dtype if i == len(calls) - 1 else torch.float32
+                out, lse = merge(out, lse, o, aux[0], call.rows, dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = (layout, scale, kernel, rests)
         return out
@@ -61,23 +58,31 @@ class _CascadeAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, scale, kernel, rests = ctx.meta
         dout = dout.contiguous()
-        grads = None
-        for i, (call, rest) in enumerate(zip(layout.calls, rests)):
-            g = kernel.backward(
-                dout, q, k, v, out, (lse,) + rest, call.cu_q, call.cu_k, call.max_q, call.max_k,
+        parts = len(layout.calls)
+        dq = dk = dv = None
+        for call, rest in zip(layout.calls, rests):
+            kc, vc = _kv(call, k, v)
+            dqi, dki, dvi = kernel.backward(
+                dout, q, kc, vc, out, (lse,) + rest, call.cu_q, call.cu_k, call.max_q, call.max_k,
                 scale, causal=call.causal,
             )
-            if grads is None:
-                # fp32 accumulation when more than two parts; two parts add once (an fp16/bf16
-                # add computes in fp32 and rounds once, the same result).
-                grads = [x.float() for x in g] if len(layout.calls) > 2 else list(g)
-            elif len(layout.calls) > 2:
-                for acc, x in zip(grads, g):
-                    acc.add_(x)
+            if parts == 1:
+                return dqi, dki, dvi, None, None, None
+            if dq is None:
+                # dK/dV (the small GQA side) and dQ of 3+ parts accumulate in fp32; two dQ parts
+                # add once (an fp16/bf16 add computes in fp32 and rounds once: the same result).
+                dq = dqi.float() if parts > 2 else dqi
+                dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            elif parts > 2:
+                dq.add_(dqi)
             else:
-                grads = [a + b for a, b in zip(grads, g)]
-        dq, dk, dv = (x.to(y.dtype) for x, y in zip(grads, (q, k, v)))
-        return dq, dk, dv, None, None, None
+                dq = dq + dqi
+            if call.kv_index is None:
+                dk.add_(dki), dv.add_(dvi)
+            else:  # copies of shared rows sum back
+                dk.index_add_(0, call.kv_index, dki.float()), dv.index_add_(0, call.kv_index, dvi.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def cascade_attention(q, k, v, layout: CascadeLayout, softmax_scale: float, kernel: VarlenKernel) -> torch.Tensor:

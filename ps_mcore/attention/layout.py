@@ -33,14 +33,21 @@ from ps_mcore.planner import TreePlan, ragged_arange
 # Beyond this many chain levels the cascade's launches and merges cost more than copying the
 # contexts: tree_attention falls back to the gather-KV layout.
 MAX_CASCADE_LEVELS = 8
+# Level calls with fewer key blocks (of KEY_BLOCK rows) than this split their queries into
+# chunks of at least MIN_CHUNK_ROWS rows, each with a copy of its keys (see _level_call).
+KEY_BLOCK = 128
+MIN_LEVEL_KEY_BLOCKS = 32
+MIN_CHUNK_ROWS = 512
 
 
 @dataclass(frozen=True)
 class VarlenCall:
     """One varlen kernel call over the packed rows (q and k/v both the whole ``[T, H, D]``).
 
-    cu_q, cu_k: ``[S+1]`` int32 segment boundaries (monotone, ending at T).
+    cu_q, cu_k: ``[S+1]`` int32 segment boundaries (monotone; cu_q ends at T, cu_k at T or,
+        with kv_index, at its length).
     rows: ``[T]`` bool, rows whose segment has at least one key (None: every row).
+    kv_index: ``[C]`` rows of K/V to gather for this call (None: K/V in place, cu_k ends at T).
     """
 
     cu_q: torch.Tensor
@@ -49,12 +56,15 @@ class VarlenCall:
     max_k: int
     causal: bool
     rows: torch.Tensor | None = None
+    kv_index: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "VarlenCall":
         def mv(x):
             return None if x is None else x.to(device, non_blocking=True)
 
-        return VarlenCall(mv(self.cu_q), mv(self.cu_k), self.max_q, self.max_k, self.causal, mv(self.rows))
+        return VarlenCall(
+            mv(self.cu_q), mv(self.cu_k), self.max_q, self.max_k, self.causal, mv(self.rows), mv(self.kv_index)
+        )
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,42 @@ def chains(plan: TreePlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 def _level_call(t: int, start, end, subtree_end) -> VarlenCall:
     """Chains u (row order) -> segments q = [end(u), subtree_end(u)), k = [start(u), end(u)),
-    interleaved with q-only and k-only fillers so both boundary arrays are monotone over T."""
+    interleaved with q-only and k-only fillers so both boundary arrays are monotone over T.
+
+    A flash backward runs one program per (key block, head) and loops over the query blocks:
+    a level whose chains are short against their descendants (a 256-token prompt under 6000
+    response rows) would run a handful of long programs. Then each chain's query range is cut
+    into chunks and every chunk gets its own copy of the chain's K/V rows (``kv_index``: cheap,
+    K/V are the small GQA side), so the backward has ``MIN_LEVEL_KEY_BLOCKS`` key blocks."""
+    k_len, q_len = end - start, subtree_end - end
+    blocks = int(np.sum(-(-k_len // KEY_BLOCK)))
+    chunks = np.ones_like(k_len)
+    if blocks < MIN_LEVEL_KEY_BLOCKS:
+        want = -(-MIN_LEVEL_KEY_BLOCKS // blocks)
+        chunks = np.clip(np.minimum(want, q_len // MIN_CHUNK_ROWS), 1, None)
+    rows = np.zeros(t, dtype=bool)
+    rows[ragged_arange(end, q_len)] = True
+    if (chunks == 1).all():
+        return _inplace_level_call(t, start, end, subtree_end, rows)
+    q_lens, k_lens, kv = [], [], []
+    prev_q = 0
+    for s0, e0, se, n in zip(start.tolist(), end.tolist(), subtree_end.tolist(), chunks.tolist()):
+        q_lens.append(e0 - prev_q), k_lens.append(0)  # rows with no key in this level
+        cuts = e0 + ((se - e0) * np.arange(n + 1)) // n
+        q_lens.extend(np.diff(cuts).tolist()), k_lens.extend([e0 - s0] * n)
+        kv.extend([np.arange(s0, e0)] * n)
+        prev_q = se
+    q_lens.append(t - prev_q), k_lens.append(0)
+    q_len_a, k_len_a = np.asarray(q_lens), np.asarray(k_lens)
+    keep = (q_len_a > 0) | (k_len_a > 0)
+    q_len_a, k_len_a = q_len_a[keep], k_len_a[keep]
+    return VarlenCall(
+        _cu32(q_len_a), _cu32(k_len_a), int(q_len_a.max()), int(k_len_a.max()), False,
+        torch.from_numpy(rows), torch.from_numpy(np.concatenate(kv).astype(np.int64)),
+    )
+
+
+def _inplace_level_call(t, start, end, subtree_end, rows) -> VarlenCall:
     qs, qe, ks, ke = end, subtree_end, start, end
     prev_q = np.concatenate([[0], qe[:-1]])
     prev_k = np.concatenate([[0], ke[:-1]])
@@ -114,8 +159,6 @@ def _level_call(t: int, start, end, subtree_end) -> VarlenCall:
     k_len = np.concatenate([k_len, [0, t - ke[-1]]])
     keep = (q_len > 0) | (k_len > 0)
     q_len, k_len = q_len[keep], k_len[keep]
-    rows = np.zeros(t, dtype=bool)
-    rows[ragged_arange(qs, qe - qs)] = True
     return VarlenCall(
         _cu32(q_len), _cu32(k_len), int(q_len.max()), int(k_len.max()), False, torch.from_numpy(rows)
     )
