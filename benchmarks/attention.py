@@ -91,6 +91,27 @@ def layout_difference(plan, q, k, v, grad) -> float:
     return max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(*results))
 
 
+def sweep_level_chunking(plan, step, base_ms, ideal, args) -> list:
+    """Cascade timing under other level-call chunking settings (MIN_LEVEL_KEY_BLOCKS,
+    MIN_CHUNK_ROWS); the plan's cached layouts are rebuilt for each."""
+    from ps_mcore.attention import layout as layout_mod
+
+    saved = (layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS)
+    out = []
+    for blocks, rows in ((0, 512), (32, 1024), (64, 512), (128, 256)):
+        layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS = blocks, rows
+        for p in (plan, plan._cache.get("host", plan)):
+            for key in [k for k in p._cache if isinstance(k, tuple) and k[0] == "cascade_layout"]:
+                del p._cache[key]
+        ms = time_ms(step, args.warmup, args.iters)
+        out.append(f"{blocks}/{rows}: {ms:.3g} ms ({base_ms / ms / ideal:.3f})")
+    layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS = saved
+    for p in (plan, plan._cache.get("host", plan)):
+        for key in [k for k in p._cache if isinstance(k, tuple) and k[0] == "cascade_layout"]:
+            del p._cache[key]
+    return out
+
+
 def profile(step, title: str) -> None:
     """Print where the time of one step goes (CUDA kernels, summed over 5 steps)."""
     from torch.profiler import ProfilerActivity
@@ -112,7 +133,7 @@ def run(args) -> str:
     headers = ["workload", "N", "T", "dedup", "levels", "ideal", "base ms", "varlen ms", "speedup",
                "meas/ideal", "cascade ms", "cascade m/i", "gather ms", "gather m/i", "err", "flex ms", "PG ms", "base MiB",
                "varlen MiB", "gather MiB", "flex MiB", "PG MiB"]
-    rows = []
+    rows, sweeps = [], []
     for i, name in enumerate(args.workloads):
         print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
         w = make_workload(name, seed=args.seed)
@@ -140,7 +161,7 @@ def run(args) -> str:
             tree["flex"] = fwd_bwd(lambda q, k, v: tree_attention(q, k, v, plan, backend="flex"), (qt, kt, vt), gt)
         err = layout_difference(plan, qt, kt, vt, gt)
         if name in args.profile:
-            profile(tree["cascade"], f"tree varlen (cascade) fwd+bwd, {name}")
+            profile(tree["varlen"], f"tree varlen (auto layout) fwd+bwd, {name}")
         ms = {"base": time_ms(base, args.warmup, args.iters)}
         mem = {"base": peak_mib(base)}
         for backend, step in tree.items():
@@ -153,6 +174,8 @@ def run(args) -> str:
             ms["pg"], mem["pg"] = time_ms(step, args.warmup, args.iters), peak_mib(step)
         ideal = stats["attn_flop_ratio"]
         speedup = ms["base"] / ms["varlen"]
+        if args.sweep and cascade_layout(plan).num_levels:
+            sweeps.append(f"{name}: " + ", ".join(sweep_level_chunking(plan, tree["cascade"], ms["base"], ideal, args)))
         rows.append([name, n, t, stats["dedup"], cascade_layout(plan).num_levels, ideal, ms["base"],
                      ms["varlen"], speedup, speedup / ideal, ms["cascade"], ms["base"] / ms["cascade"] / ideal,
                      ms["gather"], ms["base"] / ms["gather"] / ideal,
@@ -161,7 +184,8 @@ def run(args) -> str:
         del qb, kb, vb, qt, kt, vt, tree, base
         torch.cuda.empty_cache()
     title = f"Attention only, fwd+bwd, bf16, Hq={hq}, Hkv={hkv}, D={d}"
-    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+    sweep = ("\n\nCascade level chunking (MIN_LEVEL_KEY_BLOCKS/MIN_CHUNK_ROWS: ms (meas/ideal)):\n" + "\n".join(sweeps)) if sweeps else ""
+    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}{sweep}\n"
 
 
 def main() -> None:
@@ -175,6 +199,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-prefix-grouper", action="store_true")
     p.add_argument("--flex", action="store_true", help="also time tree flex (compiles)")
+    p.add_argument("--sweep", action="store_true", help="also time cascade level-chunking settings")
     p.add_argument("--profile", nargs="*", default=[], help="workloads to profile (kernel table)")
     p.add_argument("--out", help="also write the table (markdown) here")
     args = p.parse_args()

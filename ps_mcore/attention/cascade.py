@@ -59,30 +59,30 @@ class _CascadeAttention(torch.autograd.Function):
         layout, scale, kernel, rests = ctx.meta
         dout = dout.contiguous()
         parts = len(layout.calls)
-        dq = dk = dv = None
+        # Two in-place parts add once in q's dtype (an fp16/bf16 add computes in fp32 and rounds
+        # once: the same result as fp32 accumulation); more parts or gathered keys accumulate
+        # in fp32.
+        fp32 = parts > 2 or any(c.kv_index is not None for c in layout.calls)
+        grads = None
         for call, rest in zip(layout.calls, rests):
             kc, vc = _kv(call, k, v)
             dqi, dki, dvi = kernel.backward(
                 dout, q, kc, vc, out, (lse,) + rest, call.cu_q, call.cu_k, call.max_q, call.max_k,
                 scale, causal=call.causal,
             )
-            if parts == 1:
-                return dqi, dki, dvi, None, None, None
-            if dq is None:
-                # dK/dV (the small GQA side) and dQ of 3+ parts accumulate in fp32; two dQ parts
-                # add once (an fp16/bf16 add computes in fp32 and rounds once: the same result).
-                dq = dqi.float() if parts > 2 else dqi
-                dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            elif parts > 2:
-                dq.add_(dqi)
+            if grads is None:  # the self call: in place, every row
+                grads = [dqi.float(), dki.float(), dvi.float()] if fp32 else [dqi, dki, dvi]
+            elif not fp32:
+                grads = [a + b for a, b in zip(grads, (dqi, dki, dvi))]
             else:
-                dq = dq + dqi
-            if call.kv_index is None:
-                dk.add_(dki), dv.add_(dvi)
-            else:  # copies of shared rows sum back
-                dk.index_add_(0, call.kv_index, dki.float()), dv.index_add_(0, call.kv_index, dvi.float())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+                grads[0].add_(dqi)
+                if call.kv_index is None:
+                    grads[1].add_(dki), grads[2].add_(dvi)
+                else:  # copies of shared rows sum back
+                    grads[1].index_add_(0, call.kv_index, dki.float())
+                    grads[2].index_add_(0, call.kv_index, dvi.float())
+        dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+        return dq, dk, dv, None, None, None
 
 
 def cascade_attention(q, k, v, layout: CascadeLayout, softmax_scale: float, kernel: VarlenKernel) -> torch.Tensor:
@@ -91,16 +91,17 @@ def cascade_attention(q, k, v, layout: CascadeLayout, softmax_scale: float, kern
 
 
 def tree_varlen_attention(q, k, v, plan, softmax_scale: float, kernel: VarlenKernel, layout: str = "auto") -> torch.Tensor:
-    """Tree attention through a varlen ``kernel``: the cascade layout (no copy), or gather-KV
-    for very deep chain forests (``layout="auto"``), or the one named (``"cascade"``/``"gather"``)."""
+    """Tree attention through a varlen ``kernel``: with ``layout="auto"`` the cascade layout
+    (no copy) where it pays, else gather-KV (``layout.cascade_pays``); or the one named
+    (``"cascade"``/``"gather"``)."""
     from ps_mcore.attention.gather_kv import gather_kv_attention
-    from ps_mcore.attention.layout import MAX_CASCADE_LEVELS, cascade_layout
+    from ps_mcore.attention.layout import cascade_layout, cascade_pays
 
     if layout not in ("auto", "cascade", "gather"):
         raise ValueError(f"unknown tree attention layout {layout!r}; expected auto, cascade or gather")
     if layout == "gather":
         return gather_kv_attention(q, k, v, plan, softmax_scale, kernel)
     cascade = cascade_layout(plan, q.device)
-    if layout == "auto" and cascade.num_levels > MAX_CASCADE_LEVELS:
+    if layout == "auto" and not cascade_pays(plan, cascade):
         return gather_kv_attention(q, k, v, plan, softmax_scale, kernel)
     return cascade_attention(q, k, v, cascade, softmax_scale, kernel)

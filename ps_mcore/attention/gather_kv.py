@@ -176,41 +176,45 @@ def _flash_kernel_for(device_type: str) -> VarlenKernel | None:
 
 class _GatherKVAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale, kernel):
+    def forward(ctx, q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale, kernel, csr):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         kg = k if kv_index is None else k.index_select(0, kv_index)
         vg = v if kv_index is None else v.index_select(0, kv_index)
         out, aux = kernel.forward(q, kg, vg, cu_q, cu_k, max_q, max_k, scale)
         ctx.save_for_backward(q, k, v, out, kv_index, cu_q, cu_k, *aux)
-        ctx.meta = (max_q, max_k, scale, kernel)
+        ctx.meta = (max_q, max_k, scale, kernel, csr)
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        from ps_mcore.attention.scatter import scatter_sum_kv
+
         q, k, v, out, kv_index, cu_q, cu_k, *aux = ctx.saved_tensors
-        max_q, max_k, scale, kernel = ctx.meta
+        max_q, max_k, scale, kernel, csr = ctx.meta
         kg = k if kv_index is None else k.index_select(0, kv_index)
         vg = v if kv_index is None else v.index_select(0, kv_index)
         dq, dkg, dvg = kernel.backward(
             dout.contiguous(), q, kg, vg, out, tuple(aux), cu_q, cu_k, max_q, max_k, scale
         )
         if kv_index is None:
-            return dq, dkg, dvg, None, None, None, None, None, None, None
+            return dq, dkg, dvg, None, None, None, None, None, None, None, None
         # Shared rows receive the sum over every context that read them (fp32 accumulation).
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        dk.index_add_(0, kv_index, dkg.float())
-        dv.index_add_(0, kv_index, dvg.float())
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        dk, dv = scatter_sum_kv(dkg, dvg, kv_index, csr, k.shape, k.dtype)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def gather_kv_attention(q, k, v, plan, softmax_scale: float, kernel: VarlenKernel) -> torch.Tensor:
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]`` through ``kernel``."""
     # Without sharing every node's context is itself: skip the gather (no-sharing fast path).
     kv_index = None if plan.is_trivial else plan.kv_index
+    csr = None
+    if kv_index is not None and q.is_cuda:
+        from ps_mcore.attention.scatter import copies_csr
+
+        csr = copies_csr(plan, q.device)
     return _GatherKVAttention.apply(
         q, k, v, kv_index, plan.cu_seqlens_q, plan.cu_seqlens_kv,
-        plan.max_seqlen_q, plan.max_seqlen_kv, softmax_scale, kernel,
+        plan.max_seqlen_q, plan.max_seqlen_kv, softmax_scale, kernel, csr,
     )
 
 

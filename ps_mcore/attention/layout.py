@@ -31,13 +31,13 @@ import torch
 from ps_mcore.planner import TreePlan, ragged_arange
 
 # Beyond this many chain levels the cascade's launches and merges cost more than copying the
-# contexts: tree_attention falls back to the gather-KV layout.
+# contexts: tree_attention falls back to the gather-KV layout (see cascade_pays).
 MAX_CASCADE_LEVELS = 8
 # Level calls with fewer key blocks (of KEY_BLOCK rows) than this split their queries into
 # chunks of at least MIN_CHUNK_ROWS rows, each with a copy of its keys (see _level_call).
 KEY_BLOCK = 128
 MIN_LEVEL_KEY_BLOCKS = 32
-MIN_CHUNK_ROWS = 512
+MIN_CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -191,3 +191,18 @@ def cascade_layout(plan: TreePlan, device: torch.device | None = None) -> Cascad
         layout = host._cache[("cascade_layout", "cpu")]
         plan._cache[key] = layout if device.type == "cpu" else layout.to(device)
     return plan._cache[key]
+
+
+def cascade_pays(plan: TreePlan, layout: CascadeLayout) -> bool:
+    """Whether the cascade should beat gather-KV on this plan (``layout="auto"``).
+
+    Both run the same attention FLOPs; what differs is the traffic around the kernel. Each
+    cascade call costs query-sized passes over all T rows (the kernel's dO.O and dQ
+    conversion, the merge, the dQ sum); gather-KV costs passes over the C = sum-of-contexts
+    rows (the copies, the kernel's GQA-expanded dK/dV, the scatter-add). Measured on one H200
+    (docs/benchmarks.md), ``(1 + 2 * levels) * T <= C`` picks the faster layout on every
+    standard workload: cascade for step-wise (one chain, no level) and one-prompt GRPO groups;
+    gather-KV for many short prompts (grpo-math) and bushy multi-level trees (agent-tree)."""
+    if layout.num_levels > MAX_CASCADE_LEVELS:
+        return False
+    return (1 + 2 * layout.num_levels) * plan.num_tokens <= plan.kv_index.numel()
