@@ -4,9 +4,10 @@
 
 For every standard workload: (a) the unshared baseline, varlen flash attention over all N tokens
 with one segment per sequence (the same flash kernel and call path as the tree, no gather);
-(b) tree ``varlen`` in its cascade layout (what ``tree_attention`` runs); (c) the same kernel
-in the gather-KV layout (the previous default, for comparison); (d) tree ``flex`` (``--flex``);
-(e) PrefixGrouper (pip ``prefix-grouper``, the same varlen kernel underneath) on the GRPO
+(b) tree ``varlen`` (what ``tree_attention`` runs: the layout ``cascade_pays`` picks); (c) the
+same kernel forced into the cascade layout and (d) into the gather-KV layout; (e) tree
+``flex`` (``--flex``);
+(f) PrefixGrouper (pip ``prefix-grouper``, the same varlen kernel underneath) on the GRPO
 workloads. Ideal speedup = attention-FLOP ratio; measured/ideal = speedup / ideal. "err" is
 the largest relative difference (output, dq, dk, dv) between the two tree layouts.
 """
@@ -96,19 +97,20 @@ def sweep_level_chunking(plan, step, base_ms, ideal, args) -> list:
     MIN_CHUNK_ROWS); the plan's cached layouts are rebuilt for each."""
     from ps_mcore.attention import layout as layout_mod
 
+    def forget_layouts():
+        for p in (plan, plan._cache.get("host", plan)):
+            for key in [k for k in p._cache if isinstance(k, tuple) and k[0] == "cascade_layout"]:
+                del p._cache[key]
+
     saved = (layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS)
     out = []
     for blocks, rows in ((0, 512), (32, 1024), (64, 512), (128, 256)):
         layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS = blocks, rows
-        for p in (plan, plan._cache.get("host", plan)):
-            for key in [k for k in p._cache if isinstance(k, tuple) and k[0] == "cascade_layout"]:
-                del p._cache[key]
+        forget_layouts()
         ms = time_ms(step, args.warmup, args.iters)
         out.append(f"{blocks}/{rows}: {ms:.3g} ms ({base_ms / ms / ideal:.3f})")
     layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS = saved
-    for p in (plan, plan._cache.get("host", plan)):
-        for key in [k for k in p._cache if isinstance(k, tuple) and k[0] == "cascade_layout"]:
-            del p._cache[key]
+    forget_layouts()
     return out
 
 

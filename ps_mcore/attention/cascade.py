@@ -59,28 +59,30 @@ class _CascadeAttention(torch.autograd.Function):
         layout, scale, kernel, rests = ctx.meta
         dout = dout.contiguous()
         parts = len(layout.calls)
-        # Two in-place parts add once in q's dtype (an fp16/bf16 add computes in fp32 and rounds
-        # once: the same result as fp32 accumulation); more parts or gathered keys accumulate
-        # in fp32.
-        fp32 = parts > 2 or any(c.kv_index is not None for c in layout.calls)
-        grads = None
+        # Two parts add once in q's dtype (an fp16/bf16 add computes in fp32 and rounds once:
+        # the same result as fp32 accumulation); more parts accumulate in fp32, and so do dK/dV
+        # when a level call gathered keys (copies of a row sum back through index_add_).
+        fp32_q = parts > 2
+        fp32_kv = fp32_q or any(c.kv_index is not None for c in layout.calls)
+        dq = dk = dv = None
         for call, rest in zip(layout.calls, rests):
             kc, vc = _kv(call, k, v)
             dqi, dki, dvi = kernel.backward(
                 dout, q, kc, vc, out, (lse,) + rest, call.cu_q, call.cu_k, call.max_q, call.max_k,
                 scale, causal=call.causal,
             )
-            if grads is None:  # the self call: in place, every row
-                grads = [dqi.float(), dki.float(), dvi.float()] if fp32 else [dqi, dki, dvi]
-            elif not fp32:
-                grads = [a + b for a, b in zip(grads, (dqi, dki, dvi))]
+            if dq is None:  # the self call: in place, every row
+                dq = dqi.float() if fp32_q else dqi
+                dk, dv = (dki.float(), dvi.float()) if fp32_kv else (dki, dvi)
+                continue
+            dq = dq.add_(dqi) if fp32_q else dq + dqi
+            if call.kv_index is not None:
+                dk.index_add_(0, call.kv_index, dki.float()), dv.index_add_(0, call.kv_index, dvi.float())
+            elif fp32_kv:
+                dk.add_(dki), dv.add_(dvi)
             else:
-                grads[0].add_(dqi)
-                if call.kv_index is None:
-                    grads[1].add_(dki), grads[2].add_(dvi)
-                else:  # copies of shared rows sum back
-                    grads[1].index_add_(0, call.kv_index, dki.float())
-                    grads[2].index_add_(0, call.kv_index, dvi.float())
+                dk, dv = dk + dki, dv + dvi
+        grads = (dq, dk, dv)
         dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None
 

@@ -199,10 +199,12 @@ def cascade_pays(plan: TreePlan, layout: CascadeLayout) -> bool:
     Both run the same attention FLOPs; what differs is the traffic around the kernel. Each
     cascade call costs query-sized passes over all T rows (the kernel's dO.O and dQ
     conversion, the merge, the dQ sum); gather-KV costs passes over the C = sum-of-contexts
-    rows (the copies, the kernel's GQA-expanded dK/dV, the scatter-add). Measured on one H200
-    (docs/benchmarks.md), ``(1 + 2 * levels) * T <= C`` picks the faster layout on every
-    standard workload: cascade for step-wise (one chain, no level) and one-prompt GRPO groups;
-    gather-KV for many short prompts (grpo-math) and bushy multi-level trees (agent-tree)."""
+    rows (the K/V copies, the kernel's GQA-expanded dK/dV, the fused scatter-add). Measured
+    on one H200 (docs/benchmarks.md), ``(1 + 2 * levels) * T <= 0.75 * C`` picks the faster
+    layout on the standard workloads: the cascade for step-wise (one chain, no level call;
+    15% faster) and grpo-wide (a tie on time, half the memory); gather-KV for grpo-long-prompt
+    (2% faster), many short prompts (grpo-math, 25%) and bushy multi-level trees (agent-tree,
+    40%). Without sharing both run the plain batch."""
     if layout.num_levels > MAX_CASCADE_LEVELS:
         return False
-    return (1 + 2 * layout.num_levels) * plan.num_tokens <= plan.kv_index.numel()
+    return 4 * (1 + 2 * layout.num_levels) * plan.num_tokens <= 3 * plan.kv_index.numel()
