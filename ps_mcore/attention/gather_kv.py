@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from ps_mcore.planner import TreePlan
+
 
 @dataclass(frozen=True)
 class VarlenKernel:
@@ -208,7 +210,9 @@ def gather_kv_attention(q, k, v, plan, softmax_scale: float, kernel: VarlenKerne
     # Without sharing every node's context is itself: skip the gather (no-sharing fast path).
     kv_index = None if plan.is_trivial else plan.kv_index
     csr = None
-    if kv_index is not None and q.is_cuda:
+    # The fused scatter-add's row -> copies index is cached on TreePlans (the context-parallel
+    # layout passes its own plan-like object, whose K/V rows are the all-gathered ones).
+    if kv_index is not None and q.is_cuda and isinstance(plan, TreePlan):
         from ps_mcore.attention.scatter import copies_csr
 
         csr = copies_csr(plan, q.device)
