@@ -124,7 +124,9 @@ class TreePlan:
                 for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)
             }
-            self._cache[key] = dataclasses.replace(self, _cache={}, **moved)
+            # Keep the host copy: layouts derived from the plan are built there (no D2H sync).
+            host = self._cache.get("host", self if self.device.type == "cpu" else None)
+            self._cache[key] = dataclasses.replace(self, _cache={} if host is None else {"host": host}, **moved)
         return self._cache[key]
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Backends:
     reference  dense tree mask, float32 math, any device (the oracle; O(T^2) memory).
-    chunked    gather-KV per node with a pure-torch kernel, any device (exact fp32 math).
-    varlen     gather-KV + varlen FlashAttention (torch's flash kernel or flash-attn), CUDA.
+    chunked    cascade layout (attention/layout.py) with a pure-torch kernel, any device (exact fp32 math).
+    varlen     varlen FlashAttention (torch's flash kernel or flash-attn), CUDA, in the cascade
+               layout (no K/V copy) or gather-KV, whichever layout.cascade_pays picks.
     flex       FlexAttention with a BlockMask from subtree ends (compiled on CUDA).
     npu        gather-KV + torch_npu.npu_fusion_attention (TND, bottom-right causal), Ascend.
     auto       npu on an NPU device, varlen on CUDA for fp16/bf16, else flex on CUDA, else chunked.

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from ps_mcore.attention.cascade import tree_varlen_attention
 from ps_mcore.attention.gather_kv import MATH_KERNEL, VarlenKernel, flash_kernel_for, gather_kv_attention
 from ps_mcore.planner import TreePlan
 
@@ -34,6 +35,9 @@ class AttentionBackend:
             ``gather_kv_attention`` with ``gather_kv_kernel``).
         gather_kv_kernel: ``device -> VarlenKernel`` for gather-KV backends (these, and only
             these, support context parallelism); None otherwise.
+        cascade: a varlen kernel that returns its log-sum-exp can also run the cascade layout
+            (no K/V copy); such a backend picks cascade or gather-KV per plan
+            (:func:`ps_mcore.attention.cascade.tree_varlen_attention`).
         check: raises ``ValueError`` saying why the backend cannot run for ``q`` (explicit
             choices only; ``auto`` picks a backend that can).
     """
@@ -42,6 +46,7 @@ class AttentionBackend:
     attend: AttendFn | None = None
     gather_kv_kernel: Callable[[torch.device], VarlenKernel] | None = None
     check: Callable[[torch.Tensor], None] | None = None
+    cascade: bool = False
 
     @property
     def supports_cp(self) -> bool:
@@ -50,7 +55,10 @@ class AttentionBackend:
     def __call__(self, q, k, v, plan: TreePlan, scale: float) -> torch.Tensor:
         if self.attend is not None:
             return self.attend(q, k, v, plan, scale)
-        return gather_kv_attention(q, k, v, plan, scale, self.gather_kv_kernel(q.device))
+        kernel = self.gather_kv_kernel(q.device)
+        if self.cascade:
+            return tree_varlen_attention(q, k, v, plan, scale, kernel)
+        return gather_kv_attention(q, k, v, plan, scale, kernel)
 
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
@@ -126,8 +134,8 @@ def _check_npu(q: torch.Tensor) -> None:
 
 
 register_backend(AttentionBackend("reference", attend=_reference))
-register_backend(AttentionBackend("chunked", gather_kv_kernel=lambda device: MATH_KERNEL))
-register_backend(AttentionBackend("varlen", gather_kv_kernel=flash_kernel_for, check=_check_varlen))
+register_backend(AttentionBackend("chunked", gather_kv_kernel=lambda device: MATH_KERNEL, cascade=True))
+register_backend(AttentionBackend("varlen", gather_kv_kernel=flash_kernel_for, check=_check_varlen, cascade=True))
 register_backend(AttentionBackend("flex", attend=_flex, check=_check_flex))
 register_backend(AttentionBackend("npu", gather_kv_kernel=_npu_kernel, check=_check_npu))
 

@@ -6,10 +6,14 @@ node's context and any variable-length causal kernel with bottom-right alignment
 for backward: backward gathers again, runs the kernel's backward and scatter-adds dK/dV into
 the shared rows, so activation memory stays proportional to T, not to the sum of contexts.
 
-A kernel is a pair ``forward(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> (out, aux)`` and
-``backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale) -> (dq, dk, dv)``,
+A kernel is a pair ``forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True) -> (out, aux)``
+and ``backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True) -> (dq, dk, dv)``,
 q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (GQA grouped: query head i reads kv head
-``i // (Hq // Hkv)``); ``aux`` is whatever the kernel needs back (its logsumexp, rng state).
+``i // (Hq // Hkv)``); ``aux`` is whatever the kernel needs back, its logsumexp first (``[Hq, Tq]``
+float32, natural log, softmax scale included), then e.g. rng state. ``causal=False`` (full
+attention) is what the cascade layout's level calls use; the math, torch-flash and flash-attn
+kernels support it. A query row whose segment has no key gets out 0 and the kernel's logsumexp
+for "no key" (flash: +inf, math: -inf); callers mask those rows.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from ps_mcore.planner import TreePlan
 
 
 @dataclass(frozen=True)
@@ -44,38 +50,47 @@ def _bottom_right_causal(len_q: int, len_k: int, device) -> torch.Tensor:
     return j > (len_k - len_q) + i
 
 
-def _math_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _math_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
     group = q.size(1) // k.size(1)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.size(0), q.size(1), dtype=torch.float32, device=q.device)
+    out = torch.zeros_like(q)  # rows of segments without keys stay 0, like flash
+    lse = torch.full((q.size(1), q.size(0)), float("-inf"), dtype=torch.float32, device=q.device)
     for q0, q1, k0, k1 in _segments(cu_q, cu_k):
+        if q1 == q0 or k1 == k0:
+            continue
         qs = q[q0:q1].float().transpose(0, 1)  # [H, l, D]
         ks = k[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
         vs = v[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
         s = torch.matmul(qs, ks.transpose(1, 2)) * scale
-        s.masked_fill_(_bottom_right_causal(q1 - q0, k1 - k0, q.device), float("-inf"))
+        if causal:
+            s.masked_fill_(_bottom_right_causal(q1 - q0, k1 - k0, q.device), float("-inf"))
         seg_lse = torch.logsumexp(s, dim=-1)  # [H, l]
         out[q0:q1] = torch.matmul(torch.exp(s - seg_lse[..., None]), vs).transpose(0, 1).to(q.dtype)
-        lse[q0:q1] = seg_lse.transpose(0, 1)
+        lse[:, q0:q1] = seg_lse
     return out, (lse,)
 
 
-def _math_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale):
-    (lse,) = aux
+def _math_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
+    # ``out`` and ``aux[0]`` may be those of a larger attention this call is one part of (the
+    # cascade layout passes the merged output and logsumexp): p and D are then the global ones,
+    # so the gradients are this part's share of the global gradient.
+    lse = aux[0]
     hq, hkv, d = q.size(1), k.size(1), q.size(2)
     group = hq // hkv
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
     for q0, q1, k0, k1 in _segments(cu_q, cu_k):
+        if q1 == q0 or k1 == k0:
+            continue
         qs = q[q0:q1].float().transpose(0, 1)
         ks = k[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
         vs = v[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
         do = dout[q0:q1].float().transpose(0, 1)
         o = out[q0:q1].float().transpose(0, 1)
         s = torch.matmul(qs, ks.transpose(1, 2)) * scale
-        s.masked_fill_(_bottom_right_causal(q1 - q0, k1 - k0, q.device), float("-inf"))
-        p = torch.exp(s - lse[q0:q1].transpose(0, 1)[..., None])  # [H, l, c]
+        if causal:
+            s.masked_fill_(_bottom_right_causal(q1 - q0, k1 - k0, q.device), float("-inf"))
+        p = torch.exp(s - lse[:, q0:q1][..., None])  # [H, l, c]
         dp = torch.matmul(do, vs.transpose(1, 2))
         ds = p * (dp - (do * o).sum(-1, keepdim=True)) * scale
         dq[q0:q1] = torch.matmul(ds, ks).transpose(0, 1).to(q.dtype)
@@ -93,18 +108,18 @@ MATH_KERNEL = VarlenKernel("math", _math_forward, _math_backward)
 # ----------------------------------------------------------------------------- flash kernels
 
 
-def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _torch_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
     # is_causal with seqlen_k > seqlen_q is bottom-right aligned in FlashAttention-2.
     out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
     )
     return out, (lse, seed, offset)
 
 
-def _torch_flash_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale):
+def _torch_flash_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
     lse, seed, offset = aux
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
     )
     return dq, dk, dv
 
@@ -112,24 +127,24 @@ def _torch_flash_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, sca
 TORCH_FLASH_KERNEL = VarlenKernel("torch_flash", _torch_flash_forward, _torch_flash_backward)
 
 
-def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _flash_attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
     # flash-attn >= 2.6 private API (the public function keeps K/V alive for backward).
     from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
     out, lse, _, rng_state = _flash_attn_varlen_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=True
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal
     )
     return out, (lse, rng_state)
 
 
-def _flash_attn_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale):
+def _flash_attn_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
     from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
     lse, rng_state = aux
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _flash_attn_varlen_backward(
         dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
-        dropout_p=0.0, softmax_scale=scale, causal=True, window_size_left=-1,
+        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=-1,
         window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
         rng_state=rng_state,
     )
@@ -163,41 +178,47 @@ def _flash_kernel_for(device_type: str) -> VarlenKernel | None:
 
 class _GatherKVAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale, kernel):
+    def forward(ctx, q, k, v, kv_index, cu_q, cu_k, max_q, max_k, scale, kernel, csr):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         kg = k if kv_index is None else k.index_select(0, kv_index)
         vg = v if kv_index is None else v.index_select(0, kv_index)
         out, aux = kernel.forward(q, kg, vg, cu_q, cu_k, max_q, max_k, scale)
         ctx.save_for_backward(q, k, v, out, kv_index, cu_q, cu_k, *aux)
-        ctx.meta = (max_q, max_k, scale, kernel)
+        ctx.meta = (max_q, max_k, scale, kernel, csr)
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        from ps_mcore.attention.scatter import scatter_sum_kv
+
         q, k, v, out, kv_index, cu_q, cu_k, *aux = ctx.saved_tensors
-        max_q, max_k, scale, kernel = ctx.meta
+        max_q, max_k, scale, kernel, csr = ctx.meta
         kg = k if kv_index is None else k.index_select(0, kv_index)
         vg = v if kv_index is None else v.index_select(0, kv_index)
         dq, dkg, dvg = kernel.backward(
             dout.contiguous(), q, kg, vg, out, tuple(aux), cu_q, cu_k, max_q, max_k, scale
         )
         if kv_index is None:
-            return dq, dkg, dvg, None, None, None, None, None, None, None
+            return dq, dkg, dvg, None, None, None, None, None, None, None, None
         # Shared rows receive the sum over every context that read them (fp32 accumulation).
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        dk.index_add_(0, kv_index, dkg.float())
-        dv.index_add_(0, kv_index, dvg.float())
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        dk, dv = scatter_sum_kv(dkg, dvg, kv_index, csr, k.shape, k.dtype)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def gather_kv_attention(q, k, v, plan, softmax_scale: float, kernel: VarlenKernel) -> torch.Tensor:
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]`` through ``kernel``."""
     # Without sharing every node's context is itself: skip the gather (no-sharing fast path).
     kv_index = None if plan.is_trivial else plan.kv_index
+    csr = None
+    # The fused scatter-add's row -> copies index is cached on TreePlans (the context-parallel
+    # layout passes its own plan-like object, whose K/V rows are the all-gathered ones).
+    if kv_index is not None and q.is_cuda and isinstance(plan, TreePlan):
+        from ps_mcore.attention.scatter import copies_csr
+
+        csr = copies_csr(plan, q.device)
     return _GatherKVAttention.apply(
         q, k, v, kv_index, plan.cu_seqlens_q, plan.cu_seqlens_kv,
-        plan.max_seqlen_q, plan.max_seqlen_kv, softmax_scale, kernel,
+        plan.max_seqlen_q, plan.max_seqlen_kv, softmax_scale, kernel, csr,
     )
 
 

@@ -1,0 +1,171 @@
+"""Cascade layout (attention/layout.py): every tree pair covered exactly once, no copies, and the
+cascade and gather-KV layouts both exact against the unshared computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from attention_oracle import random_qkv, unshared_attention
+from forests import forests, nasty_forests, random_forest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ps_mcore import plan_prefix_tree
+from ps_mcore.attention import layout as layout_mod
+from ps_mcore.attention.cascade import tree_varlen_attention
+from ps_mcore.attention.gather_kv import MATH_KERNEL
+from ps_mcore.attention.layout import build_cascade_layout, cascade_layout
+from ps_mcore.workloads import make_workload
+
+
+def covered_pairs(plan, layout) -> np.ndarray:
+    """``[T, T]`` count of how often each (query, key) pair is computed by the layout's calls."""
+    t = plan.num_tokens
+    count = np.zeros((t, t), dtype=np.int64)
+    for call in layout.calls:
+        cq, ck = call.cu_q.tolist(), call.cu_k.tolist()
+        key_rows = np.arange(t) if call.kv_index is None else call.kv_index.numpy()
+        for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+            assert q1 >= q0 and k1 >= k0
+            if call.causal:
+                assert q1 - q0 == k1 - k0 and q0 == k0, "self segments are diagonal blocks"
+                count[q0:q1, k0:k1] += np.tril(np.ones((q1 - q0, k1 - k0), dtype=np.int64))
+            else:
+                np.add.at(count, (slice(q0, q1), key_rows[k0:k1]), 1)
+        # Every row is covered (kernels leave no row of out/dQ/dK unwritten).
+        assert cq[-1] == t and ck[-1] == key_rows.size
+        assert max(np.diff(cq)) == call.max_q and max(np.diff(ck)) == call.max_k
+        if call.rows is not None:
+            has_key = np.zeros(t, dtype=bool)
+            for q0, q1, k0, k1 in zip(cq, cq[1:], ck, ck[1:]):
+                has_key[q0:q1] |= k1 > k0
+            np.testing.assert_array_equal(call.rows.numpy(), has_key)
+    return count
+
+
+def tree_mask(plan) -> np.ndarray:
+    t = plan.num_tokens
+    se = plan.subtree_end.numpy()
+    qi, ki = np.arange(t)[:, None], np.arange(t)[None, :]
+    return ((ki <= qi) & (qi < se[None, :])).astype(np.int64)
+
+
+@pytest.fixture(params=["in-place", "chunked"])
+def level_calls(request, monkeypatch):
+    """Level calls in place (production sizes never chunk these tiny trees) or with their
+    queries cut into chunks of 2+ rows, each with a gathered copy of its keys."""
+    if request.param == "chunked":
+        monkeypatch.setattr(layout_mod, "MIN_CHUNK_ROWS", 2)
+    return request.param
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seqs=forests(max_seqs=10, max_len=30), min_prefix_len=st.sampled_from([1, 2, 8]))
+def test_every_tree_pair_exactly_once(level_calls, seqs, min_prefix_len):
+    plan = plan_prefix_tree(seqs, min_prefix_len=min_prefix_len)
+    np.testing.assert_array_equal(covered_pairs(plan, build_cascade_layout(plan)), tree_mask(plan))
+
+
+@pytest.mark.parametrize("name", list(nasty_forests()))
+def test_nasty_shapes_pairs(level_calls, name):
+    plan = plan_prefix_tree(nasty_forests()[name], min_prefix_len=1)
+    np.testing.assert_array_equal(covered_pairs(plan, build_cascade_layout(plan)), tree_mask(plan))
+
+
+def test_standard_workload_shapes():
+    """Step-wise is one causal segment (no level call); a GRPO group is one level call in which
+    all responses attend to the prompt as one segment; no sharing is the plain batch."""
+    def lay(name):
+        return build_cascade_layout(plan_prefix_tree(make_workload(name, scale=1 / 16).sequences))
+
+    step = lay("step-wise")
+    assert step.num_levels == 0 and step.num_chains == 1
+    grpo = lay("grpo-wide")
+    assert grpo.num_levels == 1
+    real = [(a, b) for a, b in zip(np.diff(grpo.calls[1].cu_q.numpy()), np.diff(grpo.calls[1].cu_k.numpy())) if a and b]
+    assert len(real) == 1
+    assert lay("agent-tree").num_levels == 3
+    plain = lay("no-sharing")
+    assert plain.num_levels == 0 and plain.num_chains == 8
+
+
+def check_exact(plan, layout, hq=4, hkv=2, d=8, seed=0):
+    q, k, v = random_qkv(plan, hq, hkv, d, torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    weight = torch.randn(plan.num_input_tokens, hq, d, generator=g, dtype=torch.float64)
+    out = plan.unpack(tree_varlen_attention(q, k, v, plan, 1 / np.sqrt(d), MATH_KERNEL, layout=layout))
+    ref = unshared_attention(q, k, v, plan)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    got = torch.autograd.grad((out.double() * weight).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5, msg=f"d{name} differs")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seqs=forests(), layout=st.sampled_from(["cascade", "gather"]), gqa=st.sampled_from([(2, 2), (6, 2)]))
+def test_both_layouts_exact_on_random_forests(level_calls, seqs, layout, gqa):
+    check_exact(plan_prefix_tree(seqs, min_prefix_len=1), layout, *gqa)
+
+
+def test_chunked_level_calls_are_used_and_exact(level_calls):
+    plan = plan_prefix_tree(make_workload("agent-tree", scale=1 / 64).sequences, min_prefix_len=1)
+    lay = build_cascade_layout(plan)
+    assert any(c.kv_index is not None for c in lay.calls[1:]) == (level_calls == "chunked")
+    check_exact(plan, "cascade", 6, 2, 8)
+
+
+def test_auto_layout_follows_cascade_pays(monkeypatch):
+    """``auto`` gathers where the cascade does not pay; forcing the cascade stays exact at any
+    depth (11 chain levels here, more than MAX_CASCADE_LEVELS)."""
+    seqs = [list(range(50))] + [list(range(4 * i)) + [99] for i in range(1, 12)]  # 11 branch points
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    lay = build_cascade_layout(plan)
+    assert lay.num_levels == 11 > layout_mod.MAX_CASCADE_LEVELS
+    assert not layout_mod.cascade_pays(plan, lay)
+    calls = []
+    monkeypatch.setattr(
+        "ps_mcore.attention.gather_kv.gather_kv_attention",
+        lambda *a, **k: calls.append(1) or torch.zeros_like(a[0]),
+    )
+    q, k, v = random_qkv(plan, 2, 1, 8, torch.float32)
+    tree_varlen_attention(q, k, v, plan, 0.3, MATH_KERNEL)
+    assert calls == [1]
+    monkeypatch.setattr(layout_mod, "cascade_pays", lambda plan, layout: True)
+    tree_varlen_attention(q, k, v, plan, 0.3, MATH_KERNEL)
+    assert calls == [1]
+    monkeypatch.undo()
+    check_exact(plan, "cascade", seed=5)
+
+
+def test_cascade_pays_on_the_standard_workloads():
+    """The measured choice (docs/benchmarks.md): cascade for chains and wide one-prompt GRPO
+    groups, gather-KV for the rest; without sharing both run the plain batch (gather-KV's
+    no-sharing fast path)."""
+    want = {"grpo-long-prompt": False, "grpo-wide": True, "step-wise": True, "grpo-math": False,
+            "agent-tree": False, "no-sharing": False}
+    for name, pays in want.items():
+        plan = plan_prefix_tree(make_workload(name).sequences)
+        assert layout_mod.cascade_pays(plan, build_cascade_layout(plan)) == pays, name
+
+
+def test_layout_is_cached_and_built_from_the_host_copy():
+    """A plan moved to another device builds its layout from the host plan: no device read."""
+    plan = plan_prefix_tree(random_forest(np.random.default_rng(0), 8, 40), min_prefix_len=1)
+    moved = plan.to("meta")  # meta tensors cannot be read: any D2H access would raise
+    lay = cascade_layout(moved)
+    assert lay is cascade_layout(moved)
+    assert all(c.cu_q.device.type == "meta" for c in lay.calls)
+    assert plan._cache[("cascade_layout", "cpu")] is cascade_layout(plan)
+
+
+def test_cascade_saves_no_per_call_output():
+    """Backward needs q, k, v, the merged output and logsumexp only (memory ~ T, not calls)."""
+    plan = plan_prefix_tree(make_workload("agent-tree", scale=1 / 64).sequences, min_prefix_len=1)
+    assert cascade_layout(plan).num_levels == 3
+    q, k, v = random_qkv(plan, 2, 2, 8, torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        tree_varlen_attention(q, k, v, plan, 0.3, MATH_KERNEL)
+    assert sum(saved) <= 3 * q.numel() + 2 * k.numel()
