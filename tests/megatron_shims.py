@@ -217,3 +217,35 @@ def run_torchrun(script, nproc: int, *args, timeout: int = 300) -> None:
         raise AssertionError(
             f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+class _CpuStream:
+    """A stand-in for ``torch.cuda.Stream`` where everything runs in order (CPU)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+def enable_cpu_moe() -> None:
+    """Test-only shims for megatron-core 0.16.1 MoE layers on CPU: ``moe_utils.te_general_gemm``
+    exists only when TE imports, and the alltoall dispatcher copies its split sizes to the host
+    on a side CUDA stream."""
+    import contextlib
+
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    moe_utils.te_general_gemm = None
+    stream = _CpuStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    torch.cuda.current_stream = lambda *args, **kwargs: stream
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()

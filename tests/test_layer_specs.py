@@ -322,7 +322,12 @@ def test_to_tree_spec_on_local_block_spec():
     assert to_tree_spec(tree).layer_specs[0].submodules.self_attention.module is TreeSelfAttention
 
 
-def test_to_tree_spec_moe_pattern_untouched_except_attention():
+def test_to_tree_spec_moe_pattern_untouched_except_attention_and_router():
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from ps_mcore.layer_specs.moe import TreeTopKRouter
+
     cfg = tiny_config("qwen2", num_layers=4, num_moe_experts=4, moe_layer_freq=[1, 0, 1, 0],
                       moe_router_topk=2)
     block = stock_specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
@@ -332,7 +337,11 @@ def test_to_tree_spec_moe_pattern_untouched_except_attention():
     assert mlp_modules[0] is not mlp_modules[1]  # the pattern really mixes MoE and dense
     for old, new in zip(block.layer_specs, tree.layer_specs):
         assert new.submodules.mlp.module is old.submodules.mlp.module
-        assert new.submodules.mlp.submodules == old.submodules.mlp.submodules
+        if isinstance(old.submodules.mlp.submodules, MoESubmodules):  # only the router swapped
+            assert new.submodules.mlp.submodules.router is TreeTopKRouter
+            assert dataclasses.replace(new.submodules.mlp.submodules, router=TopKRouter) == old.submodules.mlp.submodules
+        else:
+            assert new.submodules.mlp.submodules == old.submodules.mlp.submodules
         assert new.submodules.pre_mlp_layernorm is old.submodules.pre_mlp_layernorm
         assert _attn(new).module is TreeSelfAttention
         assert _attn(new).submodules.core_attention.module is TreeCoreAttention

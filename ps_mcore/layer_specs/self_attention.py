@@ -18,6 +18,7 @@ from megatron.core.transformer.attention import SelfAttention
 
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+from ps_mcore.layer_specs.tree_context import set_current_tree_batch
 
 _FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
 
@@ -98,6 +99,8 @@ class TreeSelfAttention(SelfAttention):
                 "spec (its weights and state_dict keys are identical)"
             )
         psp = arg.get("packed_seq_params")
+        # The MoE router of this layer never sees packed_seq_params: it reads them from here.
+        set_current_tree_batch(psp if isinstance(psp, TreePackedSeqParams) else None)
         if isinstance(psp, TreePackedSeqParams):
             self._check_tree_batch(psp, arg["hidden_states"])
             rope = arg.get("rotary_pos_emb")

@@ -1,9 +1,10 @@
 """Tree layer specs: Megatron's GPT specs with only the attention swapped.
 
 ``to_tree_spec`` replaces, in every layer, the self-attention module class by
-:class:`TreeSelfAttention` and its core attention by :class:`TreeCoreAttention`. Linear layers,
-norms, MLP / MoE and parameter names stay as the stock spec built them, so checkpoints,
-HF<->Megatron conversion and layer shims keep working.
+:class:`TreeSelfAttention` and its core attention by :class:`TreeCoreAttention`, and an MoE
+layer's ``TopKRouter`` by :class:`TreeTopKRouter` (router statistics weighted by row
+multiplicity). Linear layers, norms, experts and parameter names stay as the stock spec built
+them, so checkpoints, HF<->Megatron conversion and layer shims keep working.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ps_mcore.attention import BACKENDS
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.moe import to_tree_moe_spec
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
 
 
@@ -56,9 +58,10 @@ def _tree_layer_spec(spec: Any, backend: str | None) -> ModuleSpec:
             "to_tree_spec expects a transformer layer ModuleSpec (submodules with self_attention) "
             f"or TransformerBlockSubmodules, got {type(spec).__name__}"
         )
-    submodules = dataclasses.replace(
-        spec.submodules, self_attention=_tree_attention_spec(spec.submodules.self_attention, backend)
-    )
+    changes = {"self_attention": _tree_attention_spec(spec.submodules.self_attention, backend)}
+    if hasattr(spec.submodules, "mlp"):  # MoE: multiplicity-weighted router statistics
+        changes["mlp"] = to_tree_moe_spec(spec.submodules.mlp)
+    submodules = dataclasses.replace(spec.submodules, **changes)
     return dataclasses.replace(spec, submodules=submodules)
 
 
