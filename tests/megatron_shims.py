@@ -238,13 +238,20 @@ class _CpuStream:
 def enable_cpu_moe() -> None:
     """Test-only shims for megatron-core 0.16.1 MoE layers on CPU: ``moe_utils.te_general_gemm``
     exists only when TE imports, and the alltoall dispatcher copies its split sizes to the host
-    on a side CUDA stream."""
+    on a side CUDA stream (as numpy split sizes, which on CPU stay tensors that gloo's
+    all_to_all_single rejects)."""
     import contextlib
 
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy().tolist()
+        return tensor
+
     moe_utils.te_general_gemm = None
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
     stream = _CpuStream()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
     torch.cuda.current_stream = lambda *args, **kwargs: stream
