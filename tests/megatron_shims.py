@@ -256,3 +256,13 @@ def enable_cpu_moe() -> None:
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
     torch.cuda.current_stream = lambda *args, **kwargs: stream
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def enable_cpu_mla() -> None:
+    """Test-only shim for megatron-core 0.16.1 MLA without TE: its module sets ``HAVE_TE = True``
+    when megatron's TE extension module imports (it does, with a MagicMock ``TELinear`` when TE
+    is missing) and then calls ``isinstance(x, TELinear)``."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False

@@ -35,12 +35,19 @@ def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
     cls = get_module(attn)
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    if isinstance(cls, type) and issubclass(cls, MLASelfAttention):
-        raise NotImplementedError(
-            "multi-latent attention (MLA) is not supported by tree specs: its decoupled RoPE "
-            "needs its own tree position handling"
-        )
-    if cls is SelfAttention:
+    if cls is MLASelfAttention:
+        from ps_mcore.layer_specs.mla import TreeMLASelfAttention
+
+        cls = TreeMLASelfAttention
+    elif isinstance(cls, type) and issubclass(cls, MLASelfAttention):
+        from ps_mcore.layer_specs.mla import TreeMLASelfAttention
+
+        if not issubclass(cls, TreeMLASelfAttention):
+            raise NotImplementedError(
+                f"cannot convert multi-latent attention {cls.__name__!r}: to_tree_spec swaps "
+                "megatron's MLASelfAttention only"
+            )
+    elif cls is SelfAttention:
         cls = TreeSelfAttention
     elif not (isinstance(cls, type) and issubclass(cls, TreeSelfAttention)):
         raise NotImplementedError(
