@@ -28,6 +28,7 @@ from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E40
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.attention import SelfAttention  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.spec_utils import get_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 
 from ps_mcore.layer_specs import (  # noqa: E402
@@ -365,8 +366,11 @@ def test_te_specs():
 def test_to_tree_spec_refusals():
     cfg = tiny_config()
     local = stock_specs.get_gpt_layer_local_spec()
-    with pytest.raises(NotImplementedError, match="MLA"):
-        to_tree_spec(stock_specs.get_gpt_layer_local_spec(multi_latent_attention=True))
+    mla = stock_specs.get_gpt_layer_local_spec(multi_latent_attention=True)
+    custom_mla = type("MyMLA", (get_module(mla.submodules.self_attention),), {})
+    with pytest.raises(NotImplementedError, match="MyMLA"):
+        to_tree_spec(dataclasses.replace(mla, submodules=dataclasses.replace(
+            mla.submodules, self_attention=dataclasses.replace(mla.submodules.self_attention, module=custom_mla))))
     with pytest.raises(ValueError, match="backend"):
         to_tree_spec(local, tree_attention_backend="bogus")
     with pytest.raises(TypeError, match="layer ModuleSpec"):
