@@ -14,13 +14,12 @@ and TE DotProductAttention) on the unshared batch packed as THD with standard
 ``PackedSeqParams``. Tree: ``to_tree_spec`` of that spec (same weights; TE linear layers, our
 core attention) on ``TreePackedSeqParams``. Ideal: FLOP-weighted speedup (``ps_mcore.flops``
 with the active-expert / MLA projections). bf16 error: max |log-prob - fp32 stock log-prob| of
-each bf16 run (the fp32 reference: the stock model in fp32 on the unshared batch; with
-``--tiny`` the fp32 tree-spec model on the unshared THD batch).
+each bf16 run (the fp32 reference: the same weights in the tree-spec model in fp32 with the
+exact ``chunked`` kernel on the unshared THD batch, since TE's THD attention needs 16-bit).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import sys
@@ -111,34 +110,46 @@ def build_config(kind: str, dims: dict, layers: int, dtype, device: str):
     )
 
 
-def build_pair(config, device: str, tiny: bool):
-    """(stock model, tree model) with identical weights. With ``--tiny`` (no TE on CPU) the
-    "stock" model is the tree-spec model itself (it runs ordinary THD batches per sequence)."""
+def _gpt(config, spec, vocab: int, device: str):
     from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(0)
+    return GPTModel(config, spec, vocab_size=vocab, max_sequence_length=1 << 15,
+                    position_embedding_type="rope", rotary_base=1_000_000,
+                    share_embeddings_and_output_weights=False).to(device).train()
+
+
+def _spec(config, use_te: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+
+
+def build_pair(config, vocab: int, device: str, tiny: bool):
+    """(stock model, tree model) with identical weights. With ``--tiny`` (no TE on CPU) the
+    "stock" model is the tree-spec model itself (it runs ordinary THD batches per sequence)."""
     from ps_mcore.layer_specs import to_tree_spec
 
-    def gpt(spec):
-        torch.manual_seed(0)
-        return GPTModel(config, spec, vocab_size=config_vocab(config), max_sequence_length=1 << 15,
-                        position_embedding_type="rope", rotary_base=1_000_000,
-                        share_embeddings_and_output_weights=False).to(device).train()
-
-    stock_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=not tiny,
-                                            normalization="RMSNorm")
-    tree = gpt(to_tree_spec(stock_spec))
+    tree = _gpt(config, to_tree_spec(_spec(config, not tiny)), vocab, device)
     if tiny:
         return tree, tree
-    stock = gpt(stock_spec)
+    stock = _gpt(config, _spec(config, True), vocab, device)
     # TE's DotProductAttention carries _extra_state keys our core attention lacks.
     missing, unexpected = tree.load_state_dict(stock.state_dict(), strict=False)
     assert not missing and all(k.endswith("_extra_state") for k in unexpected), (missing, unexpected)
     return stock, tree
 
 
-def config_vocab(config) -> int:
-    return config._bench_vocab
+def build_reference(config32, tree, vocab: int, device: str, tiny: bool):
+    """The fp32 reference: the tree-spec model (same linear layers as ``tree``, so the same
+    state_dict keys) in fp32 with the exact fp32 ``chunked`` kernel, run on the unshared THD
+    batch (one segment per sequence). TE's THD attention needs 16-bit inputs."""
+    from ps_mcore.layer_specs import to_tree_spec
+
+    config32.tree_attention_backend = "chunked"
+    ref = _gpt(config32, to_tree_spec(_spec(config32, not tiny)), vocab, device)
+    ref.load_state_dict(tree.state_dict(), strict=True)  # copies cast to fp32
+    return ref
 
 
 class Runs:
@@ -190,17 +201,9 @@ def run(args) -> str:
     shape_cls = MoEShape if args.model == "moe" else MLAShape
     shape = shape_cls(layers=args.layers, **dims)
     config = build_config(args.model, dims, args.layers, dtype, device)
-    config._bench_vocab = dims["vocab"]
-    stock, tree = build_pair(config, device, args.tiny)
-    # fp32 reference: the stock model's weights in fp32 (TE THD attention needs 16-bit inputs
-    # for its fused kernels, so the fp32 reference runs our exact fp32 kernels: the tree-spec
-    # model in fp32 on the unshared THD batch, one segment per sequence)
-    ref_config = build_config(args.model, dims, args.layers, torch.float32, device)
-    ref_config._bench_vocab = dims["vocab"]
-    ref_config.tree_attention_backend = "chunked" if args.tiny else "auto"
-    _, ref = build_pair(ref_config, device, True)
-    ref.load_state_dict({k: v.float() for k, v in tree.state_dict().items()
-                         if not k.endswith("_extra_state")}, strict=False)
+    stock, tree = build_pair(config, dims["vocab"], device, args.tiny)
+    ref = build_reference(build_config(args.model, dims, args.layers, torch.float32, device),
+                          tree, dims["vocab"], device, args.tiny)
     headers = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "stock ms", "tree ms",
                "speedup", "meas/ideal", "stock MiB", "tree MiB", "bf16 err stock", "bf16 err tree"]
     rows = []

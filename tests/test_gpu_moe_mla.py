@@ -33,14 +33,9 @@ def test_te_model_tree_vs_stock_unshared_thd(kind):
     init_parallel("cuda")
     dims = GPU_MOE if kind == "moe" else GPU_MLA
     cfg = moe_mla.build_config(kind, dims, 2, torch.bfloat16, "cuda")
-    cfg._bench_vocab = dims["vocab"]
-    stock, tree = moe_mla.build_pair(cfg, "cuda", tiny=False)
-    ref_cfg = moe_mla.build_config(kind, dims, 2, torch.float32, "cuda")
-    ref_cfg._bench_vocab = dims["vocab"]
-    ref_cfg.tree_attention_backend = "chunked"
-    _, ref = moe_mla.build_pair(ref_cfg, "cuda", tiny=True)
-    ref.load_state_dict({k: v.float() for k, v in tree.state_dict().items()
-                         if not k.endswith("_extra_state")}, strict=False)
+    stock, tree = moe_mla.build_pair(cfg, dims["vocab"], "cuda", tiny=False)
+    ref = moe_mla.build_reference(moe_mla.build_config(kind, dims, 2, torch.float32, "cuda"),
+                                  tree, dims["vocab"], "cuda", tiny=False)
     for name in ("agent-tree", "step-wise"):
         w = make_workload(name, seed=0, scale=1 / 8, vocab=dims["vocab"])
         runs = moe_mla.Runs(stock, tree, w.sequences, "cuda")
