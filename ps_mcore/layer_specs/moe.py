@@ -80,14 +80,15 @@ def tree_unsupported_reason(config) -> str | None:
     return None
 
 
-def _weighted_counts(routing_map: torch.Tensor, weight: torch.Tensor, group):
-    """Multiplicity-weighted ``get_tokens_per_expert_and_token_count``: (tokens per expert
-    summed over ``group`` ``[E]``, local token count, token count summed over ``group``)."""
-    local = torch.cat([(routing_map.float() * weight[:, None]).sum(0), weight.sum()[None]])
-    total = local if group is None or group.size() == 1 else reduce_from_tensor_model_parallel_region(
-        local.clone(), group
-    )
-    return total[:-1], local[-1], total[-1]
+def _group_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of ``x`` over ``group`` (no communication for a group of one)."""
+    if group is None or group.size() == 1:
+        return x
+    return reduce_from_tensor_model_parallel_region(x.clone(), group)
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else group.size()
 
 
 class TreeTopKRouter(TopKRouter):
@@ -135,7 +136,12 @@ class TreeTopKRouter(TopKRouter):
         if padding_mask is not None:  # megatron's router convention: True = padding
             weight = weight * (~padding_mask.reshape(-1)).to(weight.dtype)
 
-        logits = self._tree_z_loss(logits, weight)
+        # The unshared batch's token count as stock sees it on this rank: its local rows are
+        # an equal share of the TP*CP group's tokens (SP/CP split them evenly; without SP every
+        # TP rank holds them all). The tree's rows are split unevenly, so derive it from the sum.
+        group_tokens = _group_sum(weight.sum(), self.tp_cp_group)
+        stock_local_tokens = group_tokens / _group_size(self.tp_cp_group)
+        logits = self._tree_z_loss(logits, weight, group_tokens, stock_local_tokens)
         probs, routing_map = topk_routing_with_score_function(
             logits,
             self.topk,
@@ -158,20 +164,22 @@ class TreeTopKRouter(TopKRouter):
                 ("global_aux_loss", "global_load_balancing_loss", self.tp_dp_cp_group),
             ):
                 probs = self._tree_balancing_loss(
-                    probs, scores_aux, routing_map_aux, weight, kind, name, group
+                    probs, scores_aux, routing_map_aux, weight, kind, name, group, stock_local_tokens
                 )
         if self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert += (routing_map.float() * weight[:, None]).sum(0)
         return probs, routing_map
 
-    def _tree_balancing_loss(self, probs, scores, routing_map, weight, kind, name, group):
+    def _tree_balancing_loss(self, probs, scores, routing_map, weight, kind, name, group, local_tokens):
         """One load-balancing loss as ``TopKRouter._apply_{aux,seq_aux,global_aux}_loss``
-        computes it on the unshared batch (b = 1), attached to ``probs``."""
+        computes it on the unshared batch (b = 1), attached to ``probs``. Stock's token total
+        is its local row count times the group size (every rank assumed to hold as many)."""
         coeff = self.get_aux_loss_coeff(kind)
         if coeff == 0:
             return probs
-        tokens_per_expert, local_tokens, total_tokens = _weighted_counts(routing_map, weight, group)
+        tokens_per_expert = _group_sum((routing_map.float() * weight[:, None]).sum(0), group)
+        total_tokens = local_tokens * _group_size(group)
         if kind == "global_aux_loss":
             self.global_tokens_per_expert += tokens_per_expert
             self.ga_steps += 1
@@ -193,7 +201,7 @@ class TreeTopKRouter(TopKRouter):
             valid_token_count=local_tokens,
         )
 
-    def _tree_z_loss(self, logits: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _tree_z_loss(self, logits, weight, group_tokens, local_tokens) -> torch.Tensor:
         """``TopKRouter.apply_z_loss`` over the unshared tokens: the weighted mean of
         ``logsumexp(logits)^2``. Stock takes each rank's mean over its rows divided by the
         TP*CP size; the weighted sum over this rank's rows divided by the group's total
@@ -201,15 +209,10 @@ class TreeTopKRouter(TopKRouter):
         replicated over TP)."""
         if self.config.moe_z_loss_coeff is None or not self.training or not torch.is_grad_enabled():
             return logits
-        group = self.tp_cp_group
-        size = 1 if group is None else group.size()
-        total = weight.sum()
-        if size > 1:
-            total = reduce_from_tensor_model_parallel_region(total.clone(), group)
         lse_sq = torch.square(torch.logsumexp(logits, dim=-1))
-        coeff = self.config.moe_z_loss_coeff / size  # the coefficient stock logs against
-        z_loss = (lse_sq * weight.to(lse_sq.dtype)).sum() / total.clamp(min=1.0) * self.config.moe_z_loss_coeff
-        scale = weight.sum() if self.calculate_per_token_loss else 1.0
+        coeff = self.config.moe_z_loss_coeff / _group_size(self.tp_cp_group)  # what stock logs against
+        z_loss = (lse_sq * weight.to(lse_sq.dtype)).sum() / group_tokens.clamp(min=1.0) * self.config.moe_z_loss_coeff
+        scale = local_tokens if self.calculate_per_token_loss else 1.0
         logits = MoEAuxLossAutoScaler.apply(logits, z_loss * scale)
         num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
         save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, num_layers)
