@@ -54,6 +54,10 @@ class TreePlan:
         next_token_ids: ``[N]`` token following each original token (0 after a sequence's last).
         next_token_mask: ``[N]`` bool, False at each sequence's last token.
         node_parent: ``[M]`` parent node (-1 for roots), for statistics and plotting.
+        multiplicity: ``[T]`` int64, how many original tokens each packed row stands for (the
+            number of samples sharing it; ``sum = N``). The weight that turns a statistic over
+            the T packed rows (MoE router losses, expert token counts) into the statistic over
+            the N tokens of the unshared batch.
     """
 
     input_ids: torch.Tensor
@@ -69,6 +73,7 @@ class TreePlan:
     next_token_ids: torch.Tensor
     next_token_mask: torch.Tensor
     node_parent: torch.Tensor
+    multiplicity: torch.Tensor
     # Per-device copies and kernel-side caches (block masks); not part of the plan's value.
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -513,6 +518,7 @@ def plan_prefix_tree(
         next_token_ids=i64(next_ids),
         next_token_mask=torch.from_numpy(next_mask),
         node_parent=i64(parent),
+        multiplicity=i64(np.bincount(unpack_index, minlength=input_ids.size)),
     )
 
 

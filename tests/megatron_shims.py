@@ -271,3 +271,52 @@ def te_like_layer_spec(**kwargs):
 def enable_cpu_dist_checkpointing() -> None:
     """Test-only: megatron's dist-checkpoint writer calls ``torch.cuda.synchronize()``."""
     torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+class _CpuStream:
+    """A stand-in for ``torch.cuda.Stream`` where everything runs in order (CPU)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+def enable_cpu_moe() -> None:
+    """Test-only shims for megatron-core 0.16.1 MoE layers on CPU: ``moe_utils.te_general_gemm``
+    exists only when TE imports, and the alltoall dispatcher copies its split sizes to the host
+    on a side CUDA stream (as numpy split sizes, which on CPU stay tensors that gloo's
+    all_to_all_single rejects)."""
+    import contextlib
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy().tolist()
+        return tensor
+
+    moe_utils.te_general_gemm = None
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    stream = _CpuStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    torch.cuda.current_stream = lambda *args, **kwargs: stream
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def enable_cpu_mla() -> None:
+    """Test-only shim for megatron-core 0.16.1 MLA without TE: its module sets ``HAVE_TE = True``
+    when megatron's TE extension module imports (it does, with a MagicMock ``TELinear`` when TE
+    is missing) and then calls ``isinstance(x, TELinear)``."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False

@@ -101,7 +101,7 @@ def test_bad_inputs():
     q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
     cases = [
         ((q[None], k, v, plan), "expects q"),
-        ((q, k, v[:, :1], plan), "shapes differ"),
+        ((q, k, v[:, :1], plan), "rows/heads differ"),
         ((q[:-1], k, v, plan), "T=4"),
         ((q[..., :4], k, v, plan), "head dims"),
         ((torch.randn(t, 3, 8), k, v, plan), "Hq % Hkv"),

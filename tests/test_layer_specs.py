@@ -6,6 +6,7 @@ Oracle: the stock local-spec model with the same weights, run on every sequence 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 import types
 
 import numpy as np
@@ -28,6 +29,7 @@ from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E40
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.attention import SelfAttention  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.spec_utils import get_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 
 from ps_mcore.layer_specs import (  # noqa: E402
@@ -322,14 +324,26 @@ def test_to_tree_spec_on_local_block_spec():
     assert to_tree_spec(tree).layer_specs[0].submodules.self_attention.module is TreeSelfAttention
 
 
-def test_to_tree_spec_moe_pattern_untouched_except_attention():
+def test_to_tree_spec_moe_pattern_untouched_except_attention_and_router():
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from ps_mcore.layer_specs.moe import TreeTopKRouter
+
     cfg = tiny_config("qwen2", num_layers=4, num_moe_experts=4, moe_layer_freq=[1, 0, 1, 0],
                       moe_router_topk=2)
     block = stock_specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     tree = get_gpt_decoder_block_tree_spec(cfg, False, normalization="RMSNorm")
     assert len(tree.layer_specs) == 4
     for old, new in zip(block.layer_specs, to_tree_spec(block).layer_specs):
-        assert new.submodules.mlp is old.submodules.mlp  # MLP / MoE specs (partials in 0.17+) as built
+        old_mlp, new_mlp = old.submodules.mlp, new.submodules.mlp
+        old_sub = old_mlp.keywords.get("submodules") if isinstance(old_mlp, partial) else old_mlp.submodules
+        new_sub = new_mlp.keywords.get("submodules") if isinstance(new_mlp, partial) else new_mlp.submodules
+        if isinstance(old_sub, MoESubmodules):  # only the router swapped (specs are partials in 0.17+)
+            assert new_sub.router is TreeTopKRouter
+            assert dataclasses.replace(new_sub, router=TopKRouter) == old_sub
+        else:
+            assert new_mlp is old_mlp
         assert new.submodules.pre_mlp_layernorm is old.submodules.pre_mlp_layernorm
         assert _attn(new).module is TreeSelfAttention
         assert _attn(new).submodules.core_attention.module is TreeCoreAttention
@@ -357,8 +371,11 @@ def test_te_specs():
 def test_to_tree_spec_refusals():
     cfg = tiny_config()
     local = stock_specs.get_gpt_layer_local_spec()
-    with pytest.raises(NotImplementedError, match="MLA"):
-        to_tree_spec(stock_specs.get_gpt_layer_local_spec(multi_latent_attention=True))
+    mla = stock_specs.get_gpt_layer_local_spec(multi_latent_attention=True)
+    custom_mla = type("MyMLA", (get_module(mla.submodules.self_attention),), {})
+    with pytest.raises(NotImplementedError, match="MyMLA"):
+        to_tree_spec(dataclasses.replace(mla, submodules=dataclasses.replace(
+            mla.submodules, self_attention=dataclasses.replace(mla.submodules.self_attention, module=custom_mla))))
     with pytest.raises(ValueError, match="backend"):
         to_tree_spec(local, tree_attention_backend="bogus")
     with pytest.raises(TypeError, match="layer ModuleSpec"):

@@ -43,8 +43,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeP
             "tree_attention expects q [T, Hq, D] and k/v [T, Hkv, D]; got shapes "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v rows/heads differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if q.size(0) != plan.num_tokens or k.size(0) != plan.num_tokens:
         raise ValueError(
             f"q/k/v have {q.size(0)}/{k.size(0)} rows but the plan packs T={plan.num_tokens} tokens"
@@ -76,7 +76,8 @@ def tree_attention(
 
     Args:
         q: ``[T, Hq, D]`` packed queries (rows in plan order).
-        k, v: ``[T, Hkv, D]``; ``Hq % Hkv == 0`` (query head i reads kv head ``i // (Hq//Hkv)``).
+        k, v: ``[T, Hkv, D]`` (v may have its own head dim ``Dv``, e.g. MLA: the output is then
+            ``[T, Hq, Dv]``); ``Hq % Hkv == 0`` (query head i reads kv head ``i // (Hq//Hkv)``).
         plan: the micro-batch's :class:`TreePlan` (moved to q's device, cached).
         backend: one of :data:`BACKENDS`.
         softmax_scale: defaults to ``1/sqrt(D)``.
@@ -87,8 +88,24 @@ def tree_attention(
     """
     _check_inputs(q, k, v, plan)
     scale = default_scale(q.size(-1)) if softmax_scale is None else float(softmax_scale)
+    if v.size(-1) != q.size(-1):
+        return _with_one_head_dim(q, k, v, plan, backend, scale)
     plan = plan.to(q.device)
     return ATTENTION_BACKENDS[resolve_backend(backend, q)](q, k, v, plan, scale)
+
+
+def _with_one_head_dim(q, k, v, plan, backend, scale) -> torch.Tensor:
+    """Attention with v's head dim ``Dv`` != q/k's ``D`` (MLA) through kernels that take one
+    head dim: zero-pad the narrower side to ``max(D, Dv)`` and cut the output to ``Dv``. Exact:
+    zero q/k columns add nothing to q.k, zero v columns only produce output columns that are
+    cut (their gradients are dropped by the cut)."""
+    d, dv = q.size(-1), v.size(-1)
+    if dv < d:
+        v = torch.nn.functional.pad(v, (0, d - dv))
+    else:
+        q = torch.nn.functional.pad(q, (0, dv - d))
+        k = torch.nn.functional.pad(k, (0, dv - d))
+    return tree_attention(q, k, v, plan, backend, scale)[..., :dv]
 
 
 __all__ = ["BACKENDS", "tree_attention", *backends.__all__]

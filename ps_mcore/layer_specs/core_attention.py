@@ -140,7 +140,8 @@ class TreeCoreAttention(MegatronModule):
         **kwargs,
     ) -> torch.Tensor:
         """thd: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``;
-        sbhd: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``."""
+        sbhd: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``.
+        v may have its own head dim ``hv`` (MLA): the output is then ``np*hv`` wide."""
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by TreeCoreAttention")
         if attn_mask_type is not None and attn_mask_type not in _CAUSAL_TYPES:
@@ -231,7 +232,7 @@ class TreeCoreAttention(MegatronModule):
             else:
                 allowed = causal & ~attention_mask
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale)
-        return out.permute(2, 0, 1, 3).reshape(s, b, hq * d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # v's head dim (MLA: != d)
 
 
 class TreeCoreAttentionTEState(TreeCoreAttention):

@@ -29,11 +29,14 @@ class TreePackedSeqParams(PackedSeqParams):
         plan: the micro-batch's :class:`TreePlan` (T packed tokens).
         position_ids: ``[T_pad]`` original position of every packed row (padding rows: 0).
         cp_layout: this context-parallel rank's share of the rows (None without CP).
+        multiplicity: ``[T_pad]`` int64, samples sharing each packed row (padding rows: 0);
+            ``local_multiplicity()`` is this CP rank's share, sharded like the rows.
     """
 
     plan: TreePlan | None = None
     position_ids: torch.Tensor | None = None
     cp_layout: CPLayout | None = None
+    multiplicity: torch.Tensor | None = None
 
     @classmethod
     def from_plan(
@@ -76,6 +79,8 @@ class TreePackedSeqParams(PackedSeqParams):
         cu = torch.tensor(bounds, dtype=torch.int32, device=plan.device)
         positions = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
         positions[:t] = plan.position_ids
+        multiplicity = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
+        multiplicity[:t] = plan.multiplicity
         # The rotary table GPTModel builds has max(max_seqlen_q, max_seqlen_kv) rows; T covers
         # every tree depth (max depth <= T).
         return cls(
@@ -87,6 +92,7 @@ class TreePackedSeqParams(PackedSeqParams):
             plan=plan,
             position_ids=positions,
             cp_layout=layout,
+            multiplicity=multiplicity,
         )
 
     @property
@@ -111,6 +117,13 @@ class TreePackedSeqParams(PackedSeqParams):
         if self.cp_layout is None:
             return x
         return x.index_select(0, self.cp_layout.local_rows.to(x.device))
+
+    def local_multiplicity(self) -> torch.Tensor:
+        """``[T_pad / cp]`` int64: the multiplicity of this CP rank's rows (cached)."""
+        cached = self.__dict__.get("_local_multiplicity")
+        if cached is None:
+            cached = self.__dict__["_local_multiplicity"] = self.cp_shard(self.multiplicity)
+        return cached
 
     @property
     def num_rows(self) -> int:

@@ -9,6 +9,7 @@ modules (Mamba's imports triton and mamba-ssm), so specs without them cost nothi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 from typing import Any
@@ -32,10 +33,19 @@ def _stock_class(cls: type) -> tuple[str, str] | None:
     return None
 
 
+def _class_of(spec: Any) -> Any:
+    """The class a spec builds (``ModuleSpec``, ``functools.partial`` or a class); a partial
+    is never a recurrent mixer spec we convert, so it maps to its function for the lookup."""
+    if isinstance(spec, ModuleSpec):
+        spec = spec.module if isinstance(spec.module, functools.partial) else get_module(spec)
+    while isinstance(spec, functools.partial):
+        spec = spec.func
+    return spec
+
+
 def is_recurrent_mixer(spec: Any) -> bool:
     """True when ``spec`` (a ModuleSpec or class) builds one of the registered recurrent mixers."""
-    cls = get_module(spec) if isinstance(spec, ModuleSpec) else spec
-    return _stock_class(cls) is not None
+    return _stock_class(_class_of(spec)) is not None
 
 
 def tree_recurrent_spec(spec: Any) -> Any | None:
@@ -43,10 +53,13 @@ def tree_recurrent_spec(spec: Any) -> Any | None:
 
     Raises NotImplementedError for a custom subclass of a stock mixer (its own behaviour would
     be lost by the swap)."""
-    cls = get_module(spec) if isinstance(spec, ModuleSpec) else spec
+    cls = _class_of(spec)
     key = _stock_class(cls)
     if key is None:
         return None
+    if isinstance(spec, functools.partial) or (
+            isinstance(spec, ModuleSpec) and isinstance(spec.module, functools.partial)):
+        raise NotImplementedError(f"cannot convert a functools.partial {key[1]} spec to a tree mixer: {spec!r}")
     tree_module, tree_name = TREE_MIXERS[key]
     tree_cls = getattr(importlib.import_module(tree_module), tree_name)
     if cls is tree_cls or issubclass(cls, tree_cls):

@@ -20,6 +20,7 @@ from megatron.core.transformer.attention import SelfAttention
 
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+from ps_mcore.layer_specs.tree_context import set_current_tree_batch
 
 _FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
 _BOUND_ARGUMENTS = ("hidden_states", "rotary_pos_emb", "packed_seq_params")
@@ -130,6 +131,8 @@ class TreeSelfAttention(SelfAttention):
                 "a TreePackedSeqParams reached TreeSelfAttention but not as packed_seq_params "
                 f"(SelfAttention.forward{_FORWARD_SIGNATURE}): tree RoPE cannot be applied"
             )
+        # The MoE router of this layer never sees packed_seq_params: it reads them from here.
+        set_current_tree_batch(psp if isinstance(psp, TreePackedSeqParams) else None)
         if isinstance(psp, TreePackedSeqParams):
             self._check_tree_batch(psp, arg["hidden_states"])
             rope = arg.get("rotary_pos_emb")

@@ -1,10 +1,11 @@
 """Tree layer specs: Megatron's GPT specs with only the attention swapped.
 
 ``to_tree_spec`` replaces, in every layer, the self-attention module class by
-:class:`TreeSelfAttention` and its core attention by :class:`TreeCoreAttention`, and a
-recurrent mixer in the attention slot (Gated DeltaNet) by its tree version
-(``recurrent_specs.TREE_MIXERS``). Linear layers,
-norms, MLP / MoE and parameter names stay as the stock spec built them, so checkpoints,
+:class:`TreeSelfAttention` (MLA: :class:`TreeMLASelfAttention`) and its core attention by
+:class:`TreeCoreAttention`, a recurrent mixer in the attention slot (Gated DeltaNet) by its
+tree version (``recurrent_specs.TREE_MIXERS``), and an MoE layer's ``TopKRouter`` by
+:class:`TreeTopKRouter` (router statistics weighted by row multiplicity). Linear layers,
+norms, experts and parameter names stay as the stock spec built them, so checkpoints,
 HF<->Megatron conversion and layer shims keep working.
 """
 
@@ -23,6 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from ps_mcore.attention.backends import check_backend_name
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
 from ps_mcore.layer_specs.recurrent_specs import tree_recurrent_spec
+from ps_mcore.layer_specs.moe import to_tree_moe_spec
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
 
 
@@ -64,9 +66,15 @@ def _tree_self_attention_class(cls: Any, where: str) -> type:
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     if isinstance(cls, type) and issubclass(cls, MLASelfAttention):
+        from ps_mcore.layer_specs.mla import TreeMLASelfAttention
+
+        if cls is MLASelfAttention:
+            return TreeMLASelfAttention
+        if issubclass(cls, TreeMLASelfAttention):
+            return cls
         raise NotImplementedError(
-            "multi-latent attention (MLA) is not supported by tree specs: its decoupled RoPE "
-            "needs its own tree position handling"
+            f"cannot convert multi-latent attention {cls.__name__!r} ({where}): to_tree_spec "
+            "swaps megatron's MLASelfAttention only"
         )
     if cls is SelfAttention:
         return TreeSelfAttention
@@ -125,16 +133,19 @@ def _tree_layer_spec(spec: Any, backend: str | None) -> ModuleSpec:
             "to_tree_spec expects a transformer layer ModuleSpec (submodules with self_attention) "
             f"or TransformerBlockSubmodules, got {type(spec).__name__}"
         )
-    submodules = dataclasses.replace(
-        spec.submodules, self_attention=_tree_attention_spec(spec.submodules.self_attention, backend)
-    )
+    changes = {"self_attention": _tree_attention_spec(spec.submodules.self_attention, backend)}
+    if hasattr(spec.submodules, "mlp"):  # MoE: multiplicity-weighted router statistics
+        changes["mlp"] = to_tree_moe_spec(spec.submodules.mlp)
+    submodules = dataclasses.replace(spec.submodules, **changes)
     return dataclasses.replace(spec, submodules=submodules)
 
 
 # Hybrid stacks (HybridStackSubmodules in 0.19+, MambaStackSubmodules before): attention layers
 # are converted; layers whose token mixing is not attention cannot run a tree batch.
 _HYBRID_TREE_LAYERS = ("attention_layer",)
-_HYBRID_TOKENWISE_LAYERS = ("mlp_layer", "moe_layer", "mtp_block_spec")
+# An MoE layer of a hybrid stack has no attention of its own to hand its router the tree batch
+# (router statistics must be weighted by multiplicity), so it refuses tree batches for now.
+_HYBRID_TOKENWISE_LAYERS = ("mlp_layer", "mtp_block_spec")
 _REFUSING_CLASSES: dict[tuple[type, str], type] = {}
 
 

@@ -1,0 +1,104 @@
+"""Tree-aware MoE on a real megatron-core GPTModel (CPU, gloo world 1, fp32).
+
+Oracle: megatron-core's own result on the unshared THD batch of the same samples (the same
+model and weights, ordinary ``PackedSeqParams``: its router is the stock ``TopKRouter`` code
+path). Loss: a per-sample weighted sum of token log-probs; the router's losses attach to it
+through megatron's ``MoEAuxLossAutoScaler`` as in training.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from forests import nasty_forests, random_forest  # noqa: E402
+from megatron_shims import enable_cpu_moe, init_cpu_megatron, run_torchrun, tiny_config  # noqa: E402
+
+init_cpu_megatron(1)
+enable_cpu_moe()
+
+from moe_cases import (  # noqa: E402
+    MOE_CASES, sample_coefs, assert_same, build_moe_model, moe_config, run_tree, run_unshared,
+)
+
+from ps_mcore.layer_specs.moe import TreeTopKRouter, tree_unsupported_reason  # noqa: E402
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_tree_equals_unshared_thd(case):
+    model = build_moe_model(moe_config(**MOE_CASES[case]))
+    forests = [random_forest(np.random.default_rng(s), max_seqs=6, max_len=16) for s in (1, 2)]
+    forests.append(nasty_forests(3)["tree"])
+    for i, seqs in enumerate(forests):
+        coef = sample_coefs(seqs, i)
+        ref = run_unshared(model, seqs, coef)
+        tree, plan = run_tree(model, seqs, coef, pad_to=4)
+        assert_same(tree, ref)
+    # the router terms really are in play: something was logged / counted
+    assert ref["losses"] or ref["counts"] or case == "pre_softmax/none"
+
+
+@pytest.mark.parametrize("name", sorted(nasty_forests(0)))
+def test_moe_nasty_shapes(name):
+    model = build_moe_model(moe_config(**MOE_CASES["aux+z/allgather"], moe_router_enable_expert_bias=True,
+                      moe_router_score_function="sigmoid"))
+    seqs = nasty_forests(0)[name]
+    coef = sample_coefs(seqs, 7)
+    assert_same(run_tree(model, seqs, coef)[0], run_unshared(model, seqs, coef))
+
+
+def test_stock_router_would_be_wrong():
+    """Without weighting (each shared row counted once) the router terms differ: the test
+    above is sensitive to the weighting."""
+    cfg = moe_config(**MOE_CASES["aux+z/allgather"], moe_router_enable_expert_bias=True,
+                      moe_router_score_function="sigmoid")
+    model = build_moe_model(cfg)
+    seqs = nasty_forests(3)["tree"]
+    coef = sample_coefs(seqs, 0)
+    ref = run_unshared(model, seqs, coef)
+    tree, _ = run_tree(model, seqs, coef)
+    real = TreeTopKRouter._tree_weight
+    try:  # all-ones weights = the stock router on the packed rows
+        TreeTopKRouter._tree_weight = lambda self, rows: (
+            None if real(self, rows) is None else torch.ones(rows))
+        flat, _ = run_tree(model, seqs, coef)
+    finally:
+        TreeTopKRouter._tree_weight = real
+    assert not torch.equal(flat["counts"][0], ref["counts"][0])
+    assert not torch.allclose(flat["losses"]["z_loss"], ref["losses"]["z_loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("option, value, word", [
+    ("moe_expert_capacity_factor", 1.0, "moe_expert_capacity_factor"),
+    ("moe_input_jitter_eps", 0.01, "moe_input_jitter_eps"),
+    ("moe_router_load_balancing_type", "sinkhorn", "sinkhorn"),
+])
+def test_inexact_options_refused_naming_them(option, value, word):
+    overrides = {option: value}
+    if word == "sinkhorn":
+        overrides["moe_aux_loss_coeff"] = 0.0
+    cfg = moe_config(**overrides)
+    assert word in tree_unsupported_reason(cfg)
+    model = build_moe_model(cfg)
+    seqs = nasty_forests(0)["grpo"]
+    with pytest.raises(NotImplementedError, match=word):
+        run_tree(model, seqs, sample_coefs(seqs, 0))
+    run_unshared(model, seqs, sample_coefs(seqs, 0))  # the same model still runs unshared batches
+
+
+def test_supported_config_has_no_reason():
+    assert tree_unsupported_reason(moe_config(**MOE_CASES["aux+z/allgather"])) is None
+    assert tree_unsupported_reason(tiny_config("qwen2")) is None
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_moe_expert_parallel_ep2(dispatcher, tmp_path):
+    from pathlib import Path
+
+    out = tmp_path / "ep.pt"
+    run_torchrun(Path(__file__).parent / "moe_ep_worker.py", 2, dispatcher, out, timeout=600)
+    result = torch.load(out)
+    assert result["ranks"] == 2 and result["max_logprob_err"] <= 1e-5
