@@ -69,6 +69,8 @@ def init_parallel(device: str, tp: int = 1, cp: int = 1) -> None:
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():  # e.g. an earlier test in this process
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     if device == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(0)

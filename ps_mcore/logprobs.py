@@ -90,12 +90,14 @@ class TokenRows(Protocol):
         unpack_index: ``[N]`` packed row of each original token.
         next_token_ids: ``[N]`` the token that follows each original token (its label).
         next_token_mask: ``[N]`` bool, False at each sequence's last token.
+        max_token_id: the largest token id of the batch (labels past the vocab are refused).
     """
 
     num_tokens: int
     unpack_index: torch.Tensor
     next_token_ids: torch.Tensor
     next_token_mask: torch.Tensor
+    max_token_id: int
 
     def to(self, device) -> "TokenRows": ...
 

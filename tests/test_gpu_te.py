@@ -78,7 +78,7 @@ def _forest():
 
 
 def _stock_thd_logprobs(model, seqs):
-    flat = plan_unshared(seqs).cuda()
+    flat = plan_unshared(seqs).to("cuda")
     lengths = [len(s) for s in seqs]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -90,7 +90,7 @@ def _stock_thd_logprobs(model, seqs):
 
 
 def _tree_logprobs(model, seqs):
-    plan = plan_prefix_tree(seqs).cuda()
+    plan = plan_prefix_tree(seqs).to("cuda")
     psp = TreePackedSeqParams.from_plan(plan)
     logits = model(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
                    attention_mask=None, packed_seq_params=psp)[0]

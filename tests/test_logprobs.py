@@ -14,7 +14,7 @@ from forests import nasty_forests, random_forest
 from ps_mcore import logprobs, plan_prefix_tree
 from ps_mcore.logprobs import token_logprobs
 
-VOCAB = 53  # odd, so chunks of rows never line up with anything
+VOCAB = 113  # odd, so chunks of rows never line up with anything; above every id the forests use (< 104)
 
 
 def _reference(plan, logits, seqs, temperature):

@@ -24,12 +24,14 @@ class LocalTokenRows:
         num_tokens: t, this rank's rows.
         unpack_index: ``[n]`` local row of each such token.
         next_token_ids, next_token_mask: ``[n]`` their next-token labels and validity.
+        max_token_id: the largest token id of the whole plan.
     """
 
     num_tokens: int
     unpack_index: torch.Tensor
     next_token_ids: torch.Tensor
     next_token_mask: torch.Tensor
+    max_token_id: int
 
     @classmethod
     def of(cls, plan: TreePlan, layout: CPLayout) -> "LocalTokenRows":
@@ -40,6 +42,7 @@ class LocalTokenRows:
             unpack_index=layout.token_rows,
             next_token_ids=plan.next_token_ids.to(dev).index_select(0, layout.token_index),
             next_token_mask=plan.next_token_mask.to(dev).index_select(0, layout.token_index),
+            max_token_id=plan.max_token_id,
         )
 
     def to(self, device) -> "LocalTokenRows":
@@ -50,6 +53,7 @@ class LocalTokenRows:
             self.unpack_index.to(device),
             self.next_token_ids.to(device),
             self.next_token_mask.to(device),
+            self.max_token_id,
         )
 
 
