@@ -106,7 +106,8 @@ def _add_analyze(sub) -> None:
     from ps_mcore import analyze
 
     p = sub.add_parser("analyze", help="how much prefix sharing would save on your rollouts",
-                       description=analyze.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=analyze.plain_text(analyze.__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     analyze.add_analyze_arguments(p)
     p.set_defaults(func=analyze.run_analyze, parser=p)
 
