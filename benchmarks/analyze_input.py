@@ -29,7 +29,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         for g in range(0, args.rows, args.group):
             prompt = rng.integers(0, 152_000, int(rng.integers(*args.prompt_len))).tolist()
-            head = rng.integers(0, 152_000, 16).tolist() if g % 2 else []
+            head = rng.integers(0, 152_000, 16).tolist() if (g // args.group) % 2 else []
             for _ in range(min(args.group, args.rows - g)):
                 resp = head + rng.integers(0, 152_000, int(rng.integers(*args.response_len))).tolist()
                 f.write(json.dumps({"prompt_ids": prompt, "response_ids": resp, "uid": f"u{g}",

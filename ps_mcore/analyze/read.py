@@ -303,6 +303,12 @@ def _compact(arr: np.ndarray) -> np.ndarray:
 
 def _ids(value: Any, where: str) -> np.ndarray:
     """One row's token ids as a compact array, or a clear error."""
+    if isinstance(value, list) and value:  # the common case, in as few numpy calls as possible
+        arr = np.asarray(value)
+        if arr.dtype == np.int64 and arr.ndim == 1:
+            lo, hi = arr.min(), arr.max()
+            if lo >= 0:
+                return arr.astype(np.int32) if hi <= _INT32_MAX else arr
     if isinstance(value, np.ndarray):
         arr = value
     elif isinstance(value, list):
@@ -396,7 +402,9 @@ def _column_ids(table: _Table, col: str, tokenize: _Tokenizer) -> list[np.ndarra
         )
     if n_text:
         return tokenize(values, table, col)
-    return [_ids(v, table.where(i, col)) for i, v in enumerate(values)]
+    # Lists were validated and compacted while reading; anything else is an error here.
+    return [v if isinstance(v, np.ndarray) else _ids(v, table.where(i, col))
+            for i, v in enumerate(values)]
 
 
 def _group_labels(table: _Table, name: str | None) -> list[Any] | None:
@@ -450,8 +458,12 @@ def read_rollouts(
         for i, p in enumerate(parts[0]):
             if p.size == 0:
                 raise AnalyzeError(f"{table.where(i, cols[0])}: empty prompt")
-        prompt_lens = np.array([p.size for p in parts[0]], dtype=np.int64)
-        seqs = [_compact(np.concatenate([p, r])) for p, r in zip(*parts)]
+        prompts, responses = parts
+        prompt_lens = np.array([p.size for p in prompts], dtype=np.int64)
+        seqs = []
+        for i in range(len(prompts)):  # both compact already; free each half as it is joined
+            seqs.append(np.concatenate([prompts[i], responses[i]]))
+            prompts[i] = responses[i] = None
     else:
         seqs, prompt_lens = parts[0], None
     del parts

@@ -29,7 +29,7 @@ from ps_mcore.analyze.progress import QUIET, Progress
 from ps_mcore.analyze.read import Rollouts
 
 # The planner's own trie construction (private: the analysis must build exactly its trie).
-from ps_mcore.planner import _build_trie, _sorted_order_and_lcp, _validate
+from ps_mcore.planner import _build_trie, _sorted_order_and_lcp
 
 
 @dataclass
@@ -80,30 +80,36 @@ class ModeTries:
         """None when ``mode`` is ``prompt_only`` and a file has no prompt/response split."""
         if mode == "prompt_only" and any(r.prompt_lens is None for r, _ in batches):
             return None
-        parents, depths, ends, sizes, n, pairs = [], [], [], [], [], []
+        # Plain lists per node, one numpy conversion at the end: a micro-batch has few nodes.
+        parents: list[int] = []
+        depths: list[int] = []
+        end_nodes: list[int] = []
+        sizes, n, pairs = [], [], []
         offset = 0
         with progress.step(f"building tries ({mode})", len(batches), "micro-batches") as step:
             for r, idx in batches:
-                prompt_only = mode == "prompt_only"
-                arrays, prompts, groups = _validate(
-                    [r.sequences[i] for i in idx], mode, 1, 1,
-                    r.prompt_lens[idx] if prompt_only else None,
-                    [r.groups[i] for i in idx] if prompt_only and r.groups is not None else None,
-                )
-                lens = np.array([a.size for a in arrays], dtype=np.int64)
+                # Rows were validated when read (non-empty, non-negative ints, prompt lengths
+                # within the rows), so the planner's per-call validation is skipped.
+                arrays = [r.sequences[i] for i in idx]
+                lens = [a.size for a in arrays]
+                prompts = groups = None
+                if mode == "prompt_only":
+                    prompts = r.prompt_lens[idx]
+                    if r.groups is not None:  # dense ranks, as the planner makes them
+                        rank: dict = {}
+                        groups = np.array([rank.setdefault(r.groups[i], len(rank)) for i in idx])
                 order, lcp = _sorted_order_and_lcp(arrays, mode, prompts, groups)
                 parent, depth, _, end_node = _build_trie(order, lcp, lens)
-                p = np.asarray(parent, dtype=np.int64)
-                parents.append(np.where(p >= 0, p + offset, -1))
-                depths.append(np.asarray(depth, dtype=np.int64))
-                ends.append(np.bincount(end_node, minlength=len(parent)))
+                parents += [p + offset if p >= 0 else -1 for p in parent]
+                depths += depth
+                end_nodes += [v + offset for v in end_node]
                 sizes.append(len(parent))
                 offset += len(parent)
-                n.append(int(lens.sum()))
-                pairs.append(float(np.sum(lens * (lens + 1) / 2)))
+                n.append(sum(lens))
+                pairs.append(sum(x * (x + 1) // 2 for x in lens))
                 step.advance()
-        parent = np.concatenate(parents)
-        ends_a = np.concatenate(ends).astype(np.int64)
+        parent = np.asarray(parents, dtype=np.int64)
+        ends_a = np.bincount(np.asarray(end_nodes, dtype=np.int64), minlength=len(parent))
         level = np.zeros(len(parent), dtype=np.int64)
         cur = parent.copy()
         while (live := cur >= 0).any():  # one step per tree level
@@ -116,7 +122,7 @@ class ModeTries:
         return cls(
             batch=np.repeat(np.arange(len(sizes)), sizes),
             parent=parent,
-            depth=np.concatenate(depths),
+            depth=np.asarray(depths, dtype=np.int64),
             count=count,
             ends=ends_a,
             levels=levels,
