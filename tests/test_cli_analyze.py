@@ -571,3 +571,29 @@ def test_analyze_shows_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
     assert main(["analyze", path, "--quiet"]) == 0
     assert term.text == ""
     assert "Threshold effects" in capsys.readouterr().out
+
+
+def test_the_readme_analyze_line_runs(tmp_path, capsys, monkeypatch):
+    """The README's `ps-mcore analyze my_rollouts/*.jsonl --tokenizer ... --plot tree.png` on
+    a verl text dump (with the `[analyze]` extra's packages: transformers, matplotlib)."""
+    pytest.importorskip("matplotlib")
+    import glob
+    import re
+    import shlex
+
+    line = next(m.group(1) for m in re.finditer(r"`(ps-mcore analyze [^`]*)`", (ROOT / "README.md").read_text())
+                if "--tokenizer" in m.group(1))
+    words = ["[UNK]", "[BOS]"] + [f"w{i}" for i in range(20)]
+    _word_tokenizer(tmp_path / "tok", words)
+    dump = tmp_path / "my_rollouts"
+    dump.mkdir()
+    for step in (1, 2):
+        _write_jsonl(dump / f"{step}.jsonl", [{"input": "w1 w2 w3 w4 w5 w6 w7 w8 w9", "output": f"w{k}",
+                                               "uid": "q", "step": step} for k in range(4)])
+    argv = shlex.split(line)[1:]
+    argv = [a.replace("/path/to/tokenizer", str(tmp_path / "tok")) for a in argv]
+    monkeypatch.chdir(tmp_path)
+    argv = [x for a in argv for x in (sorted(glob.glob(a)) if "*" in a else [a])]  # the shell's glob
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 0, err
+    assert "2 file(s), 8 sequences" in out and (tmp_path / "tree.png").stat().st_size > 5000
