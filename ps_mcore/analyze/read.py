@@ -228,6 +228,8 @@ def _parquet_table(path: str, pick, progress: Progress) -> _Table:
         if col.null_count:
             first = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
             raise AnalyzeError(f"{path}, column {name!r}, row {first}: null value")
+        if name in others:  # group labels: any type
+            return col.to_pylist()
         t = col.type
         if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
             if not pa.types.is_integer(t.value_type):
@@ -251,8 +253,6 @@ def _parquet_table(path: str, pick, progress: Progress) -> _Table:
             flat = _compact(flat)
             return np.split(flat, np.cumsum(lens)[:-1])  # views into one compact array
         if pa.types.is_string(t) or pa.types.is_large_string(t):
-            return col.to_pylist()
-        if name in others:  # group labels: any type
             return col.to_pylist()
         raise AnalyzeError(
             f"{path}, column {name!r}: expected lists of token ids or text, the column holds {t}"
