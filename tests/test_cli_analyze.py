@@ -5,6 +5,7 @@ nothing else printed), the plot (a real, non-blank PNG) and the icicle layout.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -503,8 +504,12 @@ def test_help_is_plain_text():
     help_ = subprocess.run([sys.executable, "-m", "ps_mcore", "analyze", "--help"],
                            capture_output=True, text=True, cwd=ROOT)
     assert help_.returncode == 0 and "ps-mcore analyze: how much" in help_.stdout
-    assert "``" not in help_.stdout and ":func:" not in help_.stdout and ":mod:" not in help_.stdout
     assert "plan_prefix_tree would" in help_.stdout
+    top = subprocess.run([sys.executable, "-m", "ps_mcore", "--help"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert top.returncode == 0 and "The ps-mcore command (also python -m ps_mcore)" in top.stdout
+    for text in (help_.stdout, top.stdout):
+        assert "``" not in text and not re.search(r":(func|mod|class|meth):`", text), text
 
 
 def test_colour_bar_ticks_are_integers():
@@ -578,7 +583,6 @@ def test_the_readme_analyze_line_runs(tmp_path, capsys, monkeypatch):
     a verl text dump (with the `[analyze]` extra's packages: transformers, matplotlib)."""
     pytest.importorskip("matplotlib")
     import glob
-    import re
     import shlex
 
     line = next(m.group(1) for m in re.finditer(r"`(ps-mcore analyze [^`]*)`", (ROOT / "README.md").read_text())

@@ -24,7 +24,7 @@ gives prompt lengths, which ``prompt_only`` needs. ``uid`` groups samples; verl'
 keys ``{uid}_{session}_{index}`` are grouped by their ``uid`` part.
 """
 
-from ps_mcore.analyze.command import add_analyze_arguments, plain_text, run_analyze
+from ps_mcore.analyze.command import add_analyze_arguments, run_analyze
 from ps_mcore.analyze.plot import node_layout, plot_figure, plot_plan
 from ps_mcore.analyze.progress import Progress
 from ps_mcore.analyze.read import AnalyzeError, Rollouts, expand_paths, read_rollouts
@@ -55,7 +55,6 @@ __all__ = [
     "micro_batches",
     "mode_table",
     "node_layout",
-    "plain_text",
     "plan_micro_batch",
     "plot_figure",
     "plot_plan",

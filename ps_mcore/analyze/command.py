@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from typing import Callable
 
 from ps_mcore.analyze.plot import _require_matplotlib, plot_plan
@@ -21,14 +20,6 @@ from ps_mcore.analyze.report import (
     threshold_table,
 )
 from ps_mcore.planner import MODES
-
-
-def plain_text(doc: str) -> str:
-    """A reST docstring as ``--help`` prints it: roles become their target's last name (or the
-    target, without a ``~``), double backquotes go."""
-    doc = re.sub(r":\w+:`~[\w.]*?(\w+)`", r"\1", doc)
-    doc = re.sub(r":\w+:`([^`]+)`", r"\1", doc)
-    return doc.replace("``", "")
 
 
 def _int_list(text: str) -> list[int]:
