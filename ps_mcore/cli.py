@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,14 @@ def run_bench(args: argparse.Namespace, extra: list[str]) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
+def plain_text(doc: str) -> str:
+    """A reST docstring as ``--help`` prints it: roles become their target's last name (or the
+    target, without a ``~``), double backquotes go."""
+    doc = re.sub(r":\w+:`~[\w.]*?(\w+)`", r"\1", doc)
+    doc = re.sub(r":\w+:`([^`]+)`", r"\1", doc)
+    return doc.replace("``", "")
+
+
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="every standard workload through a tiny Megatron GPT, "
                        "shared vs. unshared, with a parity check")
@@ -96,7 +105,7 @@ def _add_demo(sub) -> None:
 
         p.set_defaults(func=unavailable, parser=p)
         return
-    p.description = sys.modules["ps_mcore.demo"].__doc__
+    p.description = plain_text(sys.modules["ps_mcore.demo"].__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     add_demo_arguments(p)
     p.set_defaults(func=run_demo, parser=p)
@@ -106,7 +115,8 @@ def _add_analyze(sub) -> None:
     from ps_mcore import analyze
 
     p = sub.add_parser("analyze", help="how much prefix sharing would save on your rollouts",
-                       description=analyze.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=plain_text(analyze.__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     analyze.add_analyze_arguments(p)
     p.set_defaults(func=analyze.run_analyze, parser=p)
 
@@ -125,7 +135,7 @@ def _add_bench(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ps-mcore", description=__doc__,
+    parser = argparse.ArgumentParser(prog="ps-mcore", description=plain_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"ps-mcore {ps_mcore.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,analyze,bench}")

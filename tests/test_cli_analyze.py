@@ -5,6 +5,7 @@ nothing else printed), the plot (a real, non-blank PNG) and the icicle layout.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from forests import nasty_forests, random_forest
 
 from ps_mcore import __version__, plan_prefix_tree
-from ps_mcore.analyze import node_layout
+from ps_mcore.analyze import ModeTries, Progress, Rollouts, node_layout, read_rollouts
 from ps_mcore.cli import main
 
 
@@ -215,7 +216,11 @@ def test_verl_text_dump_with_a_local_tokenizer(tmp_path, capsys):
     assert "re-tokenised" in out
 
     rc, out, err = _run(capsys, "analyze", dump, "--tokenizer", tmp_path / "missing")
-    assert rc == 2 and out == "" and "could not load a local tokenizer" in err
+    assert rc == 2 and out == "" and f"no tokenizer at {tmp_path / 'missing'}" in err
+    assert "repo" not in err.lower() and err.count("\n") == 1, err
+    (tmp_path / "empty").mkdir()
+    rc, out, err = _run(capsys, "analyze", dump, "--tokenizer", tmp_path / "empty")
+    assert rc == 2 and out == "" and "could not load a local tokenizer" in err and err.count("\n") == 1
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -372,3 +377,227 @@ def test_bench_says_when_not_found_or_no_cuda(tmp_path, capsys, monkeypatch):
     assert rc == 1 and "needs a CUDA GPU" in err and "running" not in err
     monkeypatch.setattr(cli, "find_benchmarks", lambda explicit=None: None)
     assert main(["bench"]) == 2 and "benchmarks/ not found" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- sweep
+
+
+def test_one_trie_pass_equals_planning_at_every_threshold():
+    """ModeTries.evaluate(L, G) == plan_prefix_tree(..., L, G) on every micro-batch: T exactly,
+    attention pairs exactly (integers in float64), both modes, groups and prompt splits."""
+    rng = np.random.default_rng(7)
+    batches = list(nasty_forests(3).values()) + [random_forest(rng, 10, 40) for _ in range(60)]
+    files = []
+    for seqs in batches:
+        b = len(seqs)
+        prompt_lens = np.array([int(rng.integers(1, len(s) + 1)) for s in seqs])
+        groups = [int(g) for g in rng.integers(0, 3, b)] if rng.random() < 0.5 else None
+        files.append(Rollouts("x", [np.asarray(s, dtype=np.int32) for s in seqs], prompt_lens,
+                              groups, "test"))
+    micro = [(r, list(range(len(r.sequences)))) for r in files]
+    thresholds = [(1, 2), (1, 3), (2, 2), (3, 4), (8, 2), (5, 1), (40, 2)]
+    for mode in ("arbitrary_prefix", "prompt_only"):
+        tries = ModeTries.build(micro, mode)
+        for mpl, g in thresholds:
+            got = tries.evaluate(mpl, g)
+            for k, (r, idx) in enumerate(micro):
+                kw = {}
+                if mode == "prompt_only":
+                    kw = dict(prompt_lens=r.prompt_lens, group_ids=r.groups)
+                st = plan_prefix_tree(r.sequences, mode=mode, min_prefix_len=mpl,
+                                      min_group_size=g, **kw).stats()
+                assert (got.N[k], got.T[k]) == (st["N"], st["T"]), (mode, mpl, g, k)
+                assert got.pairs_tree[k] == st["attn_pairs_tree"], (mode, mpl, g, k)
+                assert got.pairs_unshared[k] == st["attn_pairs_unshared"]
+    # the thresholds matter on these inputs (the test would see a wrong rule)
+    tries = ModeTries.build(micro, "arbitrary_prefix")
+    assert len({tries.evaluate(m, g).T.sum() for m, g in thresholds}) >= 4
+
+
+def test_rows_are_held_as_compact_arrays(tmp_path):
+    path = _write_jsonl(tmp_path / "r.jsonl", [{"prompt_ids": [1, 2, 3], "response_ids": [4]},
+                                                {"prompt_ids": [1, 2], "response_ids": [2**40]}])
+    r = read_rollouts(path)
+    assert [s.dtype for s in r.sequences] == [np.int32, np.int64]
+    assert [s.tolist() for s in r.sequences] == [[1, 2, 3, 4], [1, 2, 2**40]]
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _id_rows(seed=0):
+    return [{"prompt_ids": r["prompt"], "response_ids": r["response"], "uid": r["uid"]}
+            for r in _rollouts(seed)]
+
+
+def test_a_directory_reads_its_rollout_files_in_name_order(tmp_path, capsys):
+    dump = tmp_path / "rollout_data_dir"
+    dump.mkdir()
+    for step in (10, 2):  # name order puts 2 before 10
+        _write_jsonl(dump / f"{step}.jsonl", _id_rows(step))
+    (dump / "notes.txt").write_text("not rollouts")
+    rc, out, err = _run(capsys, "analyze", dump, "--micro-batch-size", 4)
+    assert rc == 0, err
+    assert out.index("2.jsonl:") < out.index("10.jsonl:") and "2 file(s), 32 sequences" in out
+    n = sum(_expected(_rollouts(s), "arbitrary_prefix", 4)[0] for s in (2, 10))
+    t = sum(_expected(_rollouts(s), "arbitrary_prefix", 4)[1] for s in (2, 10))
+    assert _mode_row(out, "arbitrary_prefix")[1:3] == [str(n), str(t)]
+    (tmp_path / "empty").mkdir()
+    _assert_clean_error(capsys, [tmp_path / "empty"], "no .jsonl, .json or .parquet files")
+
+
+def test_a_json_array_file_is_read(tmp_path, capsys):
+    rows = _id_rows(1)
+    array = tmp_path / "r.json"
+    array.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
+    lines = _write_jsonl(tmp_path / "r.jsonl", rows)
+    rc, out_array, err = _run(capsys, "analyze", array, "--micro-batch-size", 4)
+    assert rc == 0, err
+    rc, out_lines, _ = _run(capsys, "analyze", lines, "--micro-batch-size", 4)
+    strip = lambda out: [x for x in out.splitlines() if "r.json" not in x]  # noqa: E731
+    assert strip(out_array) == strip(out_lines)
+    assert _mode_row(out_array, "prompt_only")[1:3] == [str(v) for v in _expected(_rollouts(1), "prompt_only")[:2]]
+    # errors name the line of the bad element
+    bad = tmp_path / "bad.json"
+    bad.write_text('[\n{"input_ids": [1, 2]},\n{"input_ids": [1, -3]}\n]')
+    _assert_clean_error(capsys, [bad], "line 3", "non-negative")
+    unclosed = tmp_path / "unclosed.json"
+    unclosed.write_text('[{"input_ids": [1, 2]}\n{"input_ids": [3]}]')
+    _assert_clean_error(capsys, [unclosed], "line 2", "not valid JSON")
+
+
+def test_mixed_text_and_token_rows_name_the_odd_row(tmp_path, capsys):
+    first_text = [json.dumps({"input_ids": "hello world"})] + [json.dumps({"input_ids": [1, 2]})] * 3
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(first_text) + "\n")
+    _assert_clean_error(capsys, [path], "line 1", "holds text", "token ids (e.g. line 2)")
+    last_text = [json.dumps({"text": "a b"})] * 3 + [json.dumps({"text": [5, 6]})]
+    path.write_text("\n".join(last_text) + "\n")
+    _assert_clean_error(capsys, [path], "line 4", "holds token ids", "text (e.g. line 1)")
+
+
+def test_invalid_utf8_is_an_error_naming_the_line(tmp_path, capsys):
+    path = tmp_path / "u.jsonl"
+    path.write_bytes(b'{"input": "ok", "output": "fine"}\n{"input": "caf\xe9", "output": "x"}\n')
+    _assert_clean_error(capsys, [path, "--tokenizer", tmp_path], "line 2", "UTF-8", "0xe9")
+    array = tmp_path / "u.json"
+    array.write_bytes(b'[{"text": "ok"},\n {"text": "\xff"}]')
+    _assert_clean_error(capsys, [array], "line 2", "UTF-8")
+
+
+# ----------------------------------------------------------------------------- usage
+
+
+def test_plot_options_need_plot_and_a_png_name(tmp_path, capsys):
+    path = _write_jsonl(tmp_path / "r.jsonl", _id_rows(0))
+    for extra in (["--plot-batch", "1"], ["--plot-mode", "prompt_only"]):
+        with pytest.raises(SystemExit) as e:
+            main(["analyze", path, *extra])
+        assert e.value.code == 2 and f"{extra[0]} needs --plot" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["analyze", path, "--plot", str(tmp_path / "out.txt")])
+    assert e.value.code == 2 and "name the file OUT.png" in capsys.readouterr().err
+    assert not (tmp_path / "out.txt").exists()
+
+
+def test_help_is_plain_text():
+    help_ = subprocess.run([sys.executable, "-m", "ps_mcore", "analyze", "--help"],
+                           capture_output=True, text=True, cwd=ROOT)
+    assert help_.returncode == 0 and "ps-mcore analyze: how much" in help_.stdout
+    assert "plan_prefix_tree would" in help_.stdout
+    top = subprocess.run([sys.executable, "-m", "ps_mcore", "--help"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert top.returncode == 0 and "The ps-mcore command (also python -m ps_mcore)" in top.stdout
+    for text in (help_.stdout, top.stdout):
+        assert "``" not in text and not re.search(r":(func|mod|class|meth):`", text), text
+
+
+def test_colour_bar_ticks_are_integers():
+    pytest.importorskip("matplotlib")
+    from ps_mcore.analyze import plot_figure
+
+    for seqs in ([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]], [[1] * 9 + [k] for k in range(7)]):
+        fig = plot_figure(plan_prefix_tree(seqs, min_prefix_len=1))
+        bar = fig.axes[-1]
+        lo, hi = bar.get_ylim()
+        ticks = [t for t in bar.get_yticks() if lo - 1e-9 <= t <= hi + 1e-9]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class _Terminal:
+    def __init__(self, tty):
+        self.tty, self.text = tty, ""
+
+    def isatty(self):
+        return self.tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_live_on_a_terminal_periodic_in_a_log_none_when_quiet():
+    clock = iter(np.arange(0.0, 1000.0, 0.5)).__next__  # each reading: half a second later
+    term = _Terminal(True)
+    with Progress(term, clock=clock).step("reading r.jsonl", 3_000_000, "bytes") as step:
+        for _ in range(3):
+            step.advance(1_000_000)
+    assert "[" in term.text and "1.0 MB/3.0 MB (33%)" in term.text and "3.0 MB/3.0 MB (100%)" in term.text
+    assert term.text.endswith("\r")  # the live line is erased afterwards
+
+    log = _Terminal(False)
+    with Progress(log, clock=clock).step("building tries", 100, "micro-batches") as step:
+        for _ in range(100):
+            step.advance()
+    lines = log.text.splitlines()
+    assert "\r" not in log.text and 4 <= len(lines) <= 6, lines  # every 10 s of 50 s
+    assert lines[0].startswith("ps-mcore analyze: building tries: ") and "micro-batches" in lines[0]
+
+    quiet = _Terminal(True)
+    with Progress(quiet, quiet=True, clock=clock).step("x", 10, "rows") as step:
+        for _ in range(10):
+            step.advance()
+    assert quiet.text == ""
+
+
+def test_analyze_shows_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
+    path = _write_jsonl(tmp_path / "r.jsonl", _id_rows(0))
+    term = _Terminal(True)
+    monkeypatch.setattr(sys, "stderr", term)
+    monkeypatch.setattr("ps_mcore.analyze.progress.TTY_INTERVAL_S", 0.0)
+    assert main(["analyze", path]) == 0
+    assert "reading r.jsonl" in term.text and "building tries" in term.text
+    term.text = ""
+    assert main(["analyze", path, "--quiet"]) == 0
+    assert term.text == ""
+    assert "Threshold effects" in capsys.readouterr().out
+
+
+def test_the_readme_analyze_line_runs(tmp_path, capsys, monkeypatch):
+    """The README's `ps-mcore analyze my_rollouts/*.jsonl --tokenizer ... --plot tree.png` on
+    a verl text dump (with the `[analyze]` extra's packages: transformers, matplotlib)."""
+    pytest.importorskip("matplotlib")
+    import glob
+    import shlex
+
+    line = next(m.group(1) for m in re.finditer(r"`(ps-mcore analyze [^`]*)`", (ROOT / "README.md").read_text())
+                if "--tokenizer" in m.group(1))
+    words = ["[UNK]", "[BOS]"] + [f"w{i}" for i in range(20)]
+    _word_tokenizer(tmp_path / "tok", words)
+    dump = tmp_path / "my_rollouts"
+    dump.mkdir()
+    for step in (1, 2):
+        _write_jsonl(dump / f"{step}.jsonl", [{"input": "w1 w2 w3 w4 w5 w6 w7 w8 w9", "output": f"w{k}",
+                                               "uid": "q", "step": step} for k in range(4)])
+    argv = shlex.split(line)[1:]
+    argv = [a.replace("/path/to/tokenizer", str(tmp_path / "tok")) for a in argv]
+    monkeypatch.chdir(tmp_path)
+    argv = [x for a in argv for x in (sorted(glob.glob(a)) if "*" in a else [a])]  # the shell's glob
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 0, err
+    assert "2 file(s), 8 sequences" in out and (tmp_path / "tree.png").stat().st_size > 5000

@@ -7,11 +7,13 @@ import os
 from typing import Callable
 
 from ps_mcore.analyze.plot import _require_matplotlib, plot_plan
-from ps_mcore.analyze.read import DEFAULT_UID, AnalyzeError, read_rollouts
+from ps_mcore.analyze.progress import Progress
+from ps_mcore.analyze.read import DEFAULT_UID, AnalyzeError, expand_paths, read_rollouts
 from ps_mcore.analyze.report import (
     DEFAULTS,
     _header,
     batch_table,
+    build_tries,
     micro_batches,
     mode_table,
     plan_micro_batch,
@@ -38,7 +40,9 @@ def _positive(text: str) -> int:
 
 
 def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("files", nargs="+", metavar="FILE", help=".jsonl / .json / .parquet rollouts")
+    parser.add_argument("files", nargs="+", metavar="FILE",
+                        help=".jsonl / .json / .parquet rollouts, or a directory of them "
+                        "(verl's trainer.rollout_data_dir)")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="local Hugging Face tokenizer directory (for text columns)")
     parser.add_argument("--column", action="append", metavar="NAME",
@@ -58,30 +62,55 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="G,G,...", help="min_group_size values of the threshold table")
     parser.add_argument("--per-batch", action="store_true", help="also print one row per micro-batch")
     parser.add_argument("--plot", metavar="OUT.png",
-                        help="write a PNG of the sharing structure of one micro-batch")
+                        help="write a PNG of the sharing structure of one micro-batch (the name "
+                        "must end in .png)")
     parser.add_argument("--plot-batch", type=int, metavar="K",
-                        help="micro-batch to draw (default: the one with the highest dedup)")
-    parser.add_argument("--plot-mode", choices=MODES, default="arbitrary_prefix")
+                        help="with --plot: micro-batch to draw (default: the one with the highest "
+                        "dedup)")
+    parser.add_argument("--plot-mode", choices=MODES,
+                        help="with --plot: the mode to draw (default arbitrary_prefix)")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress on stderr (it is shown on a terminal, and every 10 s "
+                        "of a long run otherwise)")
+
+
+def _check_usage(args: argparse.Namespace) -> None:
+    parser = getattr(args, "parser", None)
+    problems = []
+    if args.plot is None:
+        problems += [f"{flag} needs --plot" for flag, v in
+                     (("--plot-batch", args.plot_batch), ("--plot-mode", args.plot_mode)) if v is not None]
+    elif not args.plot.lower().endswith(".png"):
+        problems.append(f"--plot {args.plot}: the plot is a PNG; name the file OUT.png")
+    if problems:
+        if parser is None:
+            raise AnalyzeError(problems[0])
+        parser.error(problems[0])  # usage error, exit 2
 
 
 def run_analyze(args: argparse.Namespace) -> int:
     """The ``analyze`` subcommand; raises :class:`AnalyzeError` on bad input (exit code 2)."""
-    files = [read_rollouts(p, args.column, args.uid_column, args.tokenizer) for p in args.files]
+    _check_usage(args)
+    progress = Progress(quiet=args.quiet)
+    files = [read_rollouts(p, args.column, args.uid_column, args.tokenizer, progress)
+             for p in expand_paths(args.files)]
     batches = [(r, idx) for r in files for idx in micro_batches(r, args.micro_batch_size)]
-    plot_job = _plot_job(args, batches) if args.plot else None  # validate before printing
+    tries = build_tries(batches, progress)
+    plot_job = _plot_job(args, batches, tries) if args.plot else None  # validate before printing
     out = [
         _header(files, batches, args.micro_batch_size),
         "",
         f"Sharing per mode (min_prefix_len {args.min_prefix_len}, min_group_size {args.min_group_size})",
         "",
-        mode_table(batches, args.min_prefix_len, args.min_group_size),
+        mode_table(tries, args.min_prefix_len, args.min_group_size),
         "",
         "Threshold effects: dedup N/T",
         "",
-        threshold_table(batches, args.sweep_prefix_lens, args.sweep_group_sizes),
+        threshold_table(tries, args.sweep_prefix_lens, args.sweep_group_sizes),
     ]
     if args.per_batch:
-        out += ["", "Per micro-batch", "", batch_table(batches, args.min_prefix_len, args.min_group_size)]
+        out += ["", "Per micro-batch", "",
+                batch_table(batches, tries, args.min_prefix_len, args.min_group_size)]
     if any(r.tokenized for r in files):
         out += ["", "note: text was re-tokenised; verl dumps decode with skip_special_tokens, so "
                 "chat-template special tokens are missing from the counts"]
@@ -92,18 +121,18 @@ def run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_job(args, batches) -> Callable[[], None]:
+def _plot_job(args, batches, tries) -> Callable[[], None]:
     """Pick and plan the micro-batch to draw; return the drawing step."""
-    plans = [plan_micro_batch(r, idx, args.plot_mode, args.min_prefix_len, args.min_group_size)
-             for r, idx in batches]
-    if plans[0] is None:
+    mode = args.plot_mode or "arbitrary_prefix"
+    if tries[mode] is None:
         raise AnalyzeError("--plot-mode prompt_only needs a prompt/response split in the data")
     k = args.plot_batch
     if k is None:
-        k = max(range(len(plans)), key=lambda j: plans[j].num_input_tokens / plans[j].num_tokens)
-    elif not 0 <= k < len(plans):
-        raise AnalyzeError(f"--plot-batch {k}: there are {len(plans)} micro-batches (0..{len(plans) - 1})")
+        k = int(tries[mode].evaluate(args.min_prefix_len, args.min_group_size).dedups.argmax())
+    elif not 0 <= k < len(batches):
+        raise AnalyzeError(f"--plot-batch {k}: there are {len(batches)} micro-batches (0..{len(batches) - 1})")
     _require_matplotlib()
-    r = batches[k][0]
-    title = f"{os.path.basename(r.path)}, micro-batch {k}, {args.plot_mode}"
-    return lambda: plot_plan(plans[k], args.plot, title)
+    r, idx = batches[k]
+    plan = plan_micro_batch(r, idx, mode, args.min_prefix_len, args.min_group_size)
+    title = f"{os.path.basename(r.path)}, micro-batch {k}, {mode}"
+    return lambda: plot_plan(plan, args.plot, title)

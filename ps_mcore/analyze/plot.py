@@ -56,12 +56,26 @@ def node_layout(plan: TreePlan) -> dict[str, np.ndarray]:
 
 
 def plot_plan(plan: TreePlan, path: str, title: str = "") -> None:
-    """Write a PNG icicle chart of ``plan``: x = token position, one row per sequence, a box
-    per tree node spanning the sequences that share it, colour = how many share it."""
+    """Write a PNG icicle chart of ``plan`` (see :func:`plot_figure`) to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(plan, title)
+    try:
+        fig.savefig(path, format="png")
+    except OSError as e:
+        raise AnalyzeError(f"--plot {path}: cannot write ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
+
+
+def plot_figure(plan: TreePlan, title: str = ""):
+    """The icicle chart of ``plan`` as a matplotlib figure: x = token position, one row per
+    sequence, a box per tree node spanning the sequences that share it, colour = how many
+    share it (an integer count: the colour bar has integer ticks)."""
     matplotlib = _require_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib import colors
+    from matplotlib import colors, ticker
 
     lay = node_layout(plan)
     b = plan.num_sequences
@@ -84,11 +98,7 @@ def plot_plan(plan: TreePlan, path: str, title: str = "") -> None:
     st = plan.stats()
     ax.set_title(f"{title}\nN = {st['N']}, T = {st['T']}, dedup {st['dedup']:.2f}x, "
                  f"attention-FLOP ratio {st['attn_flop_ratio']:.2f}x", fontsize=10)
-    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="sequences sharing")
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="sequences sharing",
+                 ticks=ticker.MaxNLocator(integer=True))
     fig.tight_layout()
-    try:
-        fig.savefig(path, format="png")
-    except OSError as e:
-        raise AnalyzeError(f"--plot {path}: cannot write ({e.strerror or e})") from None
-    finally:
-        plt.close(fig)
+    return fig

@@ -1,17 +1,22 @@
 """Planning rollouts the way the verl glue would, and the report's tables.
 
 Micro-batches are cut as verl's fixed-size micro-batching does (``uid`` groups kept
-together); each is planned with :func:`~ps_mcore.planner.plan_prefix_tree` per mode.
+together). The tables come from one trie pass per mode (:mod:`ps_mcore.analyze.sweep`), equal
+to planning each micro-batch with :func:`~ps_mcore.planner.plan_prefix_tree` at every threshold;
+only ``--plot`` builds a full plan.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ps_mcore.analyze.progress import QUIET, Progress
 from ps_mcore.analyze.read import Rollouts
+from ps_mcore.analyze.sweep import ModeTries
 from ps_mcore.config import PrefixGrouperConfig
 from ps_mcore.planner import TreePlan, plan_prefix_tree
 from ps_mcore.table import format_table
@@ -52,61 +57,31 @@ def plan_micro_batch(
     )
 
 
-@dataclass
-class ModeSummary:
-    """Sums over micro-batches of one mode and threshold setting."""
-
-    N: int = 0
-    T: int = 0
-    pairs_unshared: float = 0.0
-    pairs_tree: float = 0.0
-    dedups: list[float] = field(default_factory=list)
-
-    def add(self, stats: dict) -> None:
-        self.N += stats["N"]
-        self.T += stats["T"]
-        self.pairs_unshared += stats["attn_pairs_unshared"]
-        self.pairs_tree += stats["attn_pairs_tree"]
-        self.dedups.append(stats["dedup"])
-
-    @property
-    def dedup(self) -> float:
-        return self.N / self.T if self.T else float("nan")
-
-    @property
-    def attn_ratio(self) -> float:
-        return self.pairs_unshared / self.pairs_tree if self.pairs_tree else float("nan")
+MODES_SHOWN = ("prompt_only", "arbitrary_prefix")
 
 
-def summarize(
-    batches: list[tuple[Rollouts, list[int]]], mode: str, min_prefix_len: int, min_group_size: int
-) -> ModeSummary | None:
-    """Totals over all micro-batches, or None when ``mode`` is not computable on the data."""
-    total = ModeSummary()
-    for r, idx in batches:
-        plan = plan_micro_batch(r, idx, mode, min_prefix_len, min_group_size)
-        if plan is None:
-            return None
-        total.add(plan.stats())
-    return total
+def build_tries(batches, progress: Progress = QUIET) -> dict[str, ModeTries | None]:
+    """One trie pass per mode over all micro-batches; every table is evaluated from it."""
+    return {mode: ModeTries.build(batches, mode, progress) for mode in MODES_SHOWN}
 
 
 # ----------------------------------------------------------------------------- tables
 
 
-def mode_table(batches, min_prefix_len: int, min_group_size: int) -> str:
+def mode_table(tries: dict[str, ModeTries | None], min_prefix_len: int, min_group_size: int) -> str:
     """Dedup, tokens saved and attention-FLOP ratio per mode (one row each)."""
     rows = []
-    for mode in ("prompt_only", "arbitrary_prefix"):
-        s = summarize(batches, mode, min_prefix_len, min_group_size)
-        if s is None:
+    for mode in MODES_SHOWN:
+        if tries[mode] is None:
             rows.append([mode] + ["-"] * 6 + ["needs prompt/response columns in every file"])
             continue
+        s = tries[mode].evaluate(min_prefix_len, min_group_size)
         d = s.dedups
-        sharing = sum(1 - 1 / x >= FALLBACK_SAVED for x in d)
+        n, t = int(s.N.sum()), int(s.T.sum())
+        sharing = int(np.sum(1 - 1 / d >= FALLBACK_SAVED))
         rows.append([
-            mode, s.N, s.T, s.dedup, f"{100 * (1 - s.T / s.N):.1f}%", s.attn_ratio,
-            f"{min(d):.2f} / {statistics.median(d):.2f} / {max(d):.2f}", f"{sharing}/{len(d)}",
+            mode, n, t, s.dedup, f"{100 * (1 - t / n):.1f}%", s.attn_ratio,
+            f"{d.min():.2f} / {np.median(d):.2f} / {d.max():.2f}", f"{sharing}/{len(d)}",
         ])
     headers = ["mode", "N", "T", "dedup N/T", "tokens saved", "attn-FLOP ratio",
                "micro-batch dedup min / median / max",
@@ -116,30 +91,32 @@ def mode_table(batches, min_prefix_len: int, min_group_size: int) -> str:
     return format_table(headers, rows) + "\n" + note
 
 
-def threshold_table(batches, prefix_lens: list[int], group_sizes: list[int]) -> str:
+def threshold_table(tries: dict[str, ModeTries | None], prefix_lens: list[int],
+                    group_sizes: list[int]) -> str:
     """Dedup N/T for every (mode, min_prefix_len) x min_group_size."""
     rows = []
-    for mode in ("prompt_only", "arbitrary_prefix"):
+    for mode in MODES_SHOWN:
+        if tries[mode] is None:
+            rows.append([mode, "-"] + ["-"] * len(group_sizes))
+            continue
         for mpl in prefix_lens:
-            cells = [summarize(batches, mode, mpl, g) for g in group_sizes]
-            if cells[0] is None:
-                rows.append([mode, "-"] + ["-"] * len(group_sizes))
-                break
-            rows.append([mode, mpl] + [c.dedup for c in cells])
+            rows.append([mode, mpl] + [tries[mode].evaluate(mpl, g).dedup for g in group_sizes])
     headers = ["mode", "min_prefix_len"] + [f"min_group_size {g}" for g in group_sizes]
     return format_table(headers, rows)
 
 
-def batch_table(batches, min_prefix_len: int, min_group_size: int) -> str:
+def batch_table(batches, tries: dict[str, ModeTries | None], min_prefix_len: int,
+                min_group_size: int) -> str:
     """One row per micro-batch: sequences, N, and T / dedup per mode."""
+    per_mode = {m: t.evaluate(min_prefix_len, min_group_size) if t is not None else None
+                for m, t in tries.items()}
     rows = []
     for k, (r, idx) in enumerate(batches):
         n = int(sum(r.sequences[i].size for i in idx))
         row: list[object] = [k, os.path.basename(r.path), len(idx), n]
-        for mode in ("prompt_only", "arbitrary_prefix"):
-            plan = plan_micro_batch(r, idx, mode, min_prefix_len, min_group_size)
-            st = plan.stats() if plan is not None else None
-            row += ["-", "-"] if st is None else [st["T"], st["dedup"]]
+        for mode in MODES_SHOWN:
+            s = per_mode[mode]
+            row += ["-", "-"] if s is None else [int(s.T[k]), float(s.dedups[k])]
         rows.append(row)
     headers = ["micro-batch", "file", "sequences", "N", "T prompt_only", "dedup prompt_only",
                "T arbitrary_prefix", "dedup arbitrary_prefix"]
