@@ -14,7 +14,9 @@ import importlib
 import sys
 from typing import Any
 
-from megatron.core.transformer.spec_utils import ModuleSpec, get_module
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ps_mcore.layer_specs.spec_class import spec_class
 
 # stock class (module, name) -> tree class (module, name). Add a recurrent layer type here.
 TREE_MIXERS: dict[tuple[str, str], tuple[str, str]] = {
@@ -33,19 +35,9 @@ def _stock_class(cls: type) -> tuple[str, str] | None:
     return None
 
 
-def _class_of(spec: Any) -> Any:
-    """The class a spec builds (``ModuleSpec``, ``functools.partial`` or a class); a partial
-    is never a recurrent mixer spec we convert, so it maps to its function for the lookup."""
-    if isinstance(spec, ModuleSpec):
-        spec = spec.module if isinstance(spec.module, functools.partial) else get_module(spec)
-    while isinstance(spec, functools.partial):
-        spec = spec.func
-    return spec
-
-
 def is_recurrent_mixer(spec: Any) -> bool:
     """True when ``spec`` (a ModuleSpec or class) builds one of the registered recurrent mixers."""
-    return _stock_class(_class_of(spec)) is not None
+    return _stock_class(spec_class(spec)) is not None
 
 
 def tree_recurrent_spec(spec: Any) -> Any | None:
@@ -53,7 +45,7 @@ def tree_recurrent_spec(spec: Any) -> Any | None:
 
     Raises NotImplementedError for a custom subclass of a stock mixer (its own behaviour would
     be lost by the swap)."""
-    cls = _class_of(spec)
+    cls = spec_class(spec)
     key = _stock_class(cls)
     if key is None:
         return None

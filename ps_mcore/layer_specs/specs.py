@@ -26,29 +26,20 @@ from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAtten
 from ps_mcore.layer_specs.recurrent_specs import tree_recurrent_spec
 from ps_mcore.layer_specs.moe import to_tree_moe_spec
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
-
-
-def _spec_class(spec: Any) -> Any:
-    """The class a spec builds: ``ModuleSpec`` -> its module, ``functools.partial`` -> its
-    function (megatron 0.17+ builds some specs as partials), else the object itself."""
-    if isinstance(spec, ModuleSpec):
-        spec = spec.module if isinstance(spec.module, functools.partial) else get_module(spec)
-    while isinstance(spec, functools.partial):
-        spec = spec.func
-    return spec
+from ps_mcore.layer_specs.spec_class import spec_class
 
 
 def _is_identity(spec: Any) -> bool:
     from megatron.core.transformer.identity_op import IdentityOp
 
-    cls = _spec_class(spec)
+    cls = spec_class(spec)
     return isinstance(cls, type) and issubclass(cls, IdentityOp)
 
 
 def _carries_extra_state(core_spec: Any) -> bool:
     """Whether the stock core attention has a ``_extra_state`` checkpoint key (TE's
     DotProductAttention does; Megatron's local one does not)."""
-    cls = _spec_class(core_spec)
+    cls = spec_class(core_spec)
     return (
         isinstance(cls, type)
         and issubclass(cls, torch.nn.Module)
@@ -98,7 +89,7 @@ def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
     if isinstance(attn, ModuleSpec):
         module = attn.module
         if isinstance(module, functools.partial):  # ModuleSpec(module=partial(SelfAttention, ...))
-            cls = _tree_self_attention_class(_spec_class(module), "a partial module")
+            cls = _tree_self_attention_class(spec_class(module), "a partial module")
             module = functools.partial(cls, *module.args, **module.keywords)
         else:
             module = _tree_self_attention_class(get_module(attn), "ModuleSpec")
@@ -111,7 +102,7 @@ def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
             submodules, core_attention=_tree_core_spec(submodules.core_attention, backend))
         return dataclasses.replace(attn, module=module, params=dict(attn.params), submodules=submodules)
     if isinstance(attn, functools.partial):  # partial(SelfAttention, submodules=..., ...)
-        cls = _tree_self_attention_class(_spec_class(attn), "functools.partial")
+        cls = _tree_self_attention_class(spec_class(attn), "functools.partial")
         submodules = attn.keywords.get("submodules")
         if submodules is None or not hasattr(submodules, "core_attention"):
             raise NotImplementedError(
@@ -179,7 +170,7 @@ def _refuse_tree_batches(layer: Any, field: str) -> Any:
     if layer is None or _is_identity(layer):
         return layer
     if isinstance(layer, ModuleSpec):
-        cls = _spec_class(layer)
+        cls = spec_class(layer)
         if isinstance(layer.module, functools.partial) or not isinstance(cls, type):
             raise NotImplementedError(f"cannot wrap the hybrid stack's {field} spec {layer!r}")
         return dataclasses.replace(layer, module=_tree_batch_refusing(cls, field))
