@@ -23,9 +23,9 @@ def _cpu_device():
     return "cpu"
 
 
-def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1) -> None:
+def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
     """gloo (world 1 in-process, or torchrun's world) + megatron parallel state with TP=tp,
-    CP=cp, PP=pp."""
+    CP=cp, PP=pp (and VPP=vpp virtual stages)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
@@ -38,12 +38,14 @@ def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1) -> None:
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     if ps.model_parallel_is_initialized():
         sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
-                 ps.get_pipeline_model_parallel_world_size())
-        if sizes == (tp, cp, pp):
+                 ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_virtual_pipeline_model_parallel_world_size())
+        if sizes == (tp, cp, pp, vpp):
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 pipeline_model_parallel_size=pp)
+                                 pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp)
 
 
 def tiny_config(kind: str = "qwen2", **overrides):
