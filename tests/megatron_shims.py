@@ -193,13 +193,29 @@ class _CpuScheduleTorch:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+def _gloo_batch_isend_irecv(ops):
+    """``batch_isend_irecv`` for gloo, which matches messages per peer in posting order.
+
+    Megatron's batched p2p lists are ``send_prev, recv_prev, send_next, recv_next``: with two
+    stages the previous and next stage are one peer, whose ``recv_prev`` (posted first) wants
+    this rank's ``send_next``; so two sends to one peer go next-first."""
+    ops = list(ops)
+    sends = [i for i, op in enumerate(ops) if op.op is dist.isend]
+    if len(sends) == 2 and ops[sends[0]].peer == ops[sends[1]].peer:
+        ops[sends[0]], ops[sends[1]] = ops[sends[1]], ops[sends[0]]
+    return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+
+
 def enable_cpu_pipeline() -> None:
     """Test-only shims for megatron's pipeline schedules on gloo: the schedules allocate their
-    token counter on ``"cuda"`` and the p2p shape exchange calls ``torch.cuda.synchronize()``."""
+    token counter on ``"cuda"``, the p2p shape exchange calls ``torch.cuda.synchronize()``, and
+    the interleaved (VPP) schedule's batched p2p needs gloo's per-peer ordering
+    (:func:`_gloo_batch_isend_irecv`; also set ``batch_p2p_comm=False``)."""
     from megatron.core.pipeline_parallel import schedules
 
     torch.cuda.synchronize = lambda *args, **kwargs: None
     schedules.torch = _CpuScheduleTorch()
+    dist.batch_isend_irecv = _gloo_batch_isend_irecv
 
 
 def run_torchrun(script, nproc: int, *args, timeout: int = 300) -> None:

@@ -95,6 +95,11 @@ def build_chunks(layout: str, kind: str, seed: int, value_head: bool = False) ->
         extra.update(num_layers=4, pipeline_model_parallel_size=lay["pp"],
                      virtual_pipeline_model_parallel_size=lay["vpp"], pipeline_dtype=torch.float32,
                      variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        if DEVICE.type == "cpu":
+            # gloo matches point-to-point messages per peer in posting order; with PP=2 the
+            # previous and next stage are one peer, and the batched p2p path posts send_prev
+            # before send_next on every rank, crossing the interleaved schedule's messages
+            extra["batch_p2p_comm"] = False
     cfg = tiny_config(kind, **extra)
     cfg.tree_attention_backend = "chunked"  # exact fp32 math on any device
     spec = get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))
@@ -242,7 +247,7 @@ def critic_report(layout: str) -> dict:
     chunks = build_chunks(layout, "qwen3", seed=3, value_head=True)
     # value_loss is a per-micro-batch mean: the same fixed micro-batches in both runs (12
     # samples in unit order, so the prefix-aware split is verl's)
-    data = make_data(layout, 8, use_dynamic_bsz=False, micro_batch_size_per_gpu=6)
+    data = make_data(layout, 8, use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
     gen = torch.Generator().manual_seed(8)
     data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
     data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]

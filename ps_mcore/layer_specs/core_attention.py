@@ -172,7 +172,10 @@ class TreeCoreAttention(MegatronModule):
         scale = self._scale(q.size(-1))
         plan = getattr(psp, "plan", None)
         if plan is None and self.cp_size > 1:  # ordinary packed batch, per-sequence CP chunks
-            layout = thd_cp_layout(psp, self.cp_group, q.device)
+            group = self.cp_group
+            layout = thd_cp_layout(
+                psp, torch.distributed.get_world_size(group), torch.distributed.get_rank(group), q.device
+            )
             if rows != layout.num_local_rows:
                 raise ValueError(
                     f"core attention got {rows} rows but this CP rank holds {layout.num_local_rows} "

@@ -179,18 +179,15 @@ def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.de
     return plan
 
 
-def thd_cp_layout(packed_seq_params: PackedSeqParams, cp_group, device: torch.device) -> CPLayout:
+def thd_cp_layout(packed_seq_params: PackedSeqParams, cp_size: int, cp_rank: int, device: torch.device) -> CPLayout:
     """This CP rank's layout of an ordinary THD batch under context parallelism (cached on
     ``packed_seq_params``): every sequence of ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``)
     is its own node, cut into ``2*cp`` chunks on its own (verl's ``preprocess_thd_engine``)."""
-    import torch.distributed as dist
-
     cu = packed_seq_params.cu_seqlens_q_padded
     if cu is None:
         cu = packed_seq_params.cu_seqlens_q
     if cu is None:
         raise ValueError("THD packed_seq_params need cu_seqlens_q (got None)")
-    cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     key = (id(cu), cp_size, cp_rank, str(device))
     cached = packed_seq_params.__dict__.get("_ps_mcore_cp_layout")
     if cached is not None and cached[0] == key:
