@@ -323,3 +323,22 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
         np.testing.assert_allclose(rep["loss"][1], rep["loss"][0], rtol=RTOL)
         assert rep["grads"] <= 1e-5 * max(1.0, rep["grad_scale"]), rep
         assert rep["tokens"][1] < rep["tokens"][0], rep
+
+
+def test_parallel_layout_refusals_name_the_feature(env):
+    """Static CP builds tree specs (the glue shares under CP); dynamic CP builds stock specs and
+    its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
+    from types import SimpleNamespace
+
+    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason, tree_build_refusal
+
+    impl, model = env
+    engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))
+    assert tree_build_refusal(engine) is None
+    engine.engine_config.dynamic_context_parallel = True
+    assert tree_build_refusal(engine) == "dynamic context parallelism"
+    rng = np.random.default_rng(10)
+    batch = make_batch(WORKLOADS["grpo"](rng), rng)
+    reason = megatron_fallback_reason(model, {"local_cp_size": 2}, batch)
+    assert reason is not None and "dynamic context parallelism (local_cp_size)" in reason
+    assert megatron_fallback_reason(model, {"logits_processor": None}, batch) is None
