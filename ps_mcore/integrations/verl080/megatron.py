@@ -228,8 +228,14 @@ def check_same_plans(step, micro_batches, config) -> None:
             plan = plan_batch(batch, config)
             step.plans[id(batch)] = batch, plan
         plans.append(plan)
-    for group in groups:
-        assert_same_plan(plans, group)
+    errors = []
+    for group in groups:  # every group's collective runs before raising: no rank left waiting
+        try:
+            assert_same_plan(plans, group)
+        except RuntimeError as error:
+            errors.append(error)
+    if errors:
+        raise errors[0]
 
 
 def megatron_prepare(stock: Callable) -> Callable:
