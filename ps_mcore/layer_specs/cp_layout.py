@@ -6,6 +6,11 @@ Megatron's THD RoPE slices the per-token rotary table the same way). :class:`CPL
 rank's share: its rows, its query segments and their contexts as rows of the rank-major K/V
 all-gather, and the original tokens whose row is local. Built once per micro-batch by
 ``TreePackedSeqParams.from_plan`` (:mod:`ps_mcore.layer_specs.packed_params`).
+
+An ordinary THD batch under CP (verl's stock path: every sequence padded to ``2*cp*tp`` and
+chunked on its own) gets the same kind of layout with per-sequence chunks
+(:func:`thd_cp_rows`, ``build_cp_layout(..., cu_seqlens=...)``), so a tree-spec model also runs
+the micro-batches that fall back to verl's stock forward.
 """
 
 from __future__ import annotations
