@@ -123,9 +123,9 @@ def cp_refusals(model, plan, cp_group) -> dict:
     cfg = model.config
     core = model.decoder.layers[0].self_attention.core_attention
     q = torch.zeros(8, 4, 16, device=DEVICE)
-    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
-    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8,
-                          max_seqlen_kv=8)
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)  # not padded to 2*cp
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6,
+                          max_seqlen_kv=6)
     no_cp = TreePackedSeqParams.from_plan(plan)
     return {
         "flex": _message(lambda: TreeCoreAttention(cfg, 1, backend="flex")),

@@ -23,9 +23,9 @@ def _cpu_device():
     return "cpu"
 
 
-def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1) -> None:
+def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
     """gloo (world 1 in-process, or torchrun's world) + megatron parallel state with TP=tp,
-    CP=cp, PP=pp."""
+    CP=cp, PP=pp (and VPP=vpp virtual stages)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
@@ -38,12 +38,14 @@ def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1) -> None:
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     if ps.model_parallel_is_initialized():
         sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
-                 ps.get_pipeline_model_parallel_world_size())
-        if sizes == (tp, cp, pp):
+                 ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_virtual_pipeline_model_parallel_world_size())
+        if sizes == (tp, cp, pp, vpp):
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 pipeline_model_parallel_size=pp)
+                                 pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp)
 
 
 def tiny_config(kind: str = "qwen2", **overrides):
@@ -191,13 +193,29 @@ class _CpuScheduleTorch:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+def _gloo_batch_isend_irecv(ops):
+    """``batch_isend_irecv`` for gloo, which matches messages per peer in posting order.
+
+    Megatron's batched p2p lists are ``send_prev, recv_prev, send_next, recv_next``: with two
+    stages the previous and next stage are one peer, whose ``recv_prev`` (posted first) wants
+    this rank's ``send_next``; so two sends to one peer go next-first."""
+    ops = list(ops)
+    sends = [i for i, op in enumerate(ops) if op.op is dist.isend]
+    if len(sends) == 2 and ops[sends[0]].peer == ops[sends[1]].peer:
+        ops[sends[0]], ops[sends[1]] = ops[sends[1]], ops[sends[0]]
+    return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+
+
 def enable_cpu_pipeline() -> None:
     """Test-only shims for megatron's pipeline schedules on gloo: the schedules allocate their
-    token counter on ``"cuda"`` and the p2p shape exchange calls ``torch.cuda.synchronize()``."""
+    token counter on ``"cuda"``, the p2p shape exchange calls ``torch.cuda.synchronize()``, and
+    the interleaved (VPP) schedule's batched p2p needs gloo's per-peer ordering
+    (:func:`_gloo_batch_isend_irecv`; also set ``batch_p2p_comm=False``)."""
     from megatron.core.pipeline_parallel import schedules
 
     torch.cuda.synchronize = lambda *args, **kwargs: None
     schedules.torch = _CpuScheduleTorch()
+    dist.batch_isend_irecv = _gloo_batch_isend_irecv
 
 
 def run_torchrun(script, nproc: int, *args, timeout: int = 300) -> None:

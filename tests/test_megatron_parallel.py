@@ -89,7 +89,7 @@ def _assert_refusals(layout: str, refusals: dict) -> None:
     if LAYOUTS[layout]["cp"] > 1:
         expected.update(flex=("NotImplementedError", "context parallelism"),
                         sbhd=("NotImplementedError", "sbhd"),
-                        thd=("NotImplementedError", "ordinary THD"),
+                        thd=("ValueError", "multiple of 2*cp=4"),
                         no_cp_params=("ValueError", "built for cp=1"),
                         wrong_rank=("ValueError", "CP rank"))
     if LAYOUTS[layout]["pp"] > 1:
@@ -207,6 +207,39 @@ def test_local_attention_per_cp_rank_equals_full(name):
         assert sorted(torch.cat(tokens).tolist()) == list(range(plan.num_input_tokens))
         for got, want in zip(torch.autograd.grad(loss, (q, k, v)), ref_grads):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ordinary_thd_cp_layout_equals_full(cp):
+    """An ordinary THD batch under CP (verl's stock layout: every sequence padded to 2*cp and
+    chunked on its own): each rank's local rows against the gathered K/V equal per-sequence
+    causal attention at its rows; gradients summed over ranks equal the full ones."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ps_mcore.layer_specs.packed_params import segment_plan, thd_cp_layout
+
+    lengths = [2 * cp * n for n in (1, 3, 2, 5)]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    rows = int(cu[-1])
+    gen = torch.Generator().manual_seed(cp)
+    q, k, v = (torch.randn(rows, h, 6, generator=gen, requires_grad=True) for h in (4, 2, 2))
+    g = torch.randn(rows, 4, 6, generator=gen)
+    full = tree_attention(q, k, v, segment_plan(lengths), "chunked")
+    ref = torch.autograd.grad((full * g).sum(), (q, k, v))
+    loss, seen = 0, []
+    for rank in range(cp):
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                              max_seqlen_kv=max(lengths), cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+        lay = thd_cp_layout(psp, cp, rank, torch.device("cpu"))
+        assert thd_cp_layout(psp, cp, rank, torch.device("cpu")) is lay  # cached
+        local = lay.local_rows
+        out = gather_kv_attention(q[local], k[lay.gathered_rows], v[lay.gathered_rows], lay, 6**-0.5, MATH_KERNEL)
+        torch.testing.assert_close(out, full[local], rtol=1e-5, atol=1e-6)
+        loss = loss + (out * g[local]).sum()
+        seen.append(local)
+    assert sorted(torch.cat(seen).tolist()) == list(range(rows))
+    for got, want in zip(torch.autograd.grad(loss, (q, k, v)), ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_cp_packed_params():

@@ -484,71 +484,20 @@ def test_fallback_vision_language(env, fresh_warnings, images):
     assert all((c["pixel_values"] is not None) is images for c in model.calls)
 
 
-# Context parallelism: the glue builds stock specs when the engine config asks for CP and sends
-# CP micro-batches to verl's stock forward (tree CP exists in ps_mcore.layer_specs but is not
-# wired through verl yet). When it is, these two tests turn into "CP shares" tests: the build
-# keeps tree specs, and the forward test moves to a torchrun worker (as tests/verl_tp_worker.py)
-# with a real CP group of 2, comparing the tree path with the stock run of the unshared plan.
+def test_parallel_layout_refusals_name_the_feature(env):
+    """Static CP builds tree specs (the glue shares under CP); dynamic CP builds stock specs and
+    its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
+    from types import SimpleNamespace
 
+    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason, tree_build_refusal
 
-def _build_warnings(engine) -> tuple[bool, list[str]]:
-    """(tree specs built?, the prefix_sharing warnings given) for one model build."""
-    import warnings
-
-    from ps_mcore.layer_specs import TreeCoreAttention
-
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        module = engine._build_megatron_module()
-    tree = any(isinstance(m, TreeCoreAttention) for m in module[0].modules())
-    return tree, [str(w.message) for w in record if "prefix_sharing" in str(w.message)]
-
-
-def test_context_parallel_builds_stock_specs(env, monkeypatch, fresh_warnings):
-    """``context_parallel_size=2`` in the engine config: the bridge's stock layer spec, one
-    warning naming CP (twice built, still one); CP 1 keeps tree specs without a warning."""
-    impl, _ = env
-    setup.install(["verl080_mcore0161_ms0160"])
-    tree, warned = _build_warnings(_mbridge_engine(impl, monkeypatch, tiny_config("qwen2"), context_parallel_size=1))
-    assert tree and not warned
-    for _ in range(2):
-        tree, more = _build_warnings(_mbridge_engine(impl, monkeypatch, tiny_config("qwen2"), context_parallel_size=2))
-        assert not tree
-        warned += more
-    assert len(warned) == 1 and "context parallelism" in warned[0], warned
-
-
-def test_context_parallel_forward_falls_back(env, monkeypatch, fresh_warnings):
-    """CP world size 2 at the glue's per-micro-batch decision, through the engine's real
-    ``forward_backward_batch`` / ``forward_step``: verl's stock forward runs every micro-batch
-    and the step equals an unpatched one bit for bit, one warning naming CP.
-
-    How far this goes on CPU: a CP group of 2 needs two processes, and verl's stock THD forward
-    under CP needs an attention that runs ordinary THD batches over CP (Transformer Engine's, GPU
-    only; megatron's local attention and TreeCoreAttention refuse them). So megatron's
-    ``parallel_state`` reports CP 2 everywhere except inside verl's stock forward function,
-    which runs at CP 1 (test-only): stock and patched steps see the same world."""
-    import functools
-
-    from megatron.core import parallel_state
-    from verl.models.mcore import registry
-
-    impl, _ = env
-    cfg = tiny_config("qwen2")
-    model = build_gpt(cfg, _tree_spec(cfg))
-    randomize_(model, seed=7)
-    cp1 = parallel_state.get_context_parallel_world_size
-    stock_forward = registry.gptmodel_forward_model_engine
-    calls = []
-
-    @functools.wraps(stock_forward)  # the glue binds verl's signature
-    def stock_forward_at_cp1(*args, **kwargs):
-        calls.append(1)
-        with monkeypatch.context() as m:
-            m.setattr(parallel_state, "get_context_parallel_world_size", cp1)
-            return stock_forward(*args, **kwargs)
-
-    monkeypatch.setattr(registry, "gptmodel_forward_model_engine", stock_forward_at_cp1)
-    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
-    _fallback_case(impl, model, _fallback_batch(23), "context parallelism is not supported")
-    assert len(calls) == 4 * 3  # 4 steps x 3 micro-batches, every one through verl's stock forward
+    impl, model = env
+    engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))
+    assert tree_build_refusal(engine) is None
+    engine.engine_config.dynamic_context_parallel = True
+    assert tree_build_refusal(engine) == "dynamic context parallelism"
+    rng = np.random.default_rng(10)
+    batch = make_batch(WORKLOADS["grpo"](rng), rng)
+    reason = megatron_fallback_reason(model, {"local_cp_size": 2}, batch)
+    assert reason is not None and "dynamic context parallelism (local_cp_size)" in reason
+    assert megatron_fallback_reason(model, {"logits_processor": None}, batch) is None

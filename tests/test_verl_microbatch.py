@@ -253,3 +253,29 @@ def test_both_trainers_keep_groups_on_one_rank():
         assert sorted(off.keys) == sorted(keys)
     finally:
         setup.uninstall()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_dynamic_budget_counts_dedup_tokens_per_cp_rank(cp):
+    """Under context parallelism verl's engine sets ``sp_size = cp``: each micro-batch's
+    deduplicated tokens T fit ``cp * max_token_len_per_gpu`` (T / cp rows per CP rank), so the
+    micro-batches are fewer than without CP and still keep units whole."""
+    from verl.utils import tensordict_utils as tu
+
+    from ps_mcore.integrations.verl080.batch import group_ids, prompt_lengths, sequences
+
+    rng = np.random.default_rng(cp)
+    samples = _mixed_samples(rng)
+    config = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=4)
+    counts = {}
+    for sp in (1, cp):
+        data = make_batch(samples, np.random.default_rng(0), use_dynamic_bsz=True, max_token_len_per_gpu=30)
+        tu.assign_non_tensor(data, sp_size=sp)
+        micro, parts = prefix_aware_prepare_micro_batches(data, config, _stock)
+        _check_partition(parts, len(data))
+        seqs, prompts, groups = sequences(data), prompt_lengths(data), group_ids(data)
+        for idx in parts:
+            plan = plan_sequences([seqs[i] for i in idx], config, prompts[idx], [groups[i] for i in idx])
+            assert -(-plan.num_tokens // sp) <= 30  # per CP rank
+        counts[sp] = len(parts)
+    assert counts[cp] < counts[1]

@@ -7,9 +7,11 @@ One module serves every batch a GPT model sees:
   kernels (a plan without sharing whose nodes are the sequences).
 * no packed params (sbhd): causal SDPA, plus the boolean ``attention_mask`` if one is given.
 
-Under context parallelism only tree batches run (K/V all-gathered over the CP group, local
-queries against the global rows: :mod:`ps_mcore.layer_specs.context_parallel`); the others
-are refused.
+Under context parallelism (K/V all-gathered over the CP group, local queries against the
+global rows: :mod:`ps_mcore.layer_specs.context_parallel`) tree batches run in one 2*cp chunk
+layout over all packed rows; ordinary THD batches in Megatron's / verl's per-sequence chunk
+layout (``cu_seqlens_q_padded``), so a verl micro-batch that falls back to the stock forward
+still runs on a tree-spec model; sbhd batches are refused.
 
 megatron-core (pinned and tested: 0.16) builds core attention with keywords ``config,
 layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale`` and
@@ -32,7 +34,7 @@ from megatron.core.transformer.module import MegatronModule
 from ps_mcore.attention import tree_attention
 from ps_mcore.attention.backends import check_backend_name, cp_backend_names
 from ps_mcore.layer_specs.context_parallel import cp_tree_attention
-from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd, thd_cp_layout
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -86,8 +88,8 @@ class TreeCoreAttention(MegatronModule):
         backend: a ``tree_attention`` backend; default ``config.tree_attention_backend`` if
             that attribute is set, else ``"auto"``.
 
-    Context parallelism: tree batches only (``TreePackedSeqParams.from_plan(..., cp_size=,
-    cp_rank=)``); K/V are all-gathered over the CP group whatever ``cp_comm_type`` says, and
+    Context parallelism: tree batches (``TreePackedSeqParams.from_plan(..., cp_size=,
+    cp_rank=)``) and ordinary THD batches in the per-sequence chunk layout; K/V are all-gathered over the CP group whatever ``cp_comm_type`` says, and
     the local queries attend to the global rows (:mod:`ps_mcore.layer_specs.context_parallel`).
     """
 
@@ -163,7 +165,7 @@ class TreeCoreAttention(MegatronModule):
     def _refuse_cp(self, what: str) -> None:
         if self.cp_size > 1:
             raise NotImplementedError(
-                f"TreeCoreAttention under context parallelism (cp={self.cp_size}) runs tree "
+                f"TreeCoreAttention under context parallelism (cp={self.cp_size}) runs THD "
                 f"batches only, not {what}: build TreePackedSeqParams.from_plan(plan, "
                 "pad_to_multiple_of=2*cp*tp, cp_size=cp, cp_rank=rank) (an unshared batch is a "
                 "plan too)"
@@ -175,8 +177,18 @@ class TreeCoreAttention(MegatronModule):
         rows = q.size(0)
         scale = self._scale(q.size(-1))
         plan = getattr(psp, "plan", None)
+        if plan is None and self.cp_size > 1:  # ordinary packed batch, per-sequence CP chunks
+            group = self.cp_group
+            layout = thd_cp_layout(
+                psp, torch.distributed.get_world_size(group), torch.distributed.get_rank(group), q.device
+            )
+            if rows != layout.num_local_rows:
+                raise ValueError(
+                    f"core attention got {rows} rows but this CP rank holds {layout.num_local_rows} "
+                    f"of the {layout.num_rows} padded THD rows"
+                )
+            return cp_tree_attention(q, k, v, layout, self.cp_group, self.backend, scale).reshape(rows, -1)
         if plan is None:  # ordinary packed batch: one node per sequence, no gather
-            self._refuse_cp("ordinary THD PackedSeqParams")
             plan = plan_for_thd(psp, rows, q.device)
             return tree_attention(q, k, v, plan, self.backend, scale).reshape(rows, -1)
         layout = getattr(psp, "cp_layout", None)

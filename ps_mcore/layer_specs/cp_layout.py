@@ -6,6 +6,11 @@ Megatron's THD RoPE slices the per-token rotary table the same way). :class:`CPL
 rank's share: its rows, its query segments and their contexts as rows of the rank-major K/V
 all-gather, and the original tokens whose row is local. Built once per micro-batch by
 ``TreePackedSeqParams.from_plan`` (:mod:`ps_mcore.layer_specs.packed_params`).
+
+An ordinary THD batch under CP (verl's stock path: every sequence padded to ``2*cp*tp`` and
+chunked on its own) gets the same kind of layout with per-sequence chunks
+(:func:`thd_cp_rows`, ``build_cp_layout(..., cu_seqlens=...)``), so a tree-spec model also runs
+the micro-batches that fall back to verl's stock forward.
 """
 
 from __future__ import annotations
@@ -113,16 +118,53 @@ def _local_segments(plan: TreePlan, chunks: list[tuple[int, int]]):
     return np.concatenate(seg_len), np.concatenate(ctx_start), np.concatenate(ctx_len)
 
 
-def build_cp_layout(plan: TreePlan, num_rows: int, cp_size: int, cp_rank: int) -> CPLayout:
-    """The layout of CP rank ``cp_rank`` for ``plan`` padded to ``num_rows`` rows."""
+def thd_cp_rows(cu_seqlens, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Global rows of CP rank ``cp_rank`` of an ordinary THD batch under CP: every sequence
+    (``cu_seqlens`` padded boundaries, each length a multiple of ``2*cp_size``) is cut into
+    ``2*cp_size`` chunks and the rank holds chunks r and 2cp-1-r of each, sequence by sequence
+    (verl's ``preprocess_thd_engine`` / TE's THD layout)."""
+    bounds = np.asarray(cu_seqlens, dtype=np.int64)
+    return np.concatenate(
+        [a + cp_chunk_rows(int(b - a), cp_size, cp_rank) for a, b in zip(bounds[:-1], bounds[1:])]
+        or [np.zeros(0, dtype=np.int64)]
+    )
+
+
+def _chunks_of(rows: np.ndarray, chunk: int) -> list[tuple[int, int]]:
+    """``rows`` (runs of ``chunk`` consecutive global rows) as ``(start, end)`` ranges."""
+    return [(int(rows[i]), int(rows[i]) + chunk) for i in range(0, rows.size, chunk)]
+
+
+def build_cp_layout(
+    plan: TreePlan, num_rows: int, cp_size: int, cp_rank: int, cu_seqlens=None
+) -> CPLayout:
+    """The layout of CP rank ``cp_rank`` for ``plan`` padded to ``num_rows`` rows.
+
+    ``cu_seqlens`` None: the rows are one THD sequence (a tree batch). Otherwise the padded
+    boundaries of an ordinary THD batch (``[B+1]``, ending at ``num_rows``): each sequence is
+    chunked on its own (:func:`thd_cp_rows`), as verl's stock THD path lays rows out.
+    """
     t = plan.num_tokens
     if num_rows < t:
         raise ValueError(f"num_rows={num_rows} < T={t} plan tokens")
-    rows = cp_chunk_rows(num_rows, cp_size, cp_rank)
-    c = num_rows // (2 * cp_size)
-    chunks = [(int(rows[0]), int(rows[0]) + c), (int(rows[c]), int(rows[c]) + c)]
+    if cu_seqlens is None:
+        cu_seqlens = [0, num_rows]
+    cu_seqlens = np.asarray(cu_seqlens, dtype=np.int64)
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != num_rows:
+        raise ValueError(f"cu_seqlens must run from 0 to num_rows={num_rows}, got {cu_seqlens.tolist()}")
+
+    def rows_of(rank: int) -> np.ndarray:
+        return thd_cp_rows(cu_seqlens, cp_size, rank)
+
+    rows = rows_of(cp_rank)
+    chunks = [
+        piece
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])
+        for piece in _chunks_of(a + cp_chunk_rows(int(b - a), cp_size, cp_rank), int(b - a) // (2 * cp_size))
+        if b > a
+    ]
     seg_len, ctx_start, ctx_len = _local_segments(plan, chunks)
-    gathered = np.concatenate([cp_chunk_rows(num_rows, cp_size, r) for r in range(cp_size)])
+    gathered = np.concatenate([rows_of(r) for r in range(cp_size)])
     plan_order = np.argsort(gathered)
     kv_index = plan_order[plan.kv_index.cpu().numpy()[ragged_arange(ctx_start, ctx_len)]]
     global_to_local = np.full(num_rows, -1, dtype=np.int64)

@@ -190,3 +190,34 @@ def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.de
     plan = segment_plan(lengths).to(device)
     packed_seq_params.__dict__["_ps_mcore_plan"] = (key, plan)
     return plan
+
+
+def thd_cp_layout(packed_seq_params: PackedSeqParams, cp_size: int, cp_rank: int, device: torch.device) -> CPLayout:
+    """This CP rank's layout of an ordinary THD batch under context parallelism (cached on
+    ``packed_seq_params``): every sequence of ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``)
+    is its own node, cut into ``2*cp`` chunks on its own (verl's ``preprocess_thd_engine``)."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    if cu is None:
+        raise ValueError("THD packed_seq_params need cu_seqlens_q (got None)")
+    key = (id(cu), cp_size, cp_rank, str(device))
+    cached = packed_seq_params.__dict__.get("_ps_mcore_cp_layout")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    kv = packed_seq_params.cu_seqlens_kv_padded
+    if kv is None:
+        kv = packed_seq_params.cu_seqlens_kv
+    if kv is not None and kv is not cu and not torch.equal(kv.cpu(), cu.cpu()):
+        raise NotImplementedError("THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported")
+    bounds = cu.cpu().numpy().astype(np.int64)
+    lengths = np.diff(bounds)
+    if bounds[0] != 0 or (lengths < 0).any() or (lengths % (2 * cp_size)).any():
+        raise ValueError(
+            f"under context parallelism (cp={cp_size}) every THD sequence must be padded to a "
+            f"multiple of 2*cp={2 * cp_size} (cu_seqlens_q_padded), got {bounds.tolist()}"
+        )
+    plan = segment_plan(lengths.tolist()).to(device)
+    layout = build_cp_layout(plan, int(bounds[-1]), cp_size, cp_rank, cu_seqlens=bounds)
+    packed_seq_params.__dict__["_ps_mcore_cp_layout"] = (key, layout)
+    return layout

@@ -65,6 +65,11 @@ class EngineStep:
 _STEP: contextvars.ContextVar[EngineStep | None] = contextvars.ContextVar("ps_mcore_engine_step", default=None)
 
 
+def current_step() -> EngineStep | None:
+    """The running engine step (None outside ``forward_backward_batch``)."""
+    return _STEP.get()
+
+
 def current_micro_batch() -> MicroBatchContext | None:
     step = _STEP.get()
     return None if step is None else step.micro

@@ -14,12 +14,23 @@ verl's jagged tensors (same offsets, row t holds the value for token t+1):
   tree path returns 0 there.
 * value head: ``values`` [N] per token.
 
+Model parallelism: TP (+SP) pads the packed rows to a multiple of TP; context parallelism
+pads them to ``2*cp*tp`` and feeds this CP rank its 2*cp chunks of the rows
+(``TreePackedSeqParams.from_plan(..., cp_size, cp_rank)``, ``cp_shard``); log-probs and
+entropy come from :func:`~ps_mcore.layer_specs.cp_token_logprobs` (each CP rank normalises
+its own rows, then the ``[N]`` results are summed over CP), values from
+:func:`~ps_mcore.layer_specs.gather_cp_rows`; gradients follow verl's stock rule (each CP
+rank's loss reaches only its own rows). Pipeline stages (PP, VPP) each plan the micro-batches
+themselves; :func:`megatron_prepare` checks with one all-reduce per group, before the
+schedule, that every TP / PP / CP rank holds the same plans.
+
 Per micro-batch it runs verl's own forward instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
-model was not built with tree specs, and for what the tree path does not support: context
-parallelism (static or dynamic), VLM inputs, MTP training, fp8 padding, per-sample
+model was not built with tree specs, and for what the tree path does not support: dynamic
+context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding, per-sample
 temperatures, ``calculate_sum_pi_squared`` and distillation top-k. Fused kernels take
-verl's fused forward, which is not patched.
+verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
+verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
 """
 
 from __future__ import annotations
@@ -36,10 +47,18 @@ from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_reason,
     nested_like,
+    plan_batch,
     uniform_temperature,
 )
 from ps_mcore.integrations.verl080.config import resolve_setting
-from ps_mcore.integrations.verl080.engine import current_micro_batch, plan_or_stock, run_step_with_context
+from ps_mcore.integrations.verl080.engine import (
+    active_setting,
+    current_micro_batch,
+    current_step,
+    plan_or_stock,
+    prefix_aware,
+    run_step_with_context,
+)
 
 _HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -69,15 +88,13 @@ def _uniform_temperature(args: dict) -> float | None:
 
 def megatron_fallback_reason(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
-    from megatron.core import parallel_state as mpu
-
     from ps_mcore.mindspeed import mindspeed_refusal
 
     reason = mindspeed_refusal()
     if reason is not None:
         return reason
-    if args.get("local_cp_size") is not None or mpu.get_context_parallel_world_size() > 1:
-        return "context parallelism is not supported by tree attention (CP > 1)"
+    if args.get("local_cp_size") is not None:
+        return "dynamic context parallelism (local_cp_size) is not supported by tree attention"
     if args.get("vision_model") or args.get("multi_modal_inputs"):
         return "vision-language inputs are not supported"
     if args.get("mtp_enable_train"):
@@ -102,38 +119,51 @@ def _tp_group():
     return mpu.get_tensor_model_parallel_group()
 
 
-def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) -> Any:
-    """One model call on ``plan``; returns what verl's engine forward returns.
-
-    Shapes: model output ``[1, T_pad, V/tp]`` (LM) or ``[1, T_pad, 1]`` (value head);
-    returned tensors are jagged ``[B, j]`` with ``input_ids``'s offsets.
-    """
+def tree_packed_params(plan):
+    """The micro-batch's ``TreePackedSeqParams`` on this rank: rows padded as verl pads THD
+    (a multiple of TP, of ``2*cp*tp`` under context parallelism), this CP rank's layout."""
     from megatron.core import parallel_state as mpu
 
     from ps_mcore.layer_specs import TreePackedSeqParams
-    from ps_mcore.logprobs import token_logprobs
+
+    tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
+    return TreePackedSeqParams.from_plan(
+        plan,
+        pad_to_multiple_of=2 * cp * tp if cp > 1 else tp,
+        cp_size=cp,
+        cp_rank=mpu.get_context_parallel_rank() if cp > 1 else 0,
+    )
+
+
+def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) -> Any:
+    """One model call on ``plan``; returns what verl's engine forward returns.
+
+    Shapes: model output ``[1, T_pad / cp, V/tp]`` (LM) or ``[1, T_pad / cp, 1]`` (value
+    head), this CP rank's rows; returned tensors are jagged ``[B, j]`` with ``input_ids``'s
+    offsets, complete on every CP rank.
+    """
+    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows
     from ps_mcore.mindspeed import set_tree_sequence_state
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
-    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=mpu.get_tensor_model_parallel_world_size())
+    psp = tree_packed_params(plan)
     set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
     output = model(
-        input_ids=psp.pad_rows(plan.input_ids)[None],
+        input_ids=psp.cp_shard(plan.input_ids)[None],
         attention_mask=None,
-        position_ids=psp.position_ids[None],
+        position_ids=psp.cp_shard(psp.position_ids)[None],
         packed_seq_params=psp,
     )
     if not _unwrap(model).post_process:
         return output  # hidden states go to the next pipeline stage as they are
-    rows = output[0, : plan.num_tokens]
-    if args.get("value_model"):
-        return nested_like(plan.unpack(rows[:, 0]), input_ids)
-    if args.get("logits_processor") is None:
-        return nested_like(plan.unpack(rows), input_ids)
-    logprobs, entropy = token_logprobs(
-        rows,
-        plan,
+    local = output[0] if psp.cp_layout is not None else output[0, : plan.num_tokens]
+    if args.get("value_model") or args.get("logits_processor") is None:
+        rows = gather_cp_rows(local, psp)[: plan.num_tokens]  # [T, ...] plan order
+        return nested_like(plan.unpack(rows[:, 0] if args.get("value_model") else rows), input_ids)
+    logprobs, entropy = cp_token_logprobs(
+        local,
+        psp,
         temperature=_uniform_temperature(args),
         compute_entropy=batch_flag(batch, "calculate_entropy"),
         tp_group=_tp_group(),
@@ -169,6 +199,61 @@ def tree_engine_forward(stock: Callable) -> Callable:
 # ----------------------------------------------------------------------------- patches
 
 
+def _plan_check_groups() -> list:
+    """The groups whose ranks must hold the same plans: TP x PP (Megatron's model-parallel
+    group) and CP, those of more than one rank."""
+    from megatron.core import parallel_state as mpu
+
+    groups = []
+    if mpu.get_tensor_model_parallel_world_size() * mpu.get_pipeline_model_parallel_world_size() > 1:
+        groups.append(mpu.get_model_parallel_group())
+    if mpu.get_context_parallel_world_size() > 1:
+        groups.append(mpu.get_context_parallel_group())
+    return groups
+
+
+def check_same_plans(step, micro_batches, config) -> None:
+    """Plan every micro-batch not planned yet (kept in ``step.plans`` for the forward) and
+    raise unless every TP / PP / CP rank holds the same plans (one all-reduce per group,
+    before the schedule: stages run a micro-batch at different times)."""
+    from ps_mcore.layer_specs import assert_same_plan
+
+    groups = _plan_check_groups()
+    if not groups or not micro_batches:
+        return
+    plans = []
+    for batch in micro_batches:
+        plan = step.carried_plan(batch)
+        if plan is None:
+            plan = plan_batch(batch, config)
+            step.plans[id(batch)] = batch, plan
+        plans.append(plan)
+    errors = []
+    for group in groups:  # every group's collective runs before raising: no rank left waiting
+        try:
+            assert_same_plan(plans, group)
+        except RuntimeError as error:
+            errors.append(error)
+    if errors:
+        raise errors[0]
+
+
+def megatron_prepare(stock: Callable) -> Callable:
+    """The Megatron engine's ``prepare_micro_batches``: :func:`prefix_aware`, then the plan
+    check of every micro-batch over the model-parallel ranks (:func:`check_same_plans`)."""
+    prepare = prefix_aware(stock)
+
+    def prepare_micro_batches(*args, **kwargs):
+        micro_batches, indices = prepare(*args, **kwargs)
+        step = current_step()
+        setting = active_setting(None if step is None else step.engine)
+        if setting is not None:
+            check_same_plans(step, micro_batches, setting.config)
+        return micro_batches, indices
+
+    return prepare_micro_batches
+
+
 def megatron_get_forward_fn(original: Callable) -> Callable:
     """``verl.models.mcore.get_mcore_engine_forward_fn`` returning the wrapped forward."""
 
@@ -202,9 +287,8 @@ def tree_build_refusal(engine) -> str | None:
 
     if reset_attention_mask_active():
         return "MindSpeed's reset-attention-mask"
-    cfg = engine.engine_config
-    if getattr(cfg, "context_parallel_size", 1) > 1 or getattr(cfg, "dynamic_context_parallel", False):
-        return "context parallelism"
+    if getattr(engine.engine_config, "dynamic_context_parallel", False):
+        return "dynamic context parallelism"
     if getattr(engine, "_qat_enabled", False):
         return "QAT (its own layer spec)"
     return None
@@ -304,4 +388,4 @@ def install_megatron_patches(patcher) -> None:
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)
     patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", megatron_forward_step)
     patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", megatron_forward_step)
-    install_engine_micro_batching(patcher, impl, impl.MegatronEngine)
+    install_engine_micro_batching(patcher, impl, impl.MegatronEngine, prepare=megatron_prepare)

@@ -8,8 +8,9 @@ here sets, for the duration of that build only, ``args.spec`` to the lazy tree s
 (:mod:`ps_mcore.mindspeed.spec`; a spec the user set moves to ``args.tree_base_spec`` and is
 converted) and ``args.apply_rope_fusion = False`` (the provider builds the model config from
 the args), when prefix sharing is on for the engine and ``ENABLE_PREFIX_SHARING`` is not 0.
-It refuses (stock model, one warning) context parallelism / QAT as the Megatron engine glue
-does, and MindSpeed's reset-attention-mask feature (on in verl's mindspeed yaml).
+It refuses (stock model, one warning) dynamic CP / QAT as the Megatron engine glue does,
+context parallelism (MindSpeed's CP algorithms patch attention and slice batches through its
+global state; the Megatron engine shares under CP), and MindSpeed's reset-attention-mask feature (on in verl's mindspeed yaml).
 
 Nothing of MindSpeed itself is patched: MindSpeed's ``repatch`` (run by verl for every
 engine) removes and re-applies its patches by object identity, so a patch on one of its
@@ -65,12 +66,14 @@ def tree_spec_args(args: Any) -> Iterator[None]:
 
 def build_refusal(engine: Any, args: Any) -> str | None:
     """Why this engine's model must be built with stock specs (None: tree specs)."""
-    from ps_mcore.mindspeed.state import RESET_ATTENTION_MASK_REASON
+    from ps_mcore.mindspeed.state import CONTEXT_PARALLEL_REASON, RESET_ATTENTION_MASK_REASON
     from ps_mcore.integrations.verl080.megatron import tree_build_refusal
 
     refusal = tree_build_refusal(engine)
     if refusal is not None:
         return f"{refusal} is not supported by tree attention"
+    if getattr(engine.engine_config, "context_parallel_size", 1) > 1:
+        return CONTEXT_PARALLEL_REASON  # the Megatron engine shares under CP; MindSpeed's CP does not
     if getattr(args, "reset_attention_mask", False):
         return RESET_ATTENTION_MASK_REASON
     return None
