@@ -7,6 +7,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,6 +46,78 @@ def peak_mib(fn: Callable[[], object]) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+@dataclass
+class Measured:
+    """One workload's baseline step vs tree step: plan statistics, ideal speedup, median ms and
+    peak MiB of each."""
+
+    stats: dict
+    ideal: float
+    base_ms: float
+    tree_ms: float
+    base_mib: float
+    tree_mib: float
+
+    @property
+    def speedup(self) -> float:
+        return self.base_ms / self.tree_ms
+
+    def row(self, name: str) -> list:
+        """The standard leading columns: workload, N, T, dedup, attn ratio, ideal, base ms,
+        tree ms, speedup, meas/ideal, base MiB, tree MiB."""
+        s = self.stats
+        return [name, s["N"], s["T"], s["dedup"], s["attn_flop_ratio"], self.ideal, self.base_ms,
+                self.tree_ms, self.speedup, self.speedup / self.ideal, self.base_mib, self.tree_mib]
+
+
+def measure(steps, shape, warmup: int, iters: int, reset: Callable[[], object] | None = None) -> Measured:
+    """Time and peak memory of ``steps.base_step`` vs ``steps.tree_step``; ``steps.plan`` is the
+    tree plan, ``shape.ideal_speedup(stats)`` the FLOP-weighted ideal. ``reset`` (e.g. the
+    model's ``zero_grad``) runs after the timing and after the memory runs, so gradients left
+    by one phase are not counted in the next."""
+    stats = steps.plan.stats()
+    base_ms = time_ms(steps.base_step, warmup, iters)
+    tree_ms = time_ms(steps.tree_step, warmup, iters)
+    if reset is not None:
+        reset()
+    base_mib, tree_mib = peak_mib(steps.base_step), peak_mib(steps.tree_step)
+    if reset is not None:
+        reset()
+    return Measured(stats, shape.ideal_speedup(stats), base_ms, tree_ms, base_mib, tree_mib)
+
+
+# the columns of the whole-model tables (model.py, hybrid.py): Measured.row + decoder_row's tail
+DECODER_HEADERS = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "base ms", "tree ms", "speedup",
+                   "meas/ideal", "base MiB", "tree MiB", "mem ratio", "T/N", "max |dlogp|"]
+
+
+def decoder_row(name: str, m: Measured, steps) -> list:
+    """A :data:`DECODER_HEADERS` row; ``steps.max_logprob_diff()`` is the run's sanity check."""
+    return m.row(name) + [m.tree_mib / m.base_mib, m.stats["T"] / m.stats["N"], steps.max_logprob_diff()]
+
+
+def workload_rows(
+    args, shape, new_steps: Callable[[list], object], row: Callable[[str, Measured, object], list],
+    scale: float = 1.0, reset: Callable[[], object] | None = None, verbose: bool = True,
+) -> list[list]:
+    """One table row per workload in ``args.workloads`` (seed ``args.seed``, lengths x ``scale``,
+    ids below ``shape.vocab``): ``new_steps(sequences)`` builds the baseline/tree steps,
+    :func:`measure` times them, ``row(name, measured, steps)`` makes the row."""
+    from ps_mcore.workloads import make_workload
+
+    rows = []
+    for i, name in enumerate(args.workloads):
+        if verbose:
+            print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
+        w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
+        steps = new_steps(w.sequences)
+        rows.append(row(name, measure(steps, shape, args.warmup, args.iters, reset), steps))
+        del steps
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
 
 
 def environment() -> str:

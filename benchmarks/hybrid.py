@@ -27,10 +27,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, peak_mib, time_ms, write_report  # noqa: E402
+from common import DECODER_HEADERS, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
 from model import Steps, init_parallel  # noqa: E402
 
-from ps_mcore.workloads import make_workload  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,27 +120,8 @@ def run(args) -> str:
     if device == "cpu":
         _cpu_stock_gdn()
     model = build_hybrid_model(shape, device, dtype, "torch" if args.tiny else "fla")
-    headers = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "base ms", "tree ms",
-               "speedup", "meas/ideal", "base MiB", "tree MiB", "mem ratio", "T/N", "max |dlogp|"]
-    rows = []
-    for i, name in enumerate(args.workloads):
-        print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
-        w = make_workload(name, seed=args.seed, scale=1 / 32 if args.tiny else 1.0, vocab=shape.vocab)
-        steps = Steps(model, w.sequences, device)
-        stats = steps.plan.stats()
-        ideal = shape.ideal_speedup(stats)
-        base_ms = time_ms(steps.base_step, args.warmup, args.iters)
-        tree_ms = time_ms(steps.tree_step, args.warmup, args.iters)
-        model.zero_grad(set_to_none=True)
-        base_mib, tree_mib = peak_mib(steps.base_step), peak_mib(steps.tree_step)
-        model.zero_grad(set_to_none=True)
-        speedup = base_ms / tree_ms
-        rows.append([name, stats["N"], stats["T"], stats["dedup"], stats["attn_flop_ratio"], ideal,
-                     base_ms, tree_ms, speedup, speedup / ideal, base_mib, tree_mib,
-                     tree_mib / base_mib, stats["T"] / stats["N"], steps.max_logprob_diff()])
-        del steps
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device), decoder_row,
+                         1 / 32 if args.tiny else 1.0, reset=lambda: model.zero_grad(set_to_none=True))
     title = (
         f"megatron-core GPTModel, Qwen3-Next-like hybrid ({'tiny' if args.tiny else 'full'} shapes: "
         f"layers {shape.kinds()}, hidden {shape.hidden}, attention {shape.heads}/{shape.kv_heads} "
@@ -151,7 +131,7 @@ def run(args) -> str:
         "unshared THD (standard PackedSeqParams); tree = TreePackedSeqParams; GDN kernel "
         f"{'torch' if args.tiny else 'fla chunk_gated_delta_rule'}; MiB = peak allocated above the idle model"
     )
-    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+    return f"{title}\n\n{environment()}\n\n{markdown_table(DECODER_HEADERS, rows)}\n"
 
 
 def _cpu_stock_gdn() -> None:

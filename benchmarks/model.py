@@ -39,13 +39,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, peak_mib, time_ms, write_report  # noqa: E402
+from common import DECODER_HEADERS, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
 from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
-from ps_mcore.workloads import make_workload  # noqa: E402
 
 QWEN25_15B = dict(hidden=1536, heads=12, kv_heads=2, head_dim=128, ffn=8960, vocab=151936)
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=512)
@@ -201,6 +200,20 @@ class Steps:
         return float((self.tree_logprobs() - self.base_logprobs()).abs().max())
 
 
+def _dims(shape: DecoderShape) -> str:
+    """The model dimensions, for the table titles."""
+    return (f"hidden {shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, "
+            f"ffn {shape.ffn}, vocab {shape.vocab}, {shape.layers} layers")
+
+
+def _title(model: str, baseline: str, tree: str, device: str, dtype: torch.dtype, idle: str) -> str:
+    """The table title: ``megatron-core GPTModel{model}``, what the baseline and tree runs are."""
+    backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
+    return (f"megatron-core GPTModel{model}, fwd+bwd with LM head and token log-probs; baseline = "
+            f"{baseline}; tree = {tree}; tree attention backend auto -> {backend}; MiB = peak "
+            f"allocated above the idle {idle}")
+
+
 def run(args) -> str:
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -210,41 +223,14 @@ def run(args) -> str:
     if args.spec == "te":
         return run_te(args, shape, device, dtype)
     model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp)
-    verbose = dist.get_rank() == 0
-    headers = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "base ms", "tree ms",
-               "speedup", "meas/ideal", "base MiB", "tree MiB", "mem ratio", "T/N",
-               "max |dlogp|"]
-    rows = []
-    for i, name in enumerate(args.workloads):
-        if verbose:
-            print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
-        w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
-        steps = Steps(model, w.sequences, device)
-        stats = steps.plan.stats()
-        ideal = shape.ideal_speedup(stats)
-        base_ms = time_ms(steps.base_step, args.warmup, args.iters)
-        tree_ms = time_ms(steps.tree_step, args.warmup, args.iters)
-        model.zero_grad(set_to_none=True)
-        base_mib, tree_mib = peak_mib(steps.base_step), peak_mib(steps.tree_step)
-        model.zero_grad(set_to_none=True)
-        speedup = base_ms / tree_ms
-        rows.append([name, stats["N"], stats["T"], stats["dedup"], stats["attn_flop_ratio"],
-                     ideal, base_ms, tree_ms, speedup, speedup / ideal, base_mib, tree_mib,
-                     tree_mib / base_mib, stats["T"] / stats["N"], steps.max_logprob_diff()])
-        del steps
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
-    title = (
-        f"megatron-core GPTModel ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: hidden "
-        f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, ffn {shape.ffn}, "
-        f"vocab {shape.vocab}, {shape.layers} layers, tree local spec, random init, TP={args.tp}, "
-        f"CP={args.cp}{' (CP baseline: unshared plan, same CP path)' if args.cp > 1 else ''}, "
-        f"{str(dtype).split('.')[-1]}), fwd+bwd with LM head and token log-probs; baseline = "
-        f"unshared THD (standard PackedSeqParams); tree = TreePackedSeqParams; attention "
-        f"backend auto -> {backend}; MiB = peak allocated above the idle model"
-    )
-    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+    rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device), decoder_row, scale,
+                         reset=lambda: model.zero_grad(set_to_none=True), verbose=dist.get_rank() == 0)
+    title = _title(
+        f" ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: {_dims(shape)}, tree local spec, random "
+        f"init, TP={args.tp}, CP={args.cp}"
+        f"{' (CP baseline: unshared plan, same CP path)' if args.cp > 1 else ''}, {str(dtype).split('.')[-1]})",
+        "unshared THD (standard PackedSeqParams)", "TreePackedSeqParams", device, dtype, "model")
+    return f"{title}\n\n{environment()}\n\n{markdown_table(DECODER_HEADERS, rows)}\n"
 
 
 def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
@@ -252,31 +238,17 @@ def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
     stock, tree = build_model(shape, device, dtype, args.fusions, spec="te")
     headers = ["workload", "N", "T", "ideal", "TE stock ms", "tree ms", "speedup", "meas/ideal",
                "TE stock MiB", "tree MiB", "mem ratio", "max |dlogp|"]
-    rows = []
-    for i, name in enumerate(args.workloads):
-        print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
-        w = make_workload(name, seed=args.seed, vocab=shape.vocab)
-        steps = Steps(tree, w.sequences, device, base_model=stock)
-        stats = steps.plan.stats()
-        ideal = shape.ideal_speedup(stats)
-        base_ms = time_ms(steps.base_step, args.warmup, args.iters)
-        tree_ms = time_ms(steps.tree_step, args.warmup, args.iters)
-        base_mib, tree_mib = peak_mib(steps.base_step), peak_mib(steps.tree_step)
-        speedup = base_ms / tree_ms
-        rows.append([name, stats["N"], stats["T"], ideal, base_ms, tree_ms, speedup,
-                     speedup / ideal, base_mib, tree_mib, tree_mib / base_mib,
-                     steps.max_logprob_diff()])
-        del steps
-        torch.cuda.empty_cache()
-    backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
-    title = (
-        f"megatron-core GPTModel, transformer-engine spec (Qwen2.5-1.5B shapes: hidden "
-        f"{shape.hidden}, {shape.heads}/{shape.kv_heads} heads x {shape.head_dim}, ffn {shape.ffn}, "
-        f"vocab {shape.vocab}, {shape.layers} layers, random init, bf16), fwd+bwd with LM head and "
-        f"token log-probs; baseline = STOCK TE spec (TE fused attention, fused RoPE) on the "
-        f"unshared THD batch; tree = to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE "
-        f"on, tree attention backend auto -> {backend}; MiB = peak allocated above the idle models"
-    )
+
+    def row(name, m, steps):
+        return [name, m.stats["N"], m.stats["T"], m.ideal, m.base_ms, m.tree_ms, m.speedup,
+                m.speedup / m.ideal, m.base_mib, m.tree_mib, m.tree_mib / m.base_mib,
+                steps.max_logprob_diff()]
+
+    rows = workload_rows(args, shape, lambda seqs: Steps(tree, seqs, device, base_model=stock), row)
+    title = _title(
+        f", transformer-engine spec (Qwen2.5-1.5B shapes: {_dims(shape)}, random init, bf16)",
+        "STOCK TE spec (TE fused attention, fused RoPE) on the unshared THD batch",
+        "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype, "models")
     return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
 
 

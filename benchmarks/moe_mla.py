@@ -28,13 +28,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, peak_mib, time_ms, write_report  # noqa: E402
+from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
 from model import init_parallel, thd_params  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
-from ps_mcore.workloads import make_workload  # noqa: E402
 
 WORKLOADS = ("grpo-long-prompt", "agent-tree", "step-wise")
 MOE = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144, vocab=151936,
@@ -206,26 +205,16 @@ def run(args) -> str:
                           tree, dims["vocab"], device, args.tiny)
     headers = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "stock ms", "tree ms",
                "speedup", "meas/ideal", "stock MiB", "tree MiB", "bf16 err stock", "bf16 err tree"]
-    rows = []
-    for name in args.workloads:
-        print(f"{args.model}: {name}", flush=True)
-        w = make_workload(name, seed=args.seed, scale=1 / 32 if args.tiny else 1.0, vocab=dims["vocab"])
-        runs = Runs(stock, tree, w.sequences, device)
-        stats = runs.plan.stats()
-        ideal = shape.ideal_speedup(stats)
-        base_ms = time_ms(runs.base_step, args.warmup, args.iters)
-        tree_ms = time_ms(runs.tree_step, args.warmup, args.iters)
-        base_mib, tree_mib = peak_mib(runs.base_step), peak_mib(runs.tree_step)
+
+    def row(name, m, runs):
         with torch.no_grad():
             lp32 = runs.base_lp(ref).float()
             err_stock = float((runs.base_lp().float() - lp32).abs().max())
             err_tree = float((runs.tree_lp().float() - lp32).abs().max())
-        speedup = base_ms / tree_ms
-        rows.append([name, stats["N"], stats["T"], stats["dedup"], stats["attn_flop_ratio"], ideal,
-                     base_ms, tree_ms, speedup, speedup / ideal, base_mib, tree_mib, err_stock, err_tree])
-        del runs
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        return m.row(name) + [err_stock, err_tree]
+
+    rows = workload_rows(args, shape, lambda seqs: Runs(stock, tree, seqs, device), row,
+                         1 / 32 if args.tiny else 1.0)
     title = (
         f"{args.model.upper()} GPTModel ({'tiny' if args.tiny else 'H200-scaled'} dims {dims}, "
         f"{args.layers} layers, {str(dtype).split('.')[-1]}, random init): stock "

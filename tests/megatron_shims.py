@@ -111,6 +111,21 @@ def stock_forward(model, seq) -> torch.Tensor:
     return model(input_ids=ids, position_ids=pos, attention_mask=causal_mask(ids.size(1)))[0]
 
 
+def assert_tree_matches_stock(stock, tree, seqs) -> None:
+    """The tree model's logits on the prefix forest of ``seqs`` (``min_prefix_len=1``) equal the
+    stock model's per-sequence logits (fp32 oracle tolerance)."""
+    from ps_mcore import plan_prefix_tree
+    from ps_mcore.layer_specs import TreePackedSeqParams
+
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    psp = TreePackedSeqParams.from_plan(plan)
+    with torch.no_grad():
+        got = tree(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
+                   attention_mask=None, packed_seq_params=psp)[0]
+        ref = torch.cat([stock_forward(stock, s) for s in seqs])
+    torch.testing.assert_close(plan.unpack(got), ref, rtol=1e-5, atol=1e-5)
+
+
 def shard_(full: torch.Tensor, param: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """This rank's shard of a full TP=1 tensor, following megatron's partition attributes
     (``partition_stride`` 2 = SwiGLU fc1: each rank holds its slice of gate AND of up)."""

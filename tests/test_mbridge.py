@@ -16,15 +16,13 @@ pytest.importorskip("einops")
 mbridge = pytest.importorskip("mbridge")
 transformers = pytest.importorskip("transformers")
 
-from megatron_shims import VOCAB, init_cpu_megatron, randomize_, stock_forward  # noqa: E402
-
-from ps_mcore import plan_prefix_tree  # noqa: E402
+from megatron_shims import VOCAB, assert_tree_matches_stock, init_cpu_megatron, randomize_  # noqa: E402
 
 init_cpu_megatron(1)
 
 from mbridge.core import llm_bridge  # noqa: E402
 
-from ps_mcore.layer_specs import TreeCoreAttention, TreePackedSeqParams, to_tree_spec  # noqa: E402
+from ps_mcore.layer_specs import TreeCoreAttention, to_tree_spec  # noqa: E402
 
 
 @pytest.fixture
@@ -63,10 +61,4 @@ def test_mbridge_qwen2_tree_model_matches_its_stock_model(bridge):
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, VOCAB, 12)
     seqs = [np.concatenate([prompt, rng.integers(0, VOCAB, n)]) for n in (5, 2, 9)]
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    psp = TreePackedSeqParams.from_plan(plan)
-    with torch.no_grad():
-        got = tree(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
-                   attention_mask=None, packed_seq_params=psp)[0]
-        ref = torch.cat([stock_forward(stock, s) for s in seqs])
-    torch.testing.assert_close(plan.unpack(got), ref, rtol=1e-5, atol=1e-5)
+    assert_tree_matches_stock(stock, tree, seqs)

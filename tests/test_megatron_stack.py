@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_shims import (  # noqa: E402
-    VOCAB, build_gpt, enable_cpu_dist_checkpointing, init_cpu_megatron, layer_spec_args,
-    randomize_, stock_forward, te_like_layer_spec, tiny_config,
+    VOCAB, assert_tree_matches_stock, build_gpt, enable_cpu_dist_checkpointing, init_cpu_megatron,
+    layer_spec_args, randomize_, stock_forward, te_like_layer_spec, tiny_config,
 )
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -74,14 +74,7 @@ def _forest():
 
 
 def _assert_tree_matches_stock(stock, tree):
-    seqs = _forest()
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    psp = TreePackedSeqParams.from_plan(plan)
-    with torch.no_grad():
-        got = tree(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
-                   attention_mask=None, packed_seq_params=psp)[0]
-        ref = torch.cat([stock_forward(stock, s) for s in seqs])
-    torch.testing.assert_close(plan.unpack(got), ref, rtol=1e-5, atol=1e-5)
+    assert_tree_matches_stock(stock, tree, _forest())
 
 
 # ----------------------------------------------------------------------------- checkpoint keys

@@ -417,6 +417,37 @@ def test_fallback_fp8(env, monkeypatch, fresh_warnings):
     assert calls and all(c["use_fp8_padding"] for c in calls)
 
 
+def _moe_model(seed=0, **options):
+    """A tiny MoE GPTModel with tree specs (TreeTopKRouter), CPU shims on."""
+    from megatron_shims import enable_cpu_moe
+
+    enable_cpu_moe()
+    from moe_cases import build_moe_model, moe_config
+
+    return build_moe_model(moe_config(**options), seed)
+
+
+def test_fallback_moe_token_dropping(env, fresh_warnings):
+    """``moe_expert_capacity_factor=1.0`` (capacity and drops depend on the token count and
+    order): verl's stock forward runs every micro-batch instead of the tree router raising
+    inside the model, one warning names the option, the step is stock bit for bit."""
+    impl, _ = env
+    _fallback_case(impl, _moe_model(5, moe_expert_capacity_factor=1.0), _fallback_batch(24),
+                   "moe_expert_capacity_factor=1.0")
+
+
+@pytest.mark.parametrize("options, word", [
+    (dict(moe_input_jitter_eps=0.01), "moe_input_jitter_eps"),
+    (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
+    (dict(), None),  # exact MoE options: the tree path runs it
+])
+def test_moe_fallback_decision(env, options, word):
+    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason
+
+    reason = megatron_fallback_reason(_moe_model(**options), {}, None)
+    assert reason is None if word is None else word in reason, reason
+
+
 def test_fallback_multi_token_prediction(env, fresh_warnings):
     """A real megatron-core MTP block (1 layer) with verl's MTP ``_postprocess`` patch, and
     the engine's ``model_config.mtp`` enabled for training: verl's stock forward passes labels

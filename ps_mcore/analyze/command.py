@@ -6,19 +6,10 @@ import argparse
 import os
 from typing import Callable
 
+from ps_mcore.analyze import report
 from ps_mcore.analyze.plot import _require_matplotlib, plot_plan
 from ps_mcore.analyze.progress import Progress
 from ps_mcore.analyze.read import DEFAULT_UID, AnalyzeError, expand_paths, read_rollouts
-from ps_mcore.analyze.report import (
-    DEFAULTS,
-    _header,
-    batch_table,
-    build_tries,
-    micro_batches,
-    mode_table,
-    plan_micro_batch,
-    threshold_table,
-)
 from ps_mcore.planner import MODES
 
 
@@ -52,10 +43,10 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch-size", type=_positive, default=8, metavar="N",
                         help="sequences per micro-batch, as verl's *_micro_batch_size_per_gpu "
                         "(default 8)")
-    parser.add_argument("--min-prefix-len", type=_positive, default=DEFAULTS.min_prefix_len,
-                        metavar="L", help=f"default {DEFAULTS.min_prefix_len}")
-    parser.add_argument("--min-group-size", type=_positive, default=DEFAULTS.min_group_size,
-                        metavar="G", help=f"default {DEFAULTS.min_group_size}")
+    parser.add_argument("--min-prefix-len", type=_positive, default=report.DEFAULTS.min_prefix_len,
+                        metavar="L", help=f"default {report.DEFAULTS.min_prefix_len}")
+    parser.add_argument("--min-group-size", type=_positive, default=report.DEFAULTS.min_group_size,
+                        metavar="G", help=f"default {report.DEFAULTS.min_group_size}")
     parser.add_argument("--sweep-prefix-lens", type=_int_list, default=[1, 8, 32, 128, 512],
                         metavar="L,L,...", help="min_prefix_len values of the threshold table")
     parser.add_argument("--sweep-group-sizes", type=_int_list, default=[2, 4, 8],
@@ -94,23 +85,23 @@ def run_analyze(args: argparse.Namespace) -> int:
     progress = Progress(quiet=args.quiet)
     files = [read_rollouts(p, args.column, args.uid_column, args.tokenizer, progress)
              for p in expand_paths(args.files)]
-    batches = [(r, idx) for r in files for idx in micro_batches(r, args.micro_batch_size)]
-    tries = build_tries(batches, progress)
+    batches = [(r, idx) for r in files for idx in report.micro_batches(r, args.micro_batch_size)]
+    tries = report.build_tries(batches, progress)
     plot_job = _plot_job(args, batches, tries) if args.plot else None  # validate before printing
     out = [
-        _header(files, batches, args.micro_batch_size),
+        report._header(files, batches, args.micro_batch_size),
         "",
         f"Sharing per mode (min_prefix_len {args.min_prefix_len}, min_group_size {args.min_group_size})",
         "",
-        mode_table(tries, args.min_prefix_len, args.min_group_size),
+        report.mode_table(tries, args.min_prefix_len, args.min_group_size),
         "",
         "Threshold effects: dedup N/T",
         "",
-        threshold_table(tries, args.sweep_prefix_lens, args.sweep_group_sizes),
+        report.threshold_table(tries, args.sweep_prefix_lens, args.sweep_group_sizes),
     ]
     if args.per_batch:
         out += ["", "Per micro-batch", "",
-                batch_table(batches, tries, args.min_prefix_len, args.min_group_size)]
+                report.batch_table(batches, tries, args.min_prefix_len, args.min_group_size)]
     if any(r.tokenized for r in files):
         out += ["", "note: text was re-tokenised; verl dumps decode with skip_special_tokens, so "
                 "chat-template special tokens are missing from the counts"]
@@ -133,6 +124,6 @@ def _plot_job(args, batches, tries) -> Callable[[], None]:
         raise AnalyzeError(f"--plot-batch {k}: there are {len(batches)} micro-batches (0..{len(batches) - 1})")
     _require_matplotlib()
     r, idx = batches[k]
-    plan = plan_micro_batch(r, idx, mode, args.min_prefix_len, args.min_group_size)
+    plan = report.plan_micro_batch(r, idx, mode, args.min_prefix_len, args.min_group_size)
     title = f"{os.path.basename(r.path)}, micro-batch {k}, {mode}"
     return lambda: plot_plan(plan, args.plot, title)
