@@ -233,6 +233,20 @@ def enable_cpu_pipeline() -> None:
     dist.batch_isend_irecv = _gloo_batch_isend_irecv
 
 
+def write_reports(report: dict, out_path: str) -> None:
+    """Gather every rank's ``report`` and write the list as JSON from rank 0 (what the test
+    that started the torchrun world reads back)."""
+    import json
+
+    import torch.distributed as dist
+
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(reports, f)
+
+
 def run_torchrun(script, nproc: int, *args, timeout: int = 300) -> None:
     """``torchrun --standalone --nproc_per_node nproc script *args`` on gloo in a clean
     environment (tests/ on PYTHONPATH, no inherited rank variables); raises with its output."""

@@ -15,7 +15,6 @@ rank 0 writes every rank's JSON report to OUT.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from functools import partial
@@ -271,10 +270,9 @@ def critic_report(layout: str) -> dict:
 def plan_mismatch_report(layout: str) -> dict:
     """A rank whose micro-batch differs: the plan check raises before the schedule."""
     from megatron.core import parallel_state as ps
-    from verl_batches import engine_shell
 
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting
-    from ps_mcore.integrations.verl080.engine import EngineStep, _STEP
+    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+    from ps_mcore.integrations.verl080.engine import EngineStep
     from ps_mcore.integrations.verl080.megatron import check_same_plans
 
     if not (ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1
@@ -294,6 +292,8 @@ def plan_mismatch_report(layout: str) -> dict:
 
 
 def main(layout: str, out_path: str, device: str = "cpu") -> None:
+    from megatron_shims import write_reports
+
     init(layout, device)
     import verl.workers.engine.megatron.transformer_impl as impl
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -303,11 +303,7 @@ def main(layout: str, out_path: str, device: str = "cpu") -> None:
     report.update(actor_report(layout))
     report.update(critic_report(layout))
     report.update(plan_mismatch_report(layout))
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(reports, f)
+    write_reports(report, out_path)
     from ps_mcore import setup
 
     setup.uninstall()

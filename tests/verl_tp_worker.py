@@ -7,7 +7,6 @@ JSON report of the largest differences to OUT.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import numpy as np
@@ -16,7 +15,7 @@ import torch.distributed as dist
 
 
 def main(out_path: str) -> None:
-    from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config
+    from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config, write_reports
 
     init_cpu_megatron(tp=2)
     from functools import partial
@@ -65,11 +64,7 @@ def main(out_path: str) -> None:
         "grad_scale": max(float(a.abs().max()) for a in results["stock"]["grads"]),
         "tokens": [sum(results["tree"]["metrics"]["prefix_sharing/tokens_in"]), sum(results["tree"]["metrics"]["prefix_sharing/tokens_packed"])],
     }
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(reports, f)
+    write_reports(report, out_path)
     setup.uninstall()
 
 

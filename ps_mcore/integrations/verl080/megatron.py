@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
-from ps_mcore.integrations.patching import info_once, warn_once
+from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_reason,
