@@ -97,9 +97,14 @@ class TreePlan:
 
     @property
     def max_token_id(self) -> int:
-        """Largest id in ``input_ids`` (computed once per plan object; one sync on a GPU)."""
+        """Largest id in ``input_ids``, computed once per plan on its host copy where it has
+        one (a plan moved by :meth:`to` keeps it), so a GPU plan costs no device sync."""
         if "max_token_id" not in self._cache:
-            self._cache["max_token_id"] = int(self.input_ids.max()) if self.num_tokens else -1
+            host = self._cache.get("host")
+            if host is not None and host is not self:
+                self._cache["max_token_id"] = host.max_token_id
+            else:
+                self._cache["max_token_id"] = int(self.input_ids.max()) if self.num_tokens else -1
         return self._cache["max_token_id"]
 
     @property
