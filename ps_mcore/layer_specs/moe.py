@@ -161,27 +161,33 @@ class TreeTopKRouter(TopKRouter):
             routing_map_aux, scores_aux = compute_routing_scores_for_aux_loss(
                 logits, self.topk, self.score_function, fused=self.config.moe_router_fusion
             )
+            # This rank's weighted statistics, shared by the three loss kinds (only the group
+            # they are summed over differs).
+            weighted_scores = scores_aux * weight[:, None].to(scores_aux.dtype)
+            local_counts = (routing_map_aux.float() * weight[:, None]).sum(0)
             for kind, name, group in (
                 ("aux_loss", "load_balancing_loss", self.tp_cp_group),
                 ("seq_aux_loss", "seq_load_balancing_loss", self.tp_cp_group),
                 ("global_aux_loss", "global_load_balancing_loss", self.tp_dp_cp_group),
             ):
                 probs = self._tree_balancing_loss(
-                    probs, scores_aux, routing_map_aux, weight, kind, name, group, stock_local_tokens
+                    probs, weighted_scores, local_counts, kind, name, group, stock_local_tokens
                 )
         if self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert += (routing_map.float() * weight[:, None]).sum(0)
         return probs, routing_map
 
-    def _tree_balancing_loss(self, probs, scores, routing_map, weight, kind, name, group, local_tokens):
+    def _tree_balancing_loss(self, probs, weighted_scores, local_counts, kind, name, group, local_tokens):
         """One load-balancing loss as ``TopKRouter._apply_{aux,seq_aux,global_aux}_loss``
-        computes it on the unshared batch (b = 1), attached to ``probs``. Stock's token total
-        is its local row count times the group size (every rank assumed to hold as many)."""
+        computes it on the unshared batch (b = 1), attached to ``probs``: ``weighted_scores``
+        ``[rows, E]`` and ``local_counts`` ``[E]`` are this rank's multiplicity-weighted router
+        scores and tokens per expert. Stock's token total is its local row count times the
+        group size (every rank assumed to hold as many)."""
         coeff = self.get_aux_loss_coeff(kind)
         if coeff == 0:
             return probs
-        tokens_per_expert = _group_sum((routing_map.float() * weight[:, None]).sum(0), group)
+        tokens_per_expert = _group_sum(local_counts, group)
         total_tokens = local_tokens * _group_size(group)
         if kind == "global_aux_loss":
             self.global_tokens_per_expert += tokens_per_expert
@@ -190,7 +196,7 @@ class TreeTopKRouter(TopKRouter):
         # Unfused on purpose: TE's fused aux loss takes no per-row weight (the weighted sum
         # below is the same formula).
         loss = switch_load_balancing_loss_func(
-            probs=scores * weight[:, None].to(scores.dtype),
+            probs=weighted_scores,
             tokens_per_expert=tokens_per_expert,
             total_num_tokens=total_tokens,
             topk=self.topk,
