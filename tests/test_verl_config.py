@@ -159,3 +159,27 @@ def test_prefix_grouper_config_is_a_mapping():
         PrefixGrouperConfig.from_any(3)
     with pytest.raises(ValueError, match="positive integer"):
         PrefixGrouperConfig(min_prefix_len=True)
+
+
+@pytest.mark.parametrize("driver_copies", [True, False], ids=["driver", "worker"])
+def test_ref_keeps_its_own_sub_config_and_follows_the_actor_flag(driver_copies, installed_patchsets):
+    """One rule on both sides: a key the ref sets is its own, an unset key is the actor's."""
+    from ps_mcore.integrations.verl080.config import resolve_setting
+    from ps_mcore.integrations.verl080.trainer import follow_actor_setting
+
+    overrides = BASE_OVERRIDES + [
+        "actor_rollout_ref.actor.use_prefix_grouper=true",
+        "+actor_rollout_ref.actor.prefix_grouper.mode=arbitrary_prefix",
+        "+actor_rollout_ref.ref.prefix_grouper.min_prefix_len=32",
+    ]
+    cfg = compose(verl_config_dir(), "ppo_megatron_trainer", overrides)
+    _validate_driver_side(cfg)
+    if driver_copies:
+        follow_actor_setting(cfg)
+        assert cfg.actor_rollout_ref.ref.use_prefix_grouper is True
+        reset_actor_setting()  # a worker process: nothing instantiated yet
+    actor, ref = _instantiate_worker_side(cfg)
+    assert resolve_setting(actor.engine).config == PrefixGrouperConfig(mode="arbitrary_prefix")
+    ref_setting = resolve_setting(ref.engine)
+    assert ref_setting.enabled is True
+    assert ref_setting.config == PrefixGrouperConfig(min_prefix_len=32)

@@ -28,10 +28,23 @@ CONFIG_ATTR = "prefix_grouper"
 
 @dataclass(frozen=True)
 class PrefixSharingSetting:
-    """What one engine does: ``enabled`` None means "follow the actor" (ref policy)."""
+    """What one role's config says. ``enabled`` / ``config`` None: the role left that key
+    unset (the ref policy in verl's yaml), so it follows the actor."""
 
     enabled: bool | None
-    config: PrefixGrouperConfig
+    config: PrefixGrouperConfig | None
+
+    def following(self, actor: PrefixSharingSetting | None) -> PrefixSharingSetting:
+        """The one rule for roles other than the actor (ref policy, critic): each key this
+        role leaves unset takes the actor's value, so old-log-prob, ref and value passes run
+        like the actor's (ratios and KL stay consistent). The driver, the worker-side config
+        ``__init__`` and the engines all apply it through here."""
+        if actor is None:
+            return self
+        return PrefixSharingSetting(
+            enabled=actor.enabled if self.enabled is None else self.enabled,
+            config=actor.config if self.config is None else self.config,
+        )
 
 
 # The actor's setting in this process, followed by configs without their own flag.
@@ -53,38 +66,43 @@ def _remember_actor(setting: PrefixSharingSetting) -> None:
 
 
 def resolve_setting(engine_config: Any) -> PrefixSharingSetting | None:
-    """The enabled setting for an engine, or None when prefix sharing is off for it."""
+    """The enabled setting for an engine (its config filled in), or None when prefix sharing
+    is off for it."""
     setting = getattr(engine_config, ENGINE_ATTR, None) if engine_config is not None else None
-    if setting is not None and setting.enabled is None:
-        setting = actor_setting()
-    if setting is None or not setting.enabled:
+    if setting is None:
         return None
-    return setting
+    setting = setting.following(actor_setting())
+    if not setting.enabled:
+        return None
+    return PrefixSharingSetting(enabled=True, config=setting.config or PrefixGrouperConfig())
 
 
-def _setting_from_kwargs(kwargs: dict, flag_known: bool) -> tuple[PrefixSharingSetting, bool]:
-    """Pop our keys from a config's kwargs. Returns (setting, explicit flag given)."""
-    raw = kwargs.pop(CONFIG_ATTR, None)
-    config = PrefixGrouperConfig.from_any(raw)
-    explicit = "use_prefix_grouper" in kwargs
-    # actor configs have the flag as a field; critic configs learn it here
-    flag = kwargs.get("use_prefix_grouper", False) if flag_known else kwargs.pop("use_prefix_grouper", False)
+def setting_from_keys(keys: Any, flag_known: bool = True) -> PrefixSharingSetting:
+    """A role's setting from its config keys (a dict of kwargs or an OmegaConf node). With
+    ``flag_known=False`` (critic configs, whose dataclass lacks the flag) both keys are popped
+    from ``keys``; otherwise only ``prefix_grouper`` is (the actor's dataclass has the flag)."""
+    raw = keys.pop(CONFIG_ATTR, None) if CONFIG_ATTR in keys else None
+    config = None if raw is None else PrefixGrouperConfig.from_any(raw)
+    if "use_prefix_grouper" not in keys:
+        return PrefixSharingSetting(enabled=None, config=config)
+    flag = keys["use_prefix_grouper"] if flag_known else keys.pop("use_prefix_grouper")
     if isinstance(flag, str) or not isinstance(flag, (bool, int)):
         raise ValueError(f"use_prefix_grouper must be true or false, got {flag!r}")
-    return PrefixSharingSetting(enabled=bool(flag) if explicit else None, config=config), explicit
+    return PrefixSharingSetting(enabled=bool(flag), config=config)
 
 
 def _wrap_config_init(original, *, flag_known: bool, is_actor: bool):
     """``__init__`` accepting ``prefix_grouper`` (and ``use_prefix_grouper`` for critics)."""
 
     def __init__(self, *args, **kwargs):
-        setting, explicit = _setting_from_kwargs(kwargs, flag_known)
+        setting = setting_from_keys(kwargs, flag_known)
         original(self, *args, **kwargs)
-        if is_actor and explicit:
+        if is_actor and setting.enabled is not None:  # the actor: its unset sub-config is the default
+            setting = dataclasses.replace(setting, config=setting.config or PrefixGrouperConfig())
             _remember_actor(setting)
-        elif not explicit and actor_setting() is not None:
-            setting = actor_setting()  # ref / critic follow the actor configured here
-        object.__setattr__(self, CONFIG_ATTR, setting.config)
+        else:
+            setting = setting.following(actor_setting())  # ref / critic follow the actor configured here
+        object.__setattr__(self, CONFIG_ATTR, setting.config or PrefixGrouperConfig())
         if not flag_known:
             object.__setattr__(self, "use_prefix_grouper", bool(setting.enabled))
         engine = getattr(self, "engine", None)

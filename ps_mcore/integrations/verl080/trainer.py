@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
+from ps_mcore.integrations.verl080.config import setting_from_keys
 
 TOKENS_IN = "prefix_sharing/tokens_in"
 TOKENS_PACKED = "prefix_sharing/tokens_packed"
@@ -157,23 +158,24 @@ def reduce_metrics_with_prefix_sharing(original: Callable) -> Callable:
 
 
 def follow_actor_setting(config) -> None:
-    """Copy ``actor.use_prefix_grouper`` / ``actor.prefix_grouper`` to the ref policy and the
-    critic where they set nothing themselves, so old-log-prob, ref and values passes use the
-    actor's setting (ratios and KL stay consistent)."""
-    from omegaconf import open_dict
+    """Write into the ref policy's and the critic's sections what they inherit from the actor
+    (:meth:`PrefixSharingSetting.following`), so worker processes that never see the actor's
+    config build the same setting."""
+    from omegaconf import OmegaConf, open_dict
 
-    actor = config.actor_rollout_ref.actor
+    actor = setting_from_keys(dict(config.actor_rollout_ref.actor))
     targets = [config.actor_rollout_ref.get("ref")]
     if config.get("critic") is not None:
         targets.append(config.critic)
     for node in targets:
         if node is None:
             continue
+        setting = setting_from_keys(dict(node)).following(actor)
         with open_dict(node):
-            if "use_prefix_grouper" not in node:
-                node.use_prefix_grouper = actor.get("use_prefix_grouper", False)
-            if "prefix_grouper" not in node and actor.get("prefix_grouper") is not None:
-                node.prefix_grouper = actor.prefix_grouper
+            if setting.enabled is not None:
+                node.use_prefix_grouper = setting.enabled
+            if setting.config is not None:
+                node.prefix_grouper = OmegaConf.create(dict(setting.config))
 
 
 def init_workers_following_actor(original: Callable) -> Callable:
