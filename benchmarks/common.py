@@ -114,10 +114,55 @@ def workload_rows(
         w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
         steps = new_steps(w.sequences)
         rows.append(row(name, measure(steps, shape, args.warmup, args.iters, reset), steps))
+        if name in getattr(args, "profile", ()) and torch.cuda.is_available():
+            print(profile_steps({"base": steps.base_step, "tree": steps.tree_step}, f"profile: {name}"), flush=True)
         del steps
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+# kernel name fragments -> where the time goes (first match wins; the rest is "other")
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attn", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma")),
+    ("gather/scatter", ("index", "gather", "scatter", "embedding")),
+    ("softmax/reduce", ("softmax", "logsumexp", "reduce", "norm", "sum")),
+    ("copy/cast", ("copy", "cat", "fill", "to_copy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iters: int = 3) -> str:
+    """Where one step's time goes, per step in ms: CUDA kernel time by kind, and the wall time
+    the kernels leave uncovered (launch latency, host work, syncs). One column per step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    columns = {}
+    for label, step in named_steps.items():
+        step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3 / iters
+        kinds: dict[str, float] = {}
+        for event in prof.key_averages():
+            us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+            if event.device_type.name == "CUDA" and us:
+                kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e3 / iters
+        kernels = sum(kinds.values())
+        columns[label] = {**kinds, "all kernels": kernels, "wall": wall, "uncovered": wall - kernels}
+    rows_order = [k for k, _ in KERNEL_KINDS] + ["other", "all kernels", "wall", "uncovered"]
+    rows = [[kind] + [columns[c].get(kind, 0.0) for c in columns] for kind in rows_order]
+    return f"{title} (ms per step)\n\n" + markdown_table(["kind", *columns], rows)
 
 
 def environment() -> str:
@@ -150,6 +195,8 @@ def model_benchmark_parser(doc: str):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
     p.add_argument("--out", help="also write the table (markdown) here")
+    p.add_argument("--profile", nargs="*", default=[], metavar="WORKLOAD",
+                   help="also print where the base and tree step times go for these workloads (CUDA)")
     return p
 
 
