@@ -14,11 +14,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from forests import random_forest  # noqa: E402
 from gdn_shims import gdn_config_overrides, gdn_layer_spec, shim_gdn_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
-    VOCAB, build_gpt, init_cpu_megatron, layer_spec_args, randomize_, stock_forward, tiny_config,
+    build_gpt, init_cpu_megatron, layer_spec_args, randomize_, stock_forward, tiny_config,
 )
+from recurrent_oracle import assert_grads_close, recurrent_forests, tree_vs_each_sequence  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.recurrent import gated_delta_rule_recurrent  # noqa: E402
@@ -37,22 +37,7 @@ from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
 from ps_mcore.layer_specs.recurrent_specs import refuse_tree_batch, tree_recurrent_spec  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-def _forests() -> dict[str, list[list[int]]]:
-    """Small nasty shapes (CPU time: every reference sequence runs the stock recurrence)."""
-    rng = np.random.default_rng(0)
-    p, chain = [int(x) for x in rng.integers(0, 50, 7)], [int(x) for x in rng.integers(0, 50, 12)]
-    return {
-        "single-sequence": [p],
-        "deep-chain-short-nodes": [chain[:n] for n in (2, 4, 5, 9, 12)],  # nodes of 1-4 tokens
-        "single-tokens": [[7], [7], [3], [7, 1, 2]],
-        "duplicates-and-prefix": [p, list(p), p[:3], p + [1, 2]],
-        "tree": [p + a + b for a in ([1, 2], [3]) for b in ([4, 5, 6], [])],
-        "no-sharing": [[1, 2, 3], [4, 5], [6]],
-        "random": random_forest(np.random.default_rng(3), max_seqs=5, max_len=12),
-    }
-
-
-FORESTS = _forests()
+FORESTS = recurrent_forests()
 
 
 def _block_spec(cfg, pattern="G*G"):
@@ -80,12 +65,6 @@ def models():
     return cfg, stock, tree
 
 
-def _grads(model):
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 def test_spec_substitution_and_stock_keys(models):
     cfg, stock, tree = models
     kinds = [type(layer.self_attention) for layer in tree.decoder.layers]
@@ -100,43 +79,15 @@ def test_spec_substitution_and_stock_keys(models):
         tree_recurrent_spec(ModuleSpec(module=CustomGDN))
 
 
-def _tree_vs_each_sequence(stock, tree, seqs, pad_to_multiple_of=4):
-    """(tree, reference) logits at every original token and parameter gradients of a
-    per-sample-weighted loss."""
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    dtype = next(stock.parameters()).dtype
-    w = torch.cat([torch.full((len(s),), 0.3 + 0.4 * i, dtype=dtype) for i, s in enumerate(seqs)])
-    probe = torch.randn(plan.num_input_tokens, VOCAB, generator=torch.Generator().manual_seed(1)).to(dtype)
-
-    ref = torch.cat([stock_forward(stock, s) for s in seqs])
-    (w[:, None] * ref * probe).sum().backward()
-    ref_grads = _grads(stock)
-
-    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=pad_to_multiple_of)
-    logits = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
-                  attention_mask=None, packed_seq_params=psp)[0]
-    got = plan.unpack(logits)
-    (w[:, None] * got * probe).sum().backward()
-    return (got.detach(), ref.detach()), (_grads(tree), ref_grads)
-
-
-def _assert_grads_close(got, ref, rel_atol, rtol):
-    assert got.keys() == ref.keys()
-    for name, r in ref.items():
-        scale = float(r.abs().max())
-        assert scale > 0, f"{name}: zero reference gradient, the test would not test it"
-        torch.testing.assert_close(got[name], r, rtol=rtol, atol=rel_atol * scale, msg=name)
-
-
 @pytest.mark.parametrize("forest", sorted(FORESTS))
 def test_hybrid_tree_matches_each_sequence(models, forest):
     """fp32, stock kernels (megatron's torch chunked gated delta rule) for the reference.
     Tolerances scale with each tensor's magnitude: ~40-step fp32 recurrences through a sharp
     random model differ by summation order only (the fp64 test below is exact to ~1e-12)."""
     _, stock, tree = models
-    (got, ref), (grads, ref_grads) = _tree_vs_each_sequence(stock, tree, FORESTS[forest])
+    (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, FORESTS[forest])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    _assert_grads_close(grads, ref_grads, rel_atol=3e-5, rtol=1e-4)
+    assert_grads_close(grads, ref_grads, rel_atol=3e-5, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +117,9 @@ def test_gdn_tree_exact_in_fp64(gdn_only_fp64, forest, monkeypatch):
 
     monkeypatch.setattr(gdn, "chunk_gated_delta_rule", _stock_kernel_recurrent)
     stock, tree = gdn_only_fp64
-    (got, ref), (grads, ref_grads) = _tree_vs_each_sequence(stock, tree, FORESTS[forest])
+    (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, FORESTS[forest])
     torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-7 * float(ref.abs().max()))
-    _assert_grads_close(grads, ref_grads, rel_atol=1e-6, rtol=1e-6)
+    assert_grads_close(grads, ref_grads, rel_atol=1e-6, rtol=1e-6)
 
 
 def test_hybrid_on_standard_thd_batch_matches_each_sequence(models):
