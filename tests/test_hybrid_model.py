@@ -19,9 +19,9 @@ import torch
 
 pytest.importorskip("megatron.core.models.hybrid", reason="HybridModel needs megatron-core 0.19+")
 
-from gdn_shims import gdn_config_overrides, gdn_layer_spec, shim_gdn_for_cpu  # noqa: E402
+from gdn_shims import gdn_config_overrides, shim_gdn_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
-    VOCAB, SPTorchNorm, causal_mask, init_cpu_megatron, randomize_, tiny_config,
+    VOCAB, SPTorchNorm, causal_mask, init_cpu_megatron, local_hybrid_stack_spec, randomize_, tiny_config,
 )
 from recurrent_oracle import assert_grads_close, recurrent_forests, tree_vs_each_sequence  # noqa: E402
 
@@ -30,7 +30,6 @@ from ps_mcore import plan_prefix_tree  # noqa: E402
 init_cpu_megatron(1)
 shim_gdn_for_cpu()
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.hybrid import hybrid_block  # noqa: E402
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules  # noqa: E402
 from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
@@ -58,19 +57,7 @@ def _torch_final_norm(monkeypatch):
 
 
 def _local_hybrid_spec(config=None) -> ModuleSpec:
-    """Local-layer hybrid stack: attention (GPT local layer), MLP and, given a GDN config, a
-    Gated DeltaNet layer laid out as 0.19's ``hybrid_stack_spec`` lays it out (a
-    TransformerLayer with the stock GatedDeltaNet as self_attention, no MLP)."""
-    gpt = get_gpt_layer_local_spec(normalization="RMSNorm")
-    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=gpt.submodules.pre_mlp_layernorm, mlp=gpt.submodules.mlp,
-        mlp_bda=gpt.submodules.mlp_bda))
-    layers = dict(attention_layer=gpt, mlp_layer=mlp)
-    if config is not None:
-        mixer_only = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=gpt.submodules.input_layernorm, self_attn_bda=gpt.submodules.self_attn_bda))
-        layers["gdn_layer"] = gdn_layer_spec(config, mixer_only)
-    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(**layers))
+    return local_hybrid_stack_spec(HybridStack, HybridStackSubmodules, config)
 
 
 def _model(spec, pattern=PATTERN, config=None):

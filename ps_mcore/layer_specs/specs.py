@@ -150,7 +150,9 @@ def _require_packed_seq_params(cls: Any, what: str) -> None:
     forward = getattr(cls, "forward", None)
     if not isinstance(cls, type) or forward is None:
         return
-    if "packed_seq_params" not in inspect.signature(forward).parameters:
+    params = inspect.signature(forward).parameters
+    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "packed_seq_params" not in params and not takes_any_keyword:  # 0.16's TransformerLayer: **kwargs
         raise NotImplementedError(
             f"cannot convert {what}: {cls.__name__}.forward takes no packed_seq_params, so the "
             "prefix-tree plan (TreePackedSeqParams) would never reach its token mixer"
