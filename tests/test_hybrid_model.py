@@ -197,13 +197,13 @@ def test_tree_batch_reaching_a_layer_without_tree_support_raises(field):
 
 @pytest.mark.parametrize("field", ["gdn_layer", "mamba_layer"])
 def test_recurrent_layer_without_a_known_mixer_is_refused_at_conversion(field):
-    slot = "self_attention" if field == "gdn_layer" else "mixer"
-    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        **{"self_attention": ModuleSpec(module=_MixerLayer)}))
-    if slot == "mixer":
-        from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 
-        layer = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(mixer=ModuleSpec(module=_MixerLayer)))
+    mixer = ModuleSpec(module=_MixerLayer)
+    layer = {
+        "gdn_layer": ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(self_attention=mixer)),
+        "mamba_layer": ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(mixer=mixer)),
+    }[field]
     with pytest.raises(NotImplementedError, match=f"hybrid stack's {field}"):
         to_tree_spec(HybridStackSubmodules(**{field: layer}))
 
