@@ -1,13 +1,34 @@
-"""Test-only shims so megatron-core 0.16.1's stock ``GatedDeltaNet`` builds and runs on CPU.
+"""Test-only shims so megatron-core's stock ``GatedDeltaNet`` (0.16.1 and 0.19) builds and runs
+on CPU.
 
 The stock module refuses to build without flash-linear-attention (Triton, GPU only here) and
-calls fla's ``l2norm`` and ``chunk_gated_delta_rule``. The shims substitute Megatron's own
-pure-torch ``torch_chunk_gated_delta_rule`` (what the stock module runs in deterministic mode)
-and the same l2 normalisation formula, and run ``_apply_gated_norm`` uncompiled (megatron
-wraps it in ``torch.compile``). Never used by the library.
+calls fla's ``l2norm``, ``chunk_gated_delta_rule`` and (0.19) ``causal_conv1d``. The shims
+substitute Megatron's own pure-torch ``torch_chunk_gated_delta_rule`` and a torch depthwise
+convolution (what the stock module runs in deterministic mode) and the same l2 normalisation
+formula, and run the ``torch.compile``-wrapped helpers uncompiled. Never used by the library.
 """
 
 from __future__ import annotations
+
+
+def _cpu_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
+                       output_final_state=False, cu_seqlens=None):
+    """fla's ``causal_conv1d`` (x ``[b, s, d]``, weight ``[d, w]``) for one unpacked batch, in
+    torch: what 0.19's stock module runs in deterministic mode."""
+    import torch.nn.functional as F
+
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise NotImplementedError("the CPU causal_conv1d shim runs whole unpacked sequences only")
+    width = weight.size(-1)
+    y = F.conv1d(x.transpose(1, 2), weight[:, None], bias, padding=width - 1, groups=weight.size(0))
+    y = y[..., : x.size(1)].transpose(1, 2)
+    return (F.silu(y) if activation in ("silu", "swish") else y), None
+
+
+def _uncompiled(cls, *names) -> None:
+    for name in names:  # megatron wraps these in torch.compile (jit_fuser)
+        fn = cls.__dict__[name]
+        setattr(cls, name, getattr(fn, "_torchdynamo_orig_callable", fn))
 
 
 def shim_gdn_for_cpu() -> None:
@@ -15,11 +36,20 @@ def shim_gdn_for_cpu() -> None:
 
     from ps_mcore.recurrent import l2norm
 
+    if hasattr(gdn, "common"):  # megatron-core 0.19+: a package, the class in gdn.gdn
+        from megatron.core.ssm.gated_delta_net import common, gdn as gdn_module
+
+        common.HAVE_FLA = True
+        common.l2norm = l2norm
+        gdn_module.chunk_gated_delta_rule = gdn_module.torch_chunk_gated_delta_rule
+        gdn_module.causal_conv1d = _cpu_causal_conv1d
+        _uncompiled(common._GDNBase, "_apply_gated_norm", "_prepare_input_for_gated_delta_rule",
+                    "_compute_g_and_beta")
+        return
     gdn.HAVE_FLA = True
     gdn.l2norm = l2norm
     gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
-    norm = gdn.GatedDeltaNet.__dict__["_apply_gated_norm"]
-    gdn.GatedDeltaNet._apply_gated_norm = getattr(norm, "_torchdynamo_orig_callable", norm)
+    _uncompiled(gdn.GatedDeltaNet, "_apply_gated_norm")
 
 
 def gdn_config_overrides(**extra) -> dict:

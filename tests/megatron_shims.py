@@ -126,6 +126,30 @@ def assert_tree_matches_stock(stock, tree, seqs) -> None:
     torch.testing.assert_close(plan.unpack(got), ref, rtol=1e-5, atol=1e-5)
 
 
+def local_hybrid_stack_spec(stack, submodules_cls, gdn_config=None):
+    """A hybrid stack spec (0.19's ``HybridStack`` / 0.16's ``MambaStack`` with its submodules
+    dataclass) built from Megatron's local layers: attention (the GPT local layer, with its MLP),
+    MLP and, given a GDN config, a Gated DeltaNet layer laid out as 0.19's ``hybrid_stack_spec``
+    lays it out (a TransformerLayer with the stock GatedDeltaNet as self_attention, no MLP)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    gpt = get_gpt_layer_local_spec(normalization="RMSNorm")
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=gpt.submodules.pre_mlp_layernorm, mlp=gpt.submodules.mlp,
+        mlp_bda=gpt.submodules.mlp_bda))
+    layers = dict(attention_layer=gpt, mlp_layer=mlp)
+    if gdn_config is not None:
+        from gdn_shims import gdn_layer_spec
+
+        mixer_only = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=gpt.submodules.input_layernorm, self_attn_bda=gpt.submodules.self_attn_bda))
+        layers["gdn_layer"] = gdn_layer_spec(gdn_config, mixer_only)
+    return ModuleSpec(module=stack, submodules=submodules_cls(**layers))
+
+
 def shard_(full: torch.Tensor, param: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """This rank's shard of a full TP=1 tensor, following megatron's partition attributes
     (``partition_stride`` 2 = SwiGLU fc1: each rank holds its slice of gate AND of up)."""

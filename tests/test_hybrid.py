@@ -1,4 +1,5 @@
-"""Hybrid (Gated DeltaNet + attention) megatron-core GPTModel on prefix forests (CPU, fp32).
+"""Hybrid (Gated DeltaNet + attention) megatron-core 0.16 GPTModel on prefix forests (CPU, fp32),
+and 0.16's MambaStack / MambaModel spec conversion (its attention layers run on CPU).
 
 Oracle: the stock model (megatron's GatedDeltaNet and local attention, same weights) run on
 every sequence alone (sbhd). Tree model: ``to_tree_spec`` of the same block spec, fed the
@@ -14,11 +15,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from forests import random_forest  # noqa: E402
 from gdn_shims import gdn_config_overrides, gdn_layer_spec, shim_gdn_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
-    VOCAB, build_gpt, init_cpu_megatron, layer_spec_args, randomize_, stock_forward, tiny_config,
+    VOCAB, SPTorchNorm, build_gpt, init_cpu_megatron, layer_spec_args, local_hybrid_stack_spec, randomize_,
+    stock_forward, tiny_config,
 )
+from recurrent_oracle import assert_grads_close, recurrent_forests, tree_vs_each_sequence  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.recurrent import gated_delta_rule_recurrent  # noqa: E402
@@ -32,27 +34,14 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 
-from ps_mcore.layer_specs import TreePackedSeqParams, TreeSelfAttention, to_tree_spec  # noqa: E402
+from ps_mcore.layer_specs import (  # noqa: E402
+    TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec,
+)
 from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
 from ps_mcore.layer_specs.recurrent_specs import refuse_tree_batch, tree_recurrent_spec  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-def _forests() -> dict[str, list[list[int]]]:
-    """Small nasty shapes (CPU time: every reference sequence runs the stock recurrence)."""
-    rng = np.random.default_rng(0)
-    p, chain = [int(x) for x in rng.integers(0, 50, 7)], [int(x) for x in rng.integers(0, 50, 12)]
-    return {
-        "single-sequence": [p],
-        "deep-chain-short-nodes": [chain[:n] for n in (2, 4, 5, 9, 12)],  # nodes of 1-4 tokens
-        "single-tokens": [[7], [7], [3], [7, 1, 2]],
-        "duplicates-and-prefix": [p, list(p), p[:3], p + [1, 2]],
-        "tree": [p + a + b for a in ([1, 2], [3]) for b in ([4, 5, 6], [])],
-        "no-sharing": [[1, 2, 3], [4, 5], [6]],
-        "random": random_forest(np.random.default_rng(3), max_seqs=5, max_len=12),
-    }
-
-
-FORESTS = _forests()
+FORESTS = recurrent_forests()
 
 
 def _block_spec(cfg, pattern="G*G"):
@@ -80,12 +69,6 @@ def models():
     return cfg, stock, tree
 
 
-def _grads(model):
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 def test_spec_substitution_and_stock_keys(models):
     cfg, stock, tree = models
     kinds = [type(layer.self_attention) for layer in tree.decoder.layers]
@@ -100,43 +83,15 @@ def test_spec_substitution_and_stock_keys(models):
         tree_recurrent_spec(ModuleSpec(module=CustomGDN))
 
 
-def _tree_vs_each_sequence(stock, tree, seqs, pad_to_multiple_of=4):
-    """(tree, reference) logits at every original token and parameter gradients of a
-    per-sample-weighted loss."""
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    dtype = next(stock.parameters()).dtype
-    w = torch.cat([torch.full((len(s),), 0.3 + 0.4 * i, dtype=dtype) for i, s in enumerate(seqs)])
-    probe = torch.randn(plan.num_input_tokens, VOCAB, generator=torch.Generator().manual_seed(1)).to(dtype)
-
-    ref = torch.cat([stock_forward(stock, s) for s in seqs])
-    (w[:, None] * ref * probe).sum().backward()
-    ref_grads = _grads(stock)
-
-    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=pad_to_multiple_of)
-    logits = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
-                  attention_mask=None, packed_seq_params=psp)[0]
-    got = plan.unpack(logits)
-    (w[:, None] * got * probe).sum().backward()
-    return (got.detach(), ref.detach()), (_grads(tree), ref_grads)
-
-
-def _assert_grads_close(got, ref, rel_atol, rtol):
-    assert got.keys() == ref.keys()
-    for name, r in ref.items():
-        scale = float(r.abs().max())
-        assert scale > 0, f"{name}: zero reference gradient, the test would not test it"
-        torch.testing.assert_close(got[name], r, rtol=rtol, atol=rel_atol * scale, msg=name)
-
-
 @pytest.mark.parametrize("forest", sorted(FORESTS))
 def test_hybrid_tree_matches_each_sequence(models, forest):
     """fp32, stock kernels (megatron's torch chunked gated delta rule) for the reference.
     Tolerances scale with each tensor's magnitude: ~40-step fp32 recurrences through a sharp
     random model differ by summation order only (the fp64 test below is exact to ~1e-12)."""
     _, stock, tree = models
-    (got, ref), (grads, ref_grads) = _tree_vs_each_sequence(stock, tree, FORESTS[forest])
+    (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, FORESTS[forest])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    _assert_grads_close(grads, ref_grads, rel_atol=3e-5, rtol=1e-4)
+    assert_grads_close(grads, ref_grads, rel_atol=3e-5, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +121,9 @@ def test_gdn_tree_exact_in_fp64(gdn_only_fp64, forest, monkeypatch):
 
     monkeypatch.setattr(gdn, "chunk_gated_delta_rule", _stock_kernel_recurrent)
     stock, tree = gdn_only_fp64
-    (got, ref), (grads, ref_grads) = _tree_vs_each_sequence(stock, tree, FORESTS[forest])
+    (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, FORESTS[forest])
     torch.testing.assert_close(got, ref, rtol=1e-7, atol=1e-7 * float(ref.abs().max()))
-    _assert_grads_close(grads, ref_grads, rel_atol=1e-6, rtol=1e-6)
+    assert_grads_close(grads, ref_grads, rel_atol=1e-6, rtol=1e-6)
 
 
 def test_hybrid_on_standard_thd_batch_matches_each_sequence(models):
@@ -203,3 +158,75 @@ def test_refusals(models):
         tree.decoder.layers[0].self_attention(hidden, None, packed_seq_params=psp)
     with pytest.raises(NotImplementedError, match="Mamba.*prefix-tree batch"):
         refuse_tree_batch("Mamba (MambaMixer)", "not implemented")
+
+
+# ------------------------------------------------------------- megatron-core 0.16's MambaStack
+
+
+def _mamba_stack_spec():
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+
+    return local_hybrid_stack_spec(MambaStack, MambaStackSubmodules)
+
+
+def test_mamba_stack_spec_conversion():
+    """0.16's MambaStackSubmodules (mamba / attention / mlp / moe layers) goes through the same
+    per-kind builders as 0.19's hybrid stack."""
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+
+    spec = _mamba_stack_spec()
+    moe = stock_specs.get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
+    spec.submodules.moe_layer = moe
+    tree = to_tree_spec(spec).submodules
+    assert spec.submodules.moe_layer is moe and moe.module is not tree.moe_layer.module  # not modified
+    attn = tree.attention_layer.submodules.self_attention
+    assert attn.module is TreeSelfAttention and attn.submodules.core_attention.module is TreeCoreAttention
+    assert tree.mlp_layer is spec.submodules.mlp_layer
+    assert tree.mamba_layer is spec.submodules.mamba_layer  # IdentityOp: no Mamba layers
+    assert issubclass(tree.moe_layer.module, moe.module)  # kept, refusing tree batches
+
+    unknown_mixer = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(mixer=ModuleSpec(module=torch.nn.Identity)))
+    spec.submodules.mamba_layer = unknown_mixer
+    with pytest.raises(NotImplementedError, match="hybrid stack's mamba_layer.*MambaMixer"):
+        to_tree_spec(spec)
+
+
+def test_mamba_stack_mamba_mixer_becomes_the_tree_mixer():
+    pytest.importorskip("megatron.core.ssm.mamba_mixer", reason="megatron's MambaMixer imports triton")
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from ps_mcore.layer_specs.mamba import TreeMambaMixer
+
+    mixer = ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+        in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
+    spec = _mamba_stack_spec()
+    spec.submodules.mamba_layer = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(mixer=mixer))
+    tree = to_tree_spec(spec).submodules.mamba_layer
+    assert tree.module is MambaLayer and tree.submodules.mixer.module is TreeMambaMixer
+    assert tree.submodules.mixer.submodules is mixer.submodules and mixer.module is MambaMixer
+
+
+@pytest.mark.parametrize("forest", ["tree", "duplicates-and-prefix"])
+def test_mamba_model_attention_layers_on_a_tree(forest, monkeypatch):
+    """0.16's MambaModel (pattern ``*-*-``; its Mamba layers need triton) on a forest: tree vs each
+    sequence alone, logits and every gradient. Test-only shim: MambaStack's final TENorm."""
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.ssm import mamba_block
+
+    monkeypatch.setattr(mamba_block, "TENorm", SPTorchNorm)
+    spec = _mamba_stack_spec()
+
+    def model(s):
+        return MambaModel(tiny_config("qwen2", num_layers=4), s, vocab_size=VOCAB, max_sequence_length=512,
+                          hybrid_override_pattern="*-*-", position_embedding_type="rope", rotary_base=1_000_000)
+
+    stock = model(spec)
+    randomize_(stock, seed=3)
+    tree = model(to_tree_spec(spec))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    assert type(tree.decoder.layers[2].self_attention) is TreeSelfAttention
+    (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, FORESTS[forest])
+    torch.testing.assert_close(got, ref, **TOL)
+    assert_grads_close(grads, ref_grads, rel_atol=1e-5, rtol=1e-4)

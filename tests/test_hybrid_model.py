@@ -1,12 +1,17 @@
 """megatron-core 0.19+ ``HybridModel`` with a local (non-TE) hybrid stack spec on CPU:
-``to_tree_spec`` converts the attention layers, MLP layers stay stock, and a tree batch that
-reaches a layer kind without tree support (Mamba, GDN, DSA, MLA) raises naming it.
+``to_tree_spec`` converts the attention layers and the Gated DeltaNet layers (tree vs each
+sequence alone through the stock model: logits and every parameter gradient), puts
+``TreeMambaMixer`` into the Mamba layers, leaves MLP layers stock, and a tree batch that reaches
+a layer kind without tree support (DSA, MLA, MoE) raises naming it.
 
-Test-only shim: ``HybridStack`` builds its final norm with ``TENorm`` unconditionally (TE needs
-CUDA); it is pointed at a torch RMSNorm here.
+Test-only shims: ``HybridStack`` builds its final norm with ``TENorm`` unconditionally (TE needs
+CUDA); it is pointed at a torch RMSNorm here. The stock ``GatedDeltaNet`` runs megatron's
+pure-torch kernels (tests/gdn_shims.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -14,27 +19,36 @@ import torch
 
 pytest.importorskip("megatron.core.models.hybrid", reason="HybridModel needs megatron-core 0.19+")
 
+from gdn_shims import gdn_config_overrides, shim_gdn_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
-    VOCAB, SPTorchNorm, causal_mask, init_cpu_megatron, randomize_, tiny_config,
+    VOCAB, SPTorchNorm, causal_mask, init_cpu_megatron, local_hybrid_stack_spec, randomize_, tiny_config,
 )
+from recurrent_oracle import assert_grads_close, recurrent_forests, tree_vs_each_sequence  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 
 init_cpu_megatron(1)
+shim_gdn_for_cpu()
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.hybrid import hybrid_block  # noqa: E402
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules  # noqa: E402
 from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet  # noqa: E402
 from megatron.core.ssm.mlp_layer import MLPLayer  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules  # noqa: E402
+from megatron.core.transformer.transformer_layer import (  # noqa: E402
+    TransformerLayer, TransformerLayerSubmodules,
+)
 
 from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec,
 )
+from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
 
 PATTERN = "*-*-"
+
+
+_STOCK_TENORM = hybrid_block.TENorm
 
 
 @pytest.fixture(autouse=True)
@@ -42,19 +56,14 @@ def _torch_final_norm(monkeypatch):
     monkeypatch.setattr(hybrid_block, "TENorm", SPTorchNorm)
 
 
-def _local_hybrid_spec() -> ModuleSpec:
-    gpt = get_gpt_layer_local_spec(normalization="RMSNorm")
-    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=gpt.submodules.pre_mlp_layernorm, mlp=gpt.submodules.mlp,
-        mlp_bda=gpt.submodules.mlp_bda))
-    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        attention_layer=gpt, mlp_layer=mlp))
+def _local_hybrid_spec(config=None) -> ModuleSpec:
+    return local_hybrid_stack_spec(HybridStack, HybridStackSubmodules, config)
 
 
-def _model(spec):
-    cfg = tiny_config("qwen2", num_layers=len(PATTERN))
+def _model(spec, pattern=PATTERN, config=None):
+    cfg = config or tiny_config("qwen2", num_layers=len(pattern))
     return HybridModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=512,
-                       hybrid_layer_pattern=PATTERN, position_embedding_type="rope",
+                       hybrid_layer_pattern=pattern, position_embedding_type="rope",
                        rotary_base=1_000_000)
 
 
@@ -90,8 +99,80 @@ def test_hybrid_model_tree_matches_stock():
     torch.testing.assert_close(plan.unpack(got), torch.cat(ref), rtol=1e-5, atol=1e-5)
 
 
+GDN_PATTERN = "G*G-"  # GDN, attention (with its MLP), GDN, MLP: test_hybrid.py's depth
+GDN_FORESTS = recurrent_forests()
+
+
+@pytest.fixture(scope="module")
+def gdn_models():
+    cfg = tiny_config("qwen2", num_layers=len(GDN_PATTERN), **gdn_config_overrides())
+    spec = _local_hybrid_spec(cfg)
+    hybrid_block.TENorm = SPTorchNorm  # module scope: the autouse fixture runs per test
+    try:
+        stock = _model(spec, GDN_PATTERN, cfg)
+        randomize_(stock, seed=11)
+        with torch.no_grad():  # decays away from 1 and short convs that reach across nodes
+            for layer, kind in zip(stock.decoder.layers, GDN_PATTERN):
+                if kind == "G":
+                    layer.self_attention.A_log.copy_(torch.linspace(-1.0, 0.5, layer.self_attention.A_log.numel()))
+                    layer.self_attention.conv1d.weight.mul_(4.0)
+        tree_spec = to_tree_spec(spec)
+        tree = _model(tree_spec, GDN_PATTERN, cfg)
+    finally:
+        hybrid_block.TENorm = _STOCK_TENORM
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    return spec, tree_spec, stock, tree
+
+
+def test_gdn_layers_get_the_tree_mixer(gdn_models):
+    spec, tree_spec, stock, tree = gdn_models
+    gdn = tree_spec.submodules.gdn_layer
+    assert gdn.module is TransformerLayer and gdn.submodules.self_attention.module is TreeGatedDeltaNet
+    assert spec.submodules.gdn_layer.submodules.self_attention.module is GatedDeltaNet  # not modified
+    assert tree_spec.submodules.mlp_layer is spec.submodules.mlp_layer
+    mixers = {"G": TreeGatedDeltaNet, "*": TreeSelfAttention}
+    for layer, kind in zip(tree.decoder.layers, GDN_PATTERN, strict=True):
+        if kind == "-":
+            assert type(layer) is MLPLayer
+        else:
+            assert type(layer) is TransformerLayer and type(layer.self_attention) is mixers[kind]
+    assert list(tree.state_dict()) == list(stock.state_dict())
+
+
+@pytest.mark.parametrize("forest", sorted(GDN_FORESTS))
+def test_gdn_hybrid_model_tree_matches_each_sequence(gdn_models, forest):
+    """fp32; the stock GatedDeltaNet runs megatron's torch chunked kernel on each sequence alone
+    (tolerances as tests/test_hybrid.py: summation order only)."""
+    _, _, stock, tree = gdn_models
+    (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, GDN_FORESTS[forest])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    torch.testing.assert_close(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads, rel_atol=3e-5, rtol=1e-4)
+
+
+def test_stock_hybrid_stack_spec_converts_gdn_and_mamba_mixers():
+    """megatron's own (TE) hybrid_stack_spec: every mixer kind with a tree version gets it."""
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+    from megatron.core.ssm.mamba_layer import MambaLayer
+
+    from ps_mcore.layer_specs.mamba import TreeMambaMixer
+
+    tree = to_tree_spec(hybrid_stack_spec).submodules
+    stock = hybrid_stack_spec.submodules
+    assert tree.mamba_layer.module is MambaLayer
+    assert tree.mamba_layer.submodules.mixer.module is TreeMambaMixer
+    assert tree.mamba_layer.submodules.mixer.submodules is stock.mamba_layer.submodules.mixer.submodules
+    assert tree.mamba_layer.submodules.mamba_bda is stock.mamba_layer.submodules.mamba_bda
+    assert tree.gdn_layer.submodules.self_attention.module is TreeGatedDeltaNet
+    assert tree.attention_layer.submodules.self_attention.module is TreeSelfAttention
+    assert tree.mlp_layer is stock.mlp_layer and tree.mtp_block_spec is stock.mtp_block_spec
+    for field in ("dsa_layer", "mla_layer", "moe_layer"):  # kept, but refusing tree batches
+        kept, refusing = getattr(stock, field).module, getattr(tree, field).module
+        assert refusing is not kept and issubclass(refusing, kept)
+
+
 class _MixerLayer(torch.nn.Module):
-    """Stands for a Mamba / GDN layer (their kernels need CUDA): mixes tokens, has weights."""
+    """Stands for a DSA / MLA / MoE layer: mixes tokens, has weights."""
 
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -101,7 +182,7 @@ class _MixerLayer(torch.nn.Module):
         return hidden_states.cumsum(0) * self.weight
 
 
-@pytest.mark.parametrize("field", ["mamba_layer", "gdn_layer", "dsa_layer"])
+@pytest.mark.parametrize("field", ["dsa_layer", "mla_layer", "moe_layer"])
 def test_tree_batch_reaching_a_layer_without_tree_support_raises(field):
     spec = HybridStackSubmodules(**{field: ModuleSpec(module=_MixerLayer)})
     tree = to_tree_spec(spec)
@@ -112,6 +193,35 @@ def test_tree_batch_reaching_a_layer_without_tree_support_raises(field):
     plan = plan_prefix_tree([[1, 2, 3], [1, 2, 4]], min_prefix_len=1)
     with pytest.raises(NotImplementedError, match=f"_MixerLayer.*{field}"):
         layer(x[:4], packed_seq_params=TreePackedSeqParams.from_plan(plan))
+
+
+@pytest.mark.parametrize("field", ["gdn_layer", "mamba_layer"])
+def test_recurrent_layer_without_a_known_mixer_is_refused_at_conversion(field):
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+
+    mixer = ModuleSpec(module=_MixerLayer)
+    layer = {
+        "gdn_layer": ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(self_attention=mixer)),
+        "mamba_layer": ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(mixer=mixer)),
+    }[field]
+    with pytest.raises(NotImplementedError, match=f"hybrid stack's {field}"):
+        to_tree_spec(HybridStackSubmodules(**{field: layer}))
+
+
+def test_a_stack_or_layer_that_drops_packed_seq_params_is_refused():
+    class NoPackedParamsLayer(TransformerLayer):
+        def forward(self, hidden_states, attention_mask=None):
+            return super().forward(hidden_states, attention_mask)
+
+    class NoPackedParamsStack(HybridStack):
+        def forward(self, hidden_states, attention_mask):
+            return super().forward(hidden_states, attention_mask)
+
+    gdn = _local_hybrid_spec(tiny_config("qwen2", **gdn_config_overrides())).submodules.gdn_layer
+    with pytest.raises(NotImplementedError, match="gdn_layer.*NoPackedParamsLayer"):
+        to_tree_spec(HybridStackSubmodules(gdn_layer=dataclasses.replace(gdn, module=NoPackedParamsLayer)))
+    with pytest.raises(NotImplementedError, match="hybrid stack.*NoPackedParamsStack"):
+        to_tree_spec(ModuleSpec(module=NoPackedParamsStack, submodules=HybridStackSubmodules(gdn_layer=gdn)))
 
 
 def test_hybrid_stack_spec_without_attention_is_left_alone():

@@ -5,7 +5,8 @@ checkpoints and TP sharding unchanged). On a :class:`TreePackedSeqParams` batch 
 the forest starts its gated delta recurrence from its parent's final state and its short
 convolution from the last ``linear_conv_kernel_dim - 1`` inputs of its ancestors (kernels in
 :mod:`ps_mcore.recurrent`). On an ordinary THD batch (standard ``PackedSeqParams``, which the
-stock 0.16 module refuses) every sequence runs from zero state through the same kernels.
+stock 0.16 module refuses) every sequence runs from zero state through the same kernels
+(under context parallelism, which 0.19's stock module supports, the stock forward runs).
 Without packed params (sbhd) the stock forward runs.
 
 Kernel: ``config.tree_gdn_backend`` (``auto`` | ``fla`` | ``torch``; default ``auto``:
@@ -30,21 +31,24 @@ class TreeGatedDeltaNet(GatedDeltaNet):
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
                 inference_params=None, **kwargs):
-        if packed_seq_params is None:
+        tree_batch = isinstance(packed_seq_params, TreePackedSeqParams)
+        # megatron-core 0.19's stock GDN runs THD under context parallelism (its own
+        # all-to-alls); the THD path below does not, so an ordinary batch goes to it.
+        if packed_seq_params is None or (not tree_batch and getattr(self, "cp_size", 1) > 1):
             return super().forward(
                 hidden_states, attention_mask, key_value_states=key_value_states,
                 inference_context=inference_context, attention_bias=attention_bias,
-                packed_seq_params=None, sequence_len_offset=sequence_len_offset,
+                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
                 inference_params=inference_params, **kwargs,
             )
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("TreeGatedDeltaNet: inference with packed sequences is not supported")
         if hidden_states.size(1) != 1:
             raise ValueError(f"packed (thd) batches have batch size 1, got hidden_states {tuple(hidden_states.shape)}")
-        if isinstance(packed_seq_params, TreePackedSeqParams) and packed_seq_params.cp_size > 1:
+        if tree_batch and packed_seq_params.cp_size > 1:
             raise NotImplementedError(
-                "Gated DeltaNet under context parallelism is not supported (neither by "
-                "megatron-core's GatedDeltaNet nor by the tree version)"
+                "Gated DeltaNet on a prefix-tree batch under context parallelism is not "
+                "supported (megatron-core 0.16's GatedDeltaNet has no CP at all)"
             )
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
@@ -52,7 +56,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         qkvzba, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
         qkvzba = qkvzba[:, 0]
         rows = qkvzba.size(0)
-        if isinstance(packed_seq_params, TreePackedSeqParams):
+        if tree_batch:
             plan = packed_seq_params.plan.to(qkvzba.device)
         else:
             plan = plan_for_thd(packed_seq_params, rows, qkvzba.device)

@@ -56,7 +56,7 @@ def tree_recurrent_spec(spec: Any) -> Any | None:
     tree_cls = getattr(importlib.import_module(tree_module), tree_name)
     if cls is tree_cls or issubclass(cls, tree_cls):
         return spec
-    if cls.__name__ != key[1] or cls.__module__ != key[0]:
+    if cls is not getattr(sys.modules[key[0]], key[1]):  # 0.19 defines GatedDeltaNet in a submodule
         raise NotImplementedError(
             f"cannot convert {cls.__module__}.{cls.__name__} (a subclass of {key[1]}) to a tree "
             f"mixer: to_tree_spec swaps megatron's {key[1]} only"

@@ -3,7 +3,8 @@
 ``to_tree_spec`` replaces, in every layer, the self-attention module class by
 :class:`TreeSelfAttention` (MLA: :class:`TreeMLASelfAttention`) and its core attention by
 :class:`TreeCoreAttention`, a recurrent mixer in the attention slot (Gated DeltaNet) by its
-tree version (``recurrent_specs.TREE_MIXERS``), and an MoE layer's ``TopKRouter`` by
+tree version (``recurrent_specs.TREE_MIXERS``; in a hybrid stack also the GDN layers' mixer and
+the Mamba layers' ``MambaMixer``), and an MoE layer's ``TopKRouter`` by
 :class:`TreeTopKRouter` (router statistics weighted by row multiplicity). Linear layers,
 norms, experts and parameter names stay as the stock spec built them, so checkpoints,
 HF<->Megatron conversion and layer shims keep working.
@@ -23,7 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ps_mcore.attention.backends import check_backend_name
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
-from ps_mcore.layer_specs.recurrent_specs import tree_recurrent_spec
+from ps_mcore.layer_specs.recurrent_specs import is_recurrent_mixer, tree_recurrent_spec
 from ps_mcore.layer_specs.moe import to_tree_moe_spec
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
 from ps_mcore.layer_specs.spec_class import spec_class
@@ -131,17 +132,80 @@ def _tree_layer_spec(spec: Any, backend: str | None) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=submodules)
 
 
-# Hybrid stacks (HybridStackSubmodules in 0.19+, MambaStackSubmodules before): attention layers
-# are converted; layers whose token mixing is not attention cannot run a tree batch.
-_HYBRID_TREE_LAYERS = ("attention_layer",)
-# An MoE layer of a hybrid stack has no attention of its own to hand its router the tree batch
-# (router statistics must be weighted by multiplicity), so it refuses tree batches for now.
-_HYBRID_TOKENWISE_LAYERS = ("mlp_layer", "mtp_block_spec")
+# ------------------------------------------------------------------ hybrid stacks
+# HybridStackSubmodules (megatron-core 0.19+) and MambaStackSubmodules (0.16) name one spec per
+# layer kind. One builder per kind converts it; a kind without one (DSA, MLA, MoE, future kinds)
+# keeps its parameters but refuses a tree batch (_refuse_tree_batches). Both stacks hand
+# packed_seq_params to every layer (checked in 0.16.1 and 0.19.2), which is how the tree plan
+# reaches the mixers; _require_packed_seq_params refuses a stack or layer class whose forward
+# cannot take them.
 _REFUSING_CLASSES: dict[tuple[type, str], type] = {}
 
 
 def _is_hybrid_submodules(spec: Any) -> bool:
     return dataclasses.is_dataclass(spec) and not isinstance(spec, type) and hasattr(spec, "attention_layer")
+
+
+def _require_packed_seq_params(cls: Any, what: str) -> None:
+    forward = getattr(cls, "forward", None)
+    if not isinstance(cls, type) or forward is None:
+        return
+    params = inspect.signature(forward).parameters
+    takes_any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "packed_seq_params" not in params and not takes_any_keyword:  # 0.16's TransformerLayer: **kwargs
+        raise NotImplementedError(
+            f"cannot convert {what}: {cls.__name__}.forward takes no packed_seq_params, so the "
+            "prefix-tree plan (TreePackedSeqParams) would never reach its token mixer"
+        )
+
+
+def _tree_attention_layer(layer: Any, field: str, backend: str | None) -> Any:
+    """``attention_layer``: a TransformerLayer spec, converted as a GPT layer."""
+    _require_packed_seq_params(spec_class(layer), f"the hybrid stack's {field}")
+    return _tree_layer_spec(layer, backend)
+
+
+def _tree_gdn_layer(layer: Any, field: str, backend: str | None) -> Any:
+    """``gdn_layer``: a TransformerLayer spec with ``GatedDeltaNet`` as its self_attention
+    (0.19's hybrid stack spec; no MLP) -> the tree mixer in that slot."""
+    mixer = getattr(getattr(layer, "submodules", None), "self_attention", None)
+    if not isinstance(layer, ModuleSpec) or not is_recurrent_mixer(mixer):
+        raise NotImplementedError(
+            f"cannot convert the hybrid stack's {field} {layer!r}: to_tree_spec expects a "
+            "layer ModuleSpec whose self_attention is megatron's GatedDeltaNet"
+        )
+    _require_packed_seq_params(spec_class(layer), f"the hybrid stack's {field}")
+    return _tree_layer_spec(layer, backend)
+
+
+def _tree_mamba_layer(layer: Any, field: str, backend: str | None) -> Any:
+    """``mamba_layer``: a MambaLayer spec -> its ``mixer`` (MambaMixer) by the tree mixer."""
+    mixer = getattr(getattr(layer, "submodules", None), "mixer", None)
+    tree_mixer = tree_recurrent_spec(mixer) if mixer is not None else None
+    if not isinstance(layer, ModuleSpec) or tree_mixer is None:
+        raise NotImplementedError(
+            f"cannot convert the hybrid stack's {field} {layer!r}: to_tree_spec expects a "
+            "MambaLayer ModuleSpec whose mixer is megatron's MambaMixer"
+        )
+    _require_packed_seq_params(spec_class(layer), f"the hybrid stack's {field}")
+    return dataclasses.replace(
+        layer, submodules=dataclasses.replace(layer.submodules, mixer=tree_mixer))
+
+
+def _tokenwise_layer(layer: Any, field: str, backend: str | None) -> Any:
+    """MLP layers and the MTP block: no token mixing, nothing to convert."""
+    return layer
+
+
+# An MoE layer of a hybrid stack has no attention of its own to hand its router the tree batch
+# (router statistics must be weighted by multiplicity), so it refuses tree batches for now.
+_HYBRID_LAYER_BUILDERS: dict[str, Callable[[Any, str, str | None], Any]] = {
+    "attention_layer": _tree_attention_layer,
+    "gdn_layer": _tree_gdn_layer,
+    "mamba_layer": _tree_mamba_layer,
+    "mlp_layer": _tokenwise_layer,
+    "mtp_block_spec": _tokenwise_layer,
+}
 
 
 def _tree_batch_refusing(cls: type, field: str) -> type:
@@ -185,11 +249,11 @@ def _tree_hybrid_submodules(spec: Any, backend: str | None) -> Any:
     changes = {}
     for field in dataclasses.fields(spec):
         layer = getattr(spec, field.name)
-        if field.name in _HYBRID_TREE_LAYERS:
-            if not _is_identity(layer):
-                changes[field.name] = _tree_layer_spec(layer, backend)
-        elif field.name not in _HYBRID_TOKENWISE_LAYERS:  # mamba, gdn, dsa, mla, future kinds
+        build = _HYBRID_LAYER_BUILDERS.get(field.name)
+        if build is None:  # dsa, mla, moe, future kinds
             changes[field.name] = _refuse_tree_batches(layer, field.name)
+        elif layer is not None and not _is_identity(layer):
+            changes[field.name] = build(layer, field.name, backend)
     return dataclasses.replace(spec, **changes)
 
 
@@ -205,9 +269,10 @@ def to_tree_spec(spec, tree_attention_backend: str | None = None):
 
     Returns:
         A spec of the same type; layers that shared one spec object still share one. In a
-        hybrid stack the attention layers get tree attention, MLP / MoE layers stay as they are,
-        and every other layer kind (Mamba, GDN, DSA, MLA) keeps its parameters but raises
-        ``NotImplementedError`` naming itself when a tree batch reaches it.
+        hybrid stack (0.19's ``HybridStack``, 0.16's ``MambaStack``) the attention layers get
+        tree attention, GDN and Mamba layers their tree mixer (``recurrent_specs.TREE_MIXERS``),
+        MLP layers stay as they are, and every other layer kind (MoE, DSA, MLA) keeps its
+        parameters but raises ``NotImplementedError`` naming itself when a tree batch reaches it.
     """
     check_backend_name(tree_attention_backend)
     if isinstance(spec, TransformerBlockSubmodules):
@@ -221,6 +286,7 @@ def to_tree_spec(spec, tree_attention_backend: str | None = None):
     if _is_hybrid_submodules(spec):
         return _tree_hybrid_submodules(spec, tree_attention_backend)
     if isinstance(spec, ModuleSpec) and _is_hybrid_submodules(spec.submodules):
+        _require_packed_seq_params(spec_class(spec), "the hybrid stack")
         return dataclasses.replace(
             spec, submodules=_tree_hybrid_submodules(spec.submodules, tree_attention_backend))
     return _tree_layer_spec(spec, tree_attention_backend)

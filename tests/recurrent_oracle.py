@@ -1,0 +1,64 @@
+"""The stock-vs-tree oracle of the recurrent (hybrid) model tests: small nasty forests, and a
+model's logits at every original token plus every parameter gradient of a per-sample-weighted
+loss, tree vs each sequence alone through the stock model."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from forests import random_forest
+from megatron_shims import VOCAB, stock_forward
+
+
+def recurrent_forests() -> dict[str, list[list[int]]]:
+    """Small nasty shapes (CPU time: every reference sequence runs the stock recurrence)."""
+    rng = np.random.default_rng(0)
+    p, chain = [int(x) for x in rng.integers(0, 50, 7)], [int(x) for x in rng.integers(0, 50, 12)]
+    return {
+        "single-sequence": [p],
+        "deep-chain-short-nodes": [chain[:n] for n in (2, 4, 5, 9, 12)],  # nodes of 1-4 tokens
+        "single-tokens": [[7], [7], [3], [7, 1, 2]],
+        "duplicates-and-prefix": [p, list(p), p[:3], p + [1, 2]],
+        "tree": [p + a + b for a in ([1, 2], [3]) for b in ([4, 5, 6], [])],
+        "no-sharing": [[1, 2, 3], [4, 5], [6]],
+        "random": random_forest(np.random.default_rng(3), max_seqs=5, max_len=12),
+    }
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    """Every parameter gradient of ``model`` (then cleared)."""
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def tree_vs_each_sequence(stock, tree, seqs, pad_to_multiple_of=4):
+    """(tree, reference) logits ``[N, V]`` at every original token and parameter gradients of a
+    per-sample-weighted loss; ``tree`` runs the packed forest, ``stock`` each sequence alone."""
+    from ps_mcore import plan_prefix_tree
+    from ps_mcore.layer_specs import TreePackedSeqParams
+
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    dtype = next(stock.parameters()).dtype
+    w = torch.cat([torch.full((len(s),), 0.3 + 0.4 * i, dtype=dtype) for i, s in enumerate(seqs)])
+    probe = torch.randn(plan.num_input_tokens, VOCAB, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+    ref = torch.cat([stock_forward(stock, s) for s in seqs])
+    (w[:, None] * ref * probe).sum().backward()
+    ref_grads = grads_of(stock)
+
+    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=pad_to_multiple_of)
+    logits = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
+                  attention_mask=None, packed_seq_params=psp)[0]
+    got = plan.unpack(logits)
+    (w[:, None] * got * probe).sum().backward()
+    return (got.detach(), ref.detach()), (grads_of(tree), ref_grads)
+
+
+def assert_grads_close(got, ref, rel_atol, rtol):
+    """Same parameters; each gradient close with an absolute tolerance relative to its scale."""
+    assert got.keys() == ref.keys()
+    for name, r in ref.items():
+        scale = float(r.abs().max())
+        assert scale > 0, f"{name}: zero reference gradient, the test would not test it"
+        torch.testing.assert_close(got[name], r, rtol=rtol, atol=rel_atol * scale, msg=name)
