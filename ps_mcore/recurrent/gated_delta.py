@@ -18,20 +18,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ps_mcore.recurrent.scan import BACKENDS, resolve_backend, tree_scan, varlen_by_sequence
+from ps_mcore.recurrent.scan import BACKENDS, compute_dtype, resolve_backend, tree_scan, varlen_by_sequence
 from ps_mcore.recurrent.tree import RecurrentTree
 
 GDN_BACKENDS = BACKENDS
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32 for half types, fp64 kept (exactness checks in double)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (flash-linear-attention's ``l2norm``)."""
-    return x * torch.rsqrt(x.to(_compute_dtype(x)).pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(x.to(compute_dtype(x)).pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
@@ -47,7 +42,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None)
     """
     dtype = q.dtype
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    ct = _compute_dtype(q)
+    ct = compute_dtype(q)
     q, k, v, g, beta = (t.to(ct) for t in (q, k, v, g, beta))
     h, dk, dv = k.size(1), k.size(2), v.size(2)
     s = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.to(ct)
@@ -71,7 +66,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
     c = chunk_size
     pad = (-length) % c
     # [H, n, C, *]; padding rows (k = v = beta = g = 0) leave the state unchanged.
-    ct = _compute_dtype(q)
+    ct = compute_dtype(q)
     q, k, v = (F.pad(t.to(ct), (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(h, -1, c, t.size(-1)) for t in (q, k, v))
     g, beta = (F.pad(t.to(ct), (0, 0, 0, pad)).t().reshape(h, -1, c) for t in (g, beta))
     q = q * scale

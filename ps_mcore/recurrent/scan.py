@@ -25,6 +25,11 @@ from ps_mcore.recurrent.tree import RecurrentTree
 BACKENDS = ("auto", "fla", "torch")
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The reference kernels' arithmetic: fp32 for half types, fp64 kept (exactness checks)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def resolve_backend(backend: str, device: torch.device, fla_kernel: Callable | None, what: str) -> str:
     """``auto``: flash-linear-attention on CUDA when installed, else pure torch.
 
