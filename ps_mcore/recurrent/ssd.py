@@ -131,19 +131,20 @@ def tree_simple_gla(q, k, v, g, tree: RecurrentTree, scale=1.0, backend="auto"):
     return tree_scan(kernel, (q, k, v, g), tree, "tree_simple_gla")
 
 
-def tree_mamba_chunk_scan(x, dt, A, B, C, tree: RecurrentTree, D=None, dt_bias=None,
+def tree_mamba_chunk_scan(x, dt, A, B, C, tree: RecurrentTree, D=None, z=None, dt_bias=None,
                           dt_softplus=True, backend="auto"):
-    """Mamba-2's SSD of every packed row over its root path (mamba-ssm's
-    ``mamba_chunk_scan_combined`` without ``z``: the gate and norm are the caller's).
+    """Mamba-2's SSD of every packed row over its root path (the arguments of mamba-ssm's
+    ``mamba_chunk_scan_combined``, rows instead of ``[batch, seqlen]``).
 
     Args:
-        x: ``[rows, H, P]``; dt: ``[rows, H]`` (raw: ``dt_bias`` added, then softplus);
-        A: ``[H]`` (negative); B, C: ``[rows, G, N]`` with ``H % G == 0`` (head ``h`` reads
-        group ``h // (H / G)``); D: ``[H]``, ``[H, P]`` or None; dt_bias: ``[H]`` or None.
+        x: ``[rows, H, P]``; dt: ``[rows, H]`` (``dt_bias`` added, then softplus if
+        ``dt_softplus``); A: ``[H]`` (negative); B, C: ``[rows, G, N]`` with ``H % G == 0``
+        (head ``h`` reads group ``h // (H / G)``); D: ``[H]``, ``[H, P]`` or None; z:
+        ``[rows, H, P]`` or None (output gate ``silu(z)``); dt_bias: ``[H]`` or None.
 
     Returns:
-        ``[rows, H, P]`` in x's dtype: ``y_t = sum_{s<=t} (C_t . B_s) exp(sum_{s<r<=t} dt_r A)
-        dt_s x_s + D x_t`` along each row's root path.
+        ``[rows, H, P]`` in x's dtype: ``y_t = (sum_{s<=t} (C_t . B_s) exp(sum_{s<r<=t} dt_r A)
+        dt_s x_s + D x_t) * silu(z_t)`` along each row's root path.
     """
     heads, groups = x.size(1), B.size(1)
     if heads % groups or C.size(1) != groups:
@@ -157,7 +158,11 @@ def tree_mamba_chunk_scan(x, dt, A, B, C, tree: RecurrentTree, D=None, dt_bias=N
     k = B.repeat_interleave(per_group, dim=1).to(x.dtype)
     v = (x.to(ct) * dt[..., None]).to(x.dtype)
     y = tree_simple_gla(q, k, v, dt * A.to(ct), tree, scale=1.0, backend=backend)
+    if D is None and z is None:
+        return y
+    y = y.to(ct)
     if D is not None:
-        skip = D.to(ct)[:, None] if D.dim() == 1 else D.to(ct)
-        y = (y.to(ct) + skip * x.to(ct)).to(x.dtype)
-    return y
+        y = y + (D.to(ct)[:, None] if D.dim() == 1 else D.to(ct)) * x.to(ct)
+    if z is not None:
+        y = y * F.silu(z.to(ct))
+    return y.to(x.dtype)
