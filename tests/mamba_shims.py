@@ -110,6 +110,25 @@ def rearrange(tensor: torch.Tensor, pattern: str, **sizes: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- mamba_ssm stand-ins
 
 
+def mamba_ssd_reference(x, dt, A, B, C, D):
+    """Mamba-2's recurrence of one sequence as its paper writes it (state ``[H, P, N]``):
+    ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``, ``y_t = S_t C_t + D x_t``.
+
+    Args:
+        x: ``[L, H, P]``; dt: ``[L, H]`` (after softplus); A: ``[H]``; B, C: ``[L, G, N]``
+        (head ``h`` reads group ``h // (H / G)``); D: ``[H]`` or ``[H, P]``.
+    """
+    heads, groups = x.size(1), B.size(1)
+    B, C = (t.repeat_interleave(heads // groups, dim=1) for t in (B, C))
+    skip = D[:, None] if D.dim() == 1 else D
+    s = x.new_zeros(heads, x.size(2), B.size(2))
+    ys = []
+    for t in range(x.size(0)):
+        s = s * (dt[t] * A).exp()[:, None, None] + (dt[t][:, None] * x[t])[:, :, None] * B[t][:, None, :]
+        ys.append(torch.einsum("hpn,hn->hp", s, C[t]) + skip * x[t])
+    return torch.stack(ys)
+
+
 def rms_norm_gated_reference(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
     """mamba-ssm's gated RMSNorm (``layernorm_gated.rms_norm_ref``): optional ``x * silu(z)``
     before (``norm_before_gate=False``) or after the norm, RMS over groups of ``group_size``."""
@@ -175,18 +194,15 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                     acc = acc + w[:, j] * xbc[b, src]
             conv.append(F.silu(acc))
         x, bb, cc = torch.split(torch.stack(conv), [dim, ngroups * state, ngroups * state], dim=-1)
-        x = x.reshape(length, heads, headdim)
-        bb, cc = (m.reshape(length, ngroups, state).repeat_interleave(heads // ngroups, dim=1) for m in (bb, cc))
         delta = F.softplus(dt[b] + dt_bias.to(ct))
-        skip = D.to(ct) if D.dim() == 2 else D.to(ct)[:, None]
-        s = x.new_zeros(heads, headdim, state)
-        ys = []
-        for t in range(length):
-            if t > 0 and seq_idx[b, t] != seq_idx[b, t - 1]:
-                s = torch.zeros_like(s)
-            s = s * (delta[t] * A.to(ct)).exp()[:, None, None] + (delta[t][:, None] * x[t])[:, :, None] * bb[t][:, None, :]
-            ys.append(torch.einsum("hpn,hn->hp", s, cc[t]) + skip * x[t])
-        outs.append(torch.stack(ys).reshape(length, dim) * F.silu(z[b]))
+        bounds = [0, *(torch.nonzero(seq_idx[b, 1:] != seq_idx[b, :-1]).flatten() + 1).tolist(), length]
+        y = torch.cat([  # every packed sequence from zero state
+            mamba_ssd_reference(x[lo:hi].reshape(-1, heads, headdim), delta[lo:hi], A.to(ct),
+                                bb[lo:hi].reshape(-1, ngroups, state), cc[lo:hi].reshape(-1, ngroups, state),
+                                D.to(ct))
+            for lo, hi in zip(bounds[:-1], bounds[1:])
+        ])
+        outs.append(y.reshape(length, dim) * F.silu(z[b]))
     return torch.stack(outs).to(zxbcdt.dtype)
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from forests import nasty_forests, random_forest
+from mamba_shims import mamba_ssd_reference
 from ps_mcore import plan_prefix_tree
 from ps_mcore.recurrent import (
     RecurrentTree,
@@ -128,19 +129,6 @@ def test_chunked_simple_gla_matches_recurrence_with_initial_state(length, chunk)
         _close(a, b, f"d{name}")
 
 
-def mamba_ssd_reference(x, dt, A, B, C, D):
-    """Mamba-2's recurrence of one sequence as its paper writes it (state ``[H, P, N]``):
-    ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``, ``y_t = S_t C_t + D x_t``; dt after softplus."""
-    heads, groups = x.size(1), B.size(1)
-    B, C = (t.repeat_interleave(heads // groups, dim=1) for t in (B, C))
-    s = x.new_zeros(heads, x.size(2), B.size(2))
-    ys = []
-    for t in range(x.size(0)):
-        s = s * (dt[t] * A).exp()[:, None, None] + (dt[t][:, None] * x[t])[:, :, None] * B[t][:, None, :]
-        ys.append(torch.einsum("hpn,hn->hp", s, C[t]) + D[:, None] * x[t])
-    return torch.stack(ys)
-
-
 # ----------------------------------------------------------------------------- tree vs alone
 
 
@@ -160,18 +148,20 @@ def test_tree_mamba_chunk_scan_matches_each_sequence(name, groups, headdim):
     b_in, c_in = (torch.randn(rows, groups, state, **f64) for _ in range(2))
     a_log = torch.linspace(-1.0, 1.0, heads, dtype=torch.float64).requires_grad_()
     dt_bias, d = (torch.randn(heads, **f64) for _ in range(2))
-    leaves = [x, dt, b_in, c_in, a_log, dt_bias, d]
+    z = torch.randn(rows, heads, headdim, **f64)
+    leaves = [x, dt, b_in, c_in, a_log, dt_bias, d, z]
     a = -a_log.exp()
-    got = plan.unpack(tree_mamba_chunk_scan(x, dt, a, b_in, c_in, recurrent_tree(plan, rows), D=d, dt_bias=dt_bias))
-    per_seq = zip(*(_split(plan, t[: plan.num_tokens]) for t in (x, F.softplus(dt + dt_bias), b_in, c_in)))
-    ref = torch.cat([mamba_ssd_reference(xs, dts, a, bs, cs, d) for xs, dts, bs, cs in per_seq])
+    got = plan.unpack(tree_mamba_chunk_scan(x, dt, a, b_in, c_in, recurrent_tree(plan, rows), D=d, z=z,
+                                            dt_bias=dt_bias))
+    per_seq = zip(*(_split(plan, t[: plan.num_tokens]) for t in (x, F.softplus(dt + dt_bias), b_in, c_in, z)))
+    ref = torch.cat([mamba_ssd_reference(xs, dts, a, bs, cs, d) * F.silu(zs) for xs, dts, bs, cs, zs in per_seq])
     _close(got, ref, "y")
     weights = torch.cat([torch.full((n,), 0.5 + i) for i, n in enumerate(plan.seq_lens)])
     cot = torch.randn_like(ref) * weights[:, None, None].double()
     g_tree = torch.autograd.grad((got * cot).sum(), leaves, retain_graph=True)
     g_ref = torch.autograd.grad((ref * cot).sum(), leaves, allow_unused=True)
-    for lname, a_, b_ in zip("x dt B C A_log dt_bias D".split(), g_tree, g_ref):
-        if lname in ("x", "dt", "B", "C"):
+    for lname, a_, b_ in zip("x dt B C A_log dt_bias D z".split(), g_tree, g_ref):
+        if lname in ("x", "dt", "B", "C", "z"):
             assert not a_[plan.num_tokens:].any(), "padding rows must not reach real rows"
             a_, b_ = a_[: plan.num_tokens], b_[: plan.num_tokens]
         _close(a_, b_, f"d{lname}")
