@@ -113,9 +113,10 @@ def _tree_vs_stock(stock, tree, seqs, oracle="alone", pad_to_multiple_of=4):
     psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=pad_to_multiple_of)
     hidden = stock.config.hidden_size
     gen = torch.Generator().manual_seed(len(seqs))
-    x = torch.randn(psp.num_local_rows, 1, hidden, generator=gen, requires_grad=True)
-    w = torch.cat([torch.full((len(s),), 0.3 + 0.4 * i) for i, s in enumerate(seqs)])
-    probe = torch.randn(plan.num_input_tokens, hidden, generator=gen)
+    dtype = next(stock.parameters()).dtype
+    x = torch.randn(psp.num_local_rows, 1, hidden, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.cat([torch.full((len(s),), 0.3 + 0.4 * i, dtype=dtype) for i, s in enumerate(seqs)])
+    probe = torch.randn(plan.num_input_tokens, hidden, generator=gen, dtype=dtype)
 
     per_seq = plan.unpack(x[: plan.num_tokens, 0])  # [N, h]: each sample's rows (differentiable)
     if oracle == "alone":
@@ -159,6 +160,20 @@ def test_tree_mixer_matches_stock_packed_thd(mixers, forest):
     _assert_close(dx, dx_ref, "d hidden_states", rel=2e-5)
     for name, r in ref_grads.items():
         _assert_close(grads[name], r, f"d {name}", rel=3e-5)
+
+
+@pytest.mark.parametrize("forest", ["deep-chain-short-nodes", "duplicates-and-prefix"])
+def test_tree_mixer_exact_in_fp64(forest):
+    """fp64: the tree equals each sequence alone to rounding, so the fp32 tolerances above are
+    summation order only. A_log, dt_bias and (per-channel) D pass through fp32 on both sides
+    (the stock call casts them), so their gradients are rounded to fp32 there."""
+    _, stock, tree = _mixer_pair(SHAPES["g2-odd-headdim"], seed=3)
+    stock, tree = stock.double(), tree.double()
+    (got, ref), (dx, dx_ref), (grads, ref_grads) = _tree_vs_stock(stock, tree, FORESTS[forest])
+    _assert_close(got, ref, "mixer output", rel=1e-12)
+    _assert_close(dx, dx_ref, "d hidden_states", rel=1e-12)
+    for name, r in ref_grads.items():
+        _assert_close(grads[name], r, f"d {name}", rel=1e-6 if name in ("A_log", "dt_bias", "D") else 1e-11)
 
 
 def test_ordinary_batches_run_the_stock_forward(mixers):
