@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from forests import random_forest  # noqa: E402
+from forests import small_nasty_forests  # noqa: E402
 from gdn_shims import gdn_config_overrides, gdn_layer_spec, shim_gdn_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, build_gpt, init_cpu_megatron, layer_spec_args, randomize_, stock_forward, tiny_config,
@@ -37,22 +37,7 @@ from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
 from ps_mcore.layer_specs.recurrent_specs import refuse_tree_batch, tree_recurrent_spec  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-def _forests() -> dict[str, list[list[int]]]:
-    """Small nasty shapes (CPU time: every reference sequence runs the stock recurrence)."""
-    rng = np.random.default_rng(0)
-    p, chain = [int(x) for x in rng.integers(0, 50, 7)], [int(x) for x in rng.integers(0, 50, 12)]
-    return {
-        "single-sequence": [p],
-        "deep-chain-short-nodes": [chain[:n] for n in (2, 4, 5, 9, 12)],  # nodes of 1-4 tokens
-        "single-tokens": [[7], [7], [3], [7, 1, 2]],
-        "duplicates-and-prefix": [p, list(p), p[:3], p + [1, 2]],
-        "tree": [p + a + b for a in ([1, 2], [3]) for b in ([4, 5, 6], [])],
-        "no-sharing": [[1, 2, 3], [4, 5], [6]],
-        "random": random_forest(np.random.default_rng(3), max_seqs=5, max_len=12),
-    }
-
-
-FORESTS = _forests()
+FORESTS = small_nasty_forests()
 
 
 def _block_spec(cfg, pattern="G*G"):

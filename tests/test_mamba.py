@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from forests import random_forest  # noqa: E402
+from forests import small_nasty_forests  # noqa: E402
 from mamba_shims import shim_mamba_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, SPTorchNorm, init_cpu_megatron, layer_spec_args, randomize_, stock_forward, tiny_config,
@@ -42,21 +42,7 @@ from ps_mcore.layer_specs.mamba import TreeMambaMixer  # noqa: E402
 from ps_mcore.layer_specs.recurrent_specs import tree_recurrent_spec  # noqa: E402
 
 
-def _forests() -> dict[str, list[list[int]]]:
-    rng = np.random.default_rng(0)
-    p, chain = [int(x) for x in rng.integers(0, 50, 7)], [int(x) for x in rng.integers(0, 50, 13)]
-    return {
-        "single-sequence": [p],
-        "deep-chain-short-nodes": [chain[:n] for n in (2, 3, 5, 6, 9, 13)],  # nodes of 1-4 tokens < conv 4
-        "single-tokens": [[7], [7], [3], [7, 1, 2]],
-        "duplicates-and-prefix": [p, list(p), p[:3], p + [1, 2]],
-        "tree": [p + a + b for a in ([1, 2], [3]) for b in ([4, 5, 6], [])],
-        "no-sharing": [[1, 2, 3], [4, 5], [6]],
-        "random": random_forest(np.random.default_rng(3), max_seqs=5, max_len=12),
-    }
-
-
-FORESTS = _forests()
+FORESTS = small_nasty_forests()
 # (ngroups, heads, headdim, d_state, D_has_hdim): groups > 1 with an odd head dim, and D per channel
 SHAPES = {"g1": (1, 2, 8, 4, False), "g2-odd-headdim": (2, 4, 5, 6, True)}
 

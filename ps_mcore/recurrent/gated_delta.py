@@ -18,7 +18,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ps_mcore.recurrent.scan import BACKENDS, compute_dtype, resolve_backend, tree_scan, varlen_by_sequence
+from ps_mcore.recurrent.scan import (
+    BACKENDS, compute_dtype, fla_op, resolve_backend, tree_scan, varlen_by_sequence,
+)
 from ps_mcore.recurrent.tree import RecurrentTree
 
 GDN_BACKENDS = BACKENDS
@@ -92,13 +94,8 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
     return out.to(dtype), s
 
 
-@functools.lru_cache(maxsize=None)
 def _fla_kernel():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return chunk_gated_delta_rule
+    return fla_op("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 
 
 def resolve_gdn_backend(backend: str, device: torch.device) -> str:

@@ -16,6 +16,8 @@ with every tensor ``[R, ...]`` (rows first), ``cu_seqlens`` ``[n+1]`` int32 on t
 
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Callable, Sequence
 
 import torch
@@ -28,6 +30,16 @@ BACKENDS = ("auto", "fla", "torch")
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The reference kernels' arithmetic: fp32 for half types, fp64 kept (exactness checks)."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def fla_op(module: str, name: str) -> Callable | None:
+    """flash-linear-attention's ``module.name`` (e.g. ``fla.ops.simple_gla``,
+    ``chunk_simple_gla``), None when fla is not installed. fla is optional (Triton, GPU)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        return None
 
 
 def resolve_backend(backend: str, device: torch.device, fla_kernel: Callable | None, what: str) -> str:

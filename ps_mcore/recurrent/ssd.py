@@ -22,7 +22,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ps_mcore.recurrent.scan import BACKENDS, compute_dtype, resolve_backend, tree_scan, varlen_by_sequence
+from ps_mcore.recurrent.scan import (
+    BACKENDS, compute_dtype, fla_op, resolve_backend, tree_scan, varlen_by_sequence,
+)
 from ps_mcore.recurrent.tree import RecurrentTree
 
 SSD_BACKENDS = BACKENDS
@@ -78,13 +80,8 @@ def chunk_simple_gla_torch(q, k, v, g, scale=1.0, initial_state=None, chunk_size
     return (out * scale).to(dtype), s
 
 
-@functools.lru_cache(maxsize=None)
 def _fla_kernel():
-    try:
-        from fla.ops.simple_gla import chunk_simple_gla
-    except ImportError:
-        return None
-    return chunk_simple_gla
+    return fla_op("fla.ops.simple_gla", "chunk_simple_gla")
 
 
 def resolve_ssd_backend(backend: str, device: torch.device) -> str:
