@@ -27,6 +27,23 @@ def nasty_forests(seed: int = 0) -> dict[str, list[list[int]]]:
     }
 
 
+def small_nasty_forests() -> dict[str, list[list[int]]]:
+    """Short nasty shapes for model-level tests (every reference sequence runs a stock layer):
+    one sequence, a deep chain of 1-4-token nodes (shorter than a conv window of 4), single
+    tokens, duplicates and a prefix of another, a tree, no sharing, a small random forest."""
+    rng = np.random.default_rng(0)
+    p, chain = _rand(rng, 7), _rand(rng, 12)
+    return {
+        "single-sequence": [p],
+        "deep-chain-short-nodes": [chain[:n] for n in (2, 4, 5, 9, 12)],
+        "single-tokens": [[7], [7], [3], [7, 1, 2]],
+        "duplicates-and-prefix": [p, list(p), p[:3], p + [1, 2]],
+        "tree": [p + a + b for a in ([1, 2], [3]) for b in ([4, 5, 6], [])],
+        "no-sharing": [[1, 2, 3], [4, 5], [6]],
+        "random": random_forest(np.random.default_rng(3), max_seqs=5, max_len=12),
+    }
+
+
 def random_forest(rng: np.random.Generator, max_seqs: int = 8, max_len: int = 24) -> list[list[int]]:
     """Sequences grown from each other: extensions, prefixes, duplicates and fresh roots."""
     seqs: list[list[int]] = []

@@ -4,25 +4,8 @@ loss, tree vs each sequence alone through the stock model."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from forests import random_forest
 from megatron_shims import VOCAB, stock_forward
-
-
-def recurrent_forests() -> dict[str, list[list[int]]]:
-    """Small nasty shapes (CPU time: every reference sequence runs the stock recurrence)."""
-    rng = np.random.default_rng(0)
-    p, chain = [int(x) for x in rng.integers(0, 50, 7)], [int(x) for x in rng.integers(0, 50, 12)]
-    return {
-        "single-sequence": [p],
-        "deep-chain-short-nodes": [chain[:n] for n in (2, 4, 5, 9, 12)],  # nodes of 1-4 tokens
-        "single-tokens": [[7], [7], [3], [7, 1, 2]],
-        "duplicates-and-prefix": [p, list(p), p[:3], p + [1, 2]],
-        "tree": [p + a + b for a in ([1, 2], [3]) for b in ([4, 5, 6], [])],
-        "no-sharing": [[1, 2, 3], [4, 5], [6]],
-        "random": random_forest(np.random.default_rng(3), max_seqs=5, max_len=12),
-    }
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:

@@ -23,7 +23,8 @@ from gdn_shims import gdn_config_overrides, shim_gdn_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, SPTorchNorm, causal_mask, init_cpu_megatron, local_hybrid_stack_spec, randomize_, tiny_config,
 )
-from recurrent_oracle import assert_grads_close, recurrent_forests, tree_vs_each_sequence  # noqa: E402
+from forests import small_nasty_forests  # noqa: E402
+from recurrent_oracle import assert_grads_close, tree_vs_each_sequence  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 
@@ -100,7 +101,7 @@ def test_hybrid_model_tree_matches_stock():
 
 
 GDN_PATTERN = "G*G-"  # GDN, attention (with its MLP), GDN, MLP: test_hybrid.py's depth
-GDN_FORESTS = recurrent_forests()
+GDN_FORESTS = small_nasty_forests()
 
 
 @pytest.fixture(scope="module")

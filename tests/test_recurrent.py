@@ -13,16 +13,20 @@ import torch
 import torch.nn.functional as F
 
 from forests import nasty_forests, random_forest
+from mamba_shims import mamba_ssd_reference
 from ps_mcore import plan_prefix_tree
 from ps_mcore.recurrent import (
     RecurrentTree,
     causal_conv1d_reference,
     chunk_gated_delta_rule_torch,
+    chunk_simple_gla_torch,
     gated_delta_rule_recurrent,
     l2norm,
     recurrent_tree,
+    simple_gla_recurrent,
     tree_causal_conv1d,
     tree_gated_delta_rule,
+    tree_mamba_chunk_scan,
     varlen_gated_delta_rule,
 )
 
@@ -107,7 +111,60 @@ def test_shared_initial_state_gradient_is_sum_over_readers():
     _close(grad, parts[0] + parts[1], "d s0")
 
 
+@pytest.mark.parametrize("length,chunk", [(1, 64), (13, 4), (70, 64), (9, 16)])
+def test_chunked_simple_gla_matches_recurrence_with_initial_state(length, chunk):
+    gen = torch.Generator().manual_seed(length)
+    leaves = [torch.randn(length, 3, d, generator=gen, requires_grad=True) for d in (4, 4, 5)]
+    g_raw = torch.randn(length, 3, generator=gen, requires_grad=True)
+    s0 = torch.randn(3, 4, 5, generator=gen, requires_grad=True)
+    args = (*leaves, -F.softplus(g_raw))
+    out, fin = chunk_simple_gla_torch(*args, scale=0.7, initial_state=s0, chunk_size=chunk)
+    ref_out, ref_fin = simple_gla_recurrent(*args, scale=0.7, initial_state=s0)
+    _close(out, ref_out, "out")
+    _close(fin, ref_fin, "final state")
+    cot = torch.randn_like(out), torch.randn_like(fin)
+    got = torch.autograd.grad((out * cot[0]).sum() + (fin * cot[1]).sum(), [*leaves, g_raw, s0], retain_graph=True)
+    ref = torch.autograd.grad((ref_out * cot[0]).sum() + (ref_fin * cot[1]).sum(), [*leaves, g_raw, s0])
+    for name, a, b in zip("q k v g s0".split(), got, ref):
+        _close(a, b, f"d{name}")
+
+
 # ----------------------------------------------------------------------------- tree vs alone
+
+
+@pytest.mark.parametrize("name", sorted(FORESTS))
+@pytest.mark.parametrize("groups,headdim", [(1, 3), (2, 5)])
+def test_tree_mamba_chunk_scan_matches_each_sequence(name, groups, headdim):
+    """Mamba-2's SSD through the tree (chunk 64 > most nodes, so also one level per chunk)
+    vs its recurrence on every sequence alone; one padding row; ngroups 1 and 2. fp64: dA_log
+    sums ~100 rows of cancelling terms, which fp32 leaves at ~1e-5 of its scale."""
+    seqs = FORESTS[name]
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    rows, heads, state = plan.num_tokens + 1, 4, 6
+    gen = torch.Generator().manual_seed(len(seqs) + groups)
+    f64 = dict(generator=gen, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(rows, heads, headdim, **f64)
+    dt = torch.randn(rows, heads, **f64)
+    b_in, c_in = (torch.randn(rows, groups, state, **f64) for _ in range(2))
+    a_log = torch.linspace(-1.0, 1.0, heads, dtype=torch.float64).requires_grad_()
+    dt_bias, d = (torch.randn(heads, **f64) for _ in range(2))
+    z = torch.randn(rows, heads, headdim, **f64)
+    leaves = [x, dt, b_in, c_in, a_log, dt_bias, d, z]
+    a = -a_log.exp()
+    got = plan.unpack(tree_mamba_chunk_scan(x, dt, a, b_in, c_in, recurrent_tree(plan, rows), D=d, z=z,
+                                            dt_bias=dt_bias))
+    per_seq = zip(*(_split(plan, t[: plan.num_tokens]) for t in (x, F.softplus(dt + dt_bias), b_in, c_in, z)))
+    ref = torch.cat([mamba_ssd_reference(xs, dts, a, bs, cs, d) * F.silu(zs) for xs, dts, bs, cs, zs in per_seq])
+    _close(got, ref, "y")
+    weights = torch.cat([torch.full((n,), 0.5 + i) for i, n in enumerate(plan.seq_lens)])
+    cot = torch.randn_like(ref) * weights[:, None, None].double()
+    g_tree = torch.autograd.grad((got * cot).sum(), leaves, retain_graph=True)
+    g_ref = torch.autograd.grad((ref * cot).sum(), leaves, allow_unused=True)
+    for lname, a_, b_ in zip("x dt B C A_log dt_bias D z".split(), g_tree, g_ref):
+        if lname in ("x", "dt", "B", "C", "z"):
+            assert not a_[plan.num_tokens:].any(), "padding rows must not reach real rows"
+            a_, b_ = a_[: plan.num_tokens], b_[: plan.num_tokens]
+        _close(a_, b_, f"d{lname}")
 
 
 @pytest.mark.parametrize("name", sorted(FORESTS))

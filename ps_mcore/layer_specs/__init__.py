@@ -21,8 +21,10 @@ and only the last stage computes log-probs. Context parallelism::
 
 The same model also runs ordinary THD batches (standard ``PackedSeqParams``) and plain
 causal sbhd batches. Importing this package imports megatron-core (nothing else of ps_mcore
-does). Hybrid models: ``ps_mcore.layer_specs.gdn.TreeGatedDeltaNet`` (imported on demand, so
-megatron-core versions without ``megatron.core.ssm.gated_delta_net`` still import this package).
+does). Hybrid models: ``ps_mcore.layer_specs.gdn.TreeGatedDeltaNet`` and
+``ps_mcore.layer_specs.mamba.TreeMambaMixer`` (imported on demand, so megatron-core versions
+without ``megatron.core.ssm.gated_delta_net`` and machines without triton still import this
+package).
 """
 
 from ps_mcore.layer_specs.context_parallel import gather_cp_rows

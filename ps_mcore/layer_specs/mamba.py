@@ -1,32 +1,105 @@
-"""``TreeMambaMixer``: megatron-core's Mamba-2 mixer guarded against prefix-tree batches.
+"""``TreeMambaMixer``: megatron-core's Mamba-2 mixer on prefix forests.
 
-Not implemented: a tree needs each node's chunk scan to start from its parent's final SSM
-state (per-sequence ``initial_states`` in one varlen call) and its causal conv from the
-ancestors' last inputs; mamba-ssm's ``mamba_chunk_scan_combined`` takes initial states per
-batch row, not per varlen sequence. Until that is built, a tree batch raises a clear error
-instead of running the stock varlen path, which would carry state across branches. Ordinary
-batches (sbhd, THD) run the stock forward unchanged. Importing this module needs what
-megatron's ``mamba_mixer`` needs (triton; mamba-ssm to build the layer).
+A subclass of the stock ``MambaMixer`` with the same parameters (state_dict keys, sharded
+checkpoints and TP sharding unchanged). On a :class:`TreePackedSeqParams` batch it runs the
+stock training computation (``_ssm_training``: mamba-ssm's ``mamba_split_conv1d_scan_combined``
+then the gated RMSNorm) with every node of the forest starting from its parent's state:
+
+    in_proj -> [z, xBC, dt] -> xBC: causal conv over each row's root path (+ bias), SiLU
+    -> [x, B, C] -> SSD (dt = softplus(dt + dt_bias), A = -exp(A_log), D skip, ngroups),
+    each node from its parent's final SSM state -> y * silu(z) -> norm (rmsnorm) -> out_proj
+
+(kernels in :mod:`ps_mcore.recurrent`: ``tree_causal_conv1d``, ``tree_mamba_chunk_scan``).
+Ordinary batches run the stock forward unchanged: sbhd, THD (standard ``PackedSeqParams``:
+mamba-ssm's varlen path with ``seq_idx``) and inference.
+
+Kernel: ``config.tree_mamba_backend`` (``auto`` | ``fla`` | ``torch``; default ``auto``:
+flash-linear-attention's varlen ``chunk_simple_gla`` on CUDA, pure torch elsewhere; ``fla``
+without flash-linear-attention raises). Refused on a tree batch, with a message: context
+parallelism, inference caches. Importing this module needs what megatron's ``mamba_mixer``
+needs (triton; mamba-ssm and einops to build the stock layer).
 """
 
 from __future__ import annotations
 
+import warnings
+
+import torch
 from megatron.core.ssm.mamba_mixer import MambaMixer
 
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-from ps_mcore.layer_specs.recurrent_specs import refuse_tree_batch
+from ps_mcore.recurrent import recurrent_tree, resolve_ssd_backend, tree_causal_conv1d, tree_mamba_chunk_scan
+
+_WARNED_TORCH_ON_CUDA = False
 
 
 class TreeMambaMixer(MambaMixer):
-    """Stock ``MambaMixer``; refuses :class:`TreePackedSeqParams` batches."""
+    """Mamba-2 mixer that runs prefix-tree batches. Input/output ``[s, b, h]`` (sbhd) or
+    ``[t, 1, h]`` (thd, ``t = T_pad / tp`` under sequence parallelism); returns
+    ``(out, out_bias)`` like the stock module."""
 
     def forward(self, hidden_states, inference_context=None, *, inference_params=None,
                 packed_seq_params=None):
-        if isinstance(packed_seq_params, TreePackedSeqParams):
-            refuse_tree_batch(
-                "Mamba (MambaMixer)",
-                "tree-aware Mamba state forking is not implemented (it needs per-sequence "
-                "initial SSM states in mamba-ssm's varlen chunk scan)",
+        if not isinstance(packed_seq_params, TreePackedSeqParams):
+            return super().forward(hidden_states, inference_context, inference_params=inference_params,
+                                   packed_seq_params=packed_seq_params)
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError(
+                "Mamba (TreeMambaMixer) cannot run a prefix-tree batch with an inference context "
+                "(conv/SSM state caches); run inference without TreePackedSeqParams"
             )
-        return super().forward(hidden_states, inference_context, inference_params=inference_params,
-                               packed_seq_params=packed_seq_params)
+        if packed_seq_params.cp_size > 1 or self.cp.cp_size > 1:
+            raise NotImplementedError(
+                "Mamba (TreeMambaMixer) on a prefix-tree batch under context parallelism "
+                "(context_parallel_size > 1) is not supported; use CP=1 for hybrid models with "
+                "Mamba layers"
+            )
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+        if hidden_states.size(1) != 1:
+            raise ValueError(f"packed (thd) batches have batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+        backend = self._tree_backend(hidden_states.device)
+
+        zxBCdt, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
+        zxBCdt = zxBCdt[:, 0]
+        rows = zxBCdt.size(0)
+        tree = recurrent_tree(packed_seq_params.plan.to(zxBCdt.device), rows)
+        y = self._tree_ssm(zxBCdt, tree, backend)
+        return self.out_proj(y[:, None])
+
+    def _tree_backend(self, device: torch.device) -> str:
+        """The SSD kernel for ``config.tree_mamba_backend``; errors name the option."""
+        global _WARNED_TORCH_ON_CUDA
+        requested = getattr(self.config, "tree_mamba_backend", "auto")
+        try:
+            backend = resolve_ssd_backend(requested, device)
+        except (ImportError, ValueError) as err:
+            raise type(err)(f"TreeMambaMixer (config.tree_mamba_backend={requested!r}): {err}") from err
+        if backend == "torch" and device.type == "cuda" and requested == "auto" and not _WARNED_TORCH_ON_CUDA:
+            _WARNED_TORCH_ON_CUDA = True
+            warnings.warn(
+                "TreeMambaMixer: flash-linear-attention is not installed, so Mamba layers run the "
+                "pure-torch SSD kernel on the GPU (exact but slow); pip install fla-core",
+                stacklevel=3,
+            )
+        return backend
+
+    def _tree_ssm(self, zxBCdt: torch.Tensor, tree, backend: str) -> torch.Tensor:
+        """``_ssm_training`` over the forest: ``[rows, in_proj_dim / tp]`` -> ``[rows, d_inner / tp]``."""
+        rows = zxBCdt.size(0)
+        d_inner, groups, heads = self.cp.d_inner_local_tpcp, self.cp.ngroups_local_tpcp, self.cp.nheads_local_tpcp
+        z, xBC, dt = torch.split(zxBCdt, [d_inner, d_inner + 2 * groups * self.d_state, heads], dim=-1)
+        xBC = self.act(tree_causal_conv1d(xBC, self.cp.get_conv1d_weight(), self.cp.get_conv1d_bias(), tree))
+        x, B, C = torch.split(xBC, [d_inner, groups * self.d_state, groups * self.d_state], dim=-1)
+        D = self.cp.get_D()
+        y = tree_mamba_chunk_scan(
+            x.reshape(rows, heads, self.headdim), dt,
+            -torch.exp(self.cp.get_A_log().float()),  # A and dt_bias in fp32, as the stock call
+            B.reshape(rows, groups, self.d_state), C.reshape(rows, groups, self.d_state), tree,
+            D=D.float().reshape(heads, self.headdim) if self.D_has_hdim else D,
+            z=z.reshape(rows, heads, self.headdim), dt_bias=self.cp.get_dt_bias().float(),
+            backend=backend,
+        ).reshape(rows, d_inner)
+        # the stock fused kernel gates by silu(z) and the mixer's norm follows without z
+        # (norm_before_gate=False: RMSNorm(y * silu(z)) per group of d_inner / ngroups)
+        return self.norm(y) if self.rmsnorm else y

@@ -4,12 +4,11 @@ Per head, with state ``S`` of shape ``[K, V]`` and ``q`` scaled by ``scale``::
 
     S_t = exp(g_t) S_{t-1};  S_t += beta_t k_t (v_t - S_t^T k_t)^T;  o_t = S_t^T q_t
 
-:func:`tree_gated_delta_rule` runs the forest level by level: every node of one depth in one
-varlen call, each starting from its parent's final state (roots from zero). The parent states
-reach the children through an ``index_select``, so autograd gives a shared state the sum of
-its children's gradients. Kernels: flash-linear-attention's ``chunk_gated_delta_rule``
-(varlen, ``initial_state`` / ``output_final_state``) on GPUs, a pure-torch chunked form
-elsewhere (CPU tests), checked against the token-by-token recurrence.
+:func:`tree_gated_delta_rule` runs the forest level by level through
+:func:`~ps_mcore.recurrent.scan.tree_scan` (each node from its parent's final state).
+Kernels: flash-linear-attention's ``chunk_gated_delta_rule`` (varlen, ``initial_state`` /
+``output_final_state``) on GPUs, a pure-torch chunked form elsewhere (CPU tests), checked
+against the token-by-token recurrence.
 """
 
 from __future__ import annotations
@@ -19,19 +18,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ps_mcore.recurrent.scan import (
+    BACKENDS, compute_dtype, fla_op, resolve_backend, tree_scan, varlen_by_sequence,
+)
 from ps_mcore.recurrent.tree import RecurrentTree
 
-GDN_BACKENDS = ("auto", "fla", "torch")
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32 for half types, fp64 kept (exactness checks in double)."""
-    return torch.promote_types(x.dtype, torch.float32)
+GDN_BACKENDS = BACKENDS
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (flash-linear-attention's ``l2norm``)."""
-    return x * torch.rsqrt(x.to(_compute_dtype(x)).pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(x.to(compute_dtype(x)).pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None):
@@ -47,7 +44,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, scale=None, initial_state=None)
     """
     dtype = q.dtype
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    ct = _compute_dtype(q)
+    ct = compute_dtype(q)
     q, k, v, g, beta = (t.to(ct) for t in (q, k, v, g, beta))
     h, dk, dv = k.size(1), k.size(2), v.size(2)
     s = q.new_zeros(h, dk, dv) if initial_state is None else initial_state.to(ct)
@@ -71,7 +68,7 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
     c = chunk_size
     pad = (-length) % c
     # [H, n, C, *]; padding rows (k = v = beta = g = 0) leave the state unchanged.
-    ct = _compute_dtype(q)
+    ct = compute_dtype(q)
     q, k, v = (F.pad(t.to(ct), (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(h, -1, c, t.size(-1)) for t in (q, k, v))
     g, beta = (F.pad(t.to(ct), (0, 0, 0, pad)).t().reshape(h, -1, c) for t in (g, beta))
     q = q * scale
@@ -97,27 +94,13 @@ def chunk_gated_delta_rule_torch(q, k, v, g, beta, scale=None, initial_state=Non
     return out.to(dtype), s
 
 
-@functools.lru_cache(maxsize=None)
 def _fla_kernel():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return chunk_gated_delta_rule
+    return fla_op("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
 
 
 def resolve_gdn_backend(backend: str, device: torch.device) -> str:
     """``auto``: flash-linear-attention on CUDA when installed, else pure torch."""
-    if backend not in GDN_BACKENDS:
-        raise ValueError(f"unknown gated delta rule backend {backend!r}; expected one of {GDN_BACKENDS}")
-    if backend == "auto":
-        return "fla" if device.type == "cuda" and _fla_kernel() is not None else "torch"
-    if backend == "fla" and _fla_kernel() is None:
-        raise ImportError(
-            "gated delta rule backend 'fla' needs flash-linear-attention (pip install "
-            "flash-linear-attention fla-core), which is not installed"
-        )
-    return backend
+    return resolve_backend(backend, device, _fla_kernel(), "gated delta rule")
 
 
 def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_list, initial_state=None,
@@ -140,15 +123,8 @@ def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_list, initi
             cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=torch.tensor(cu_seqlens_list, dtype=torch.long),
         )
         return out[0], final
-    outs, finals = [], []
-    for i, (a, b) in enumerate(zip(cu_seqlens_list[:-1], cu_seqlens_list[1:])):
-        o, s = chunk_gated_delta_rule_torch(
-            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], scale,
-            None if initial_state is None else initial_state[i],
-        )
-        outs.append(o)
-        finals.append(s)
-    return torch.cat(outs), (torch.stack(finals) if output_final_state else None)
+    return varlen_by_sequence(functools.partial(chunk_gated_delta_rule_torch, scale=scale),
+                              (q, k, v, g, beta), cu_seqlens_list, initial_state, output_final_state)
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, tree: RecurrentTree, scale=None, backend="auto"):
@@ -162,22 +138,5 @@ def tree_gated_delta_rule(q, k, v, g, beta, tree: RecurrentTree, scale=None, bac
     Returns:
         ``[rows, H, V]``: what each row's own sequence computes alone.
     """
-    if q.size(0) != tree.num_rows:
-        raise ValueError(f"tree_gated_delta_rule expects {tree.num_rows} rows, got {tuple(q.shape)}")
-    levels = tree.levels()
-    if tree.is_flat:  # nothing forks: the rows are the level
-        lvl = levels[0]
-        out, _ = varlen_gated_delta_rule(q, k, v, g, beta, lvl.cu_seqlens, lvl.cu_seqlens_list,
-                                         output_final_state=False, scale=scale, backend=backend)
-        return out
-    outs, final = [], None
-    for lvl in levels:
-        rows = lvl.rows
-        init = None if lvl.parent_slot is None else final.index_select(0, lvl.parent_slot)
-        out, final = varlen_gated_delta_rule(
-            *(t.index_select(0, rows) for t in (q, k, v, g, beta)), lvl.cu_seqlens,
-            lvl.cu_seqlens_list, init, output_final_state=bool(lvl.has_children.any()),
-            scale=scale, backend=backend,
-        )
-        outs.append(out)
-    return torch.cat(outs).index_select(0, tree.level_inverse())
+    kernel = functools.partial(varlen_gated_delta_rule, scale=scale, backend=backend)
+    return tree_scan(kernel, (q, k, v, g, beta), tree, "tree_gated_delta_rule")

@@ -1,0 +1,114 @@
+"""The level loop every recurrent kernel shares, and its backend choice.
+
+A recurrent kernel here is a *varlen* kernel: independent sequences packed along rows, each from
+its own initial state, returning the outputs and (when asked) every sequence's final state.
+:func:`tree_scan` runs one such kernel over a prefix forest level by level; the gated delta
+rule (``gated_delta.py``) and Mamba-2's SSD (``ssd.py``) are two kernels for it.
+
+Kernel calling convention (keywords after the row tensors)::
+
+    out, final = kernel(*tensors, cu_seqlens=, cu_seqlens_list=, initial_state=, output_final_state=)
+
+with every tensor ``[R, ...]`` (rows first), ``cu_seqlens`` ``[n+1]`` int32 on the device,
+``cu_seqlens_list`` the same as ints, ``initial_state`` ``[n, ...]`` or None (zeros), ``out``
+``[R, ...]`` and ``final`` ``[n, ...]`` (or None when not asked).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Callable, Sequence
+
+import torch
+
+from ps_mcore.recurrent.tree import RecurrentTree
+
+BACKENDS = ("auto", "fla", "torch")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The reference kernels' arithmetic: fp32 for half types, fp64 kept (exactness checks)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def fla_op(module: str, name: str) -> Callable | None:
+    """flash-linear-attention's ``module.name`` (e.g. ``fla.ops.simple_gla``,
+    ``chunk_simple_gla``), None when fla is not installed. fla is optional (Triton, GPU)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        return None
+
+
+def resolve_backend(backend: str, device: torch.device, fla_kernel: Callable | None, what: str) -> str:
+    """``auto``: flash-linear-attention on CUDA when installed, else pure torch.
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+        device: where the inputs live.
+        fla_kernel: the fla entry point, None when fla is not importable.
+        what: the recurrence, for error messages (e.g. ``"gated delta rule"``).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown {what} backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        return "fla" if device.type == "cuda" and fla_kernel is not None else "torch"
+    if backend == "fla" and fla_kernel is None:
+        raise ImportError(
+            f"{what} backend 'fla' needs flash-linear-attention (pip install "
+            "flash-linear-attention fla-core), which is not installed"
+        )
+    return backend
+
+
+def varlen_by_sequence(kernel: Callable, tensors: Sequence[torch.Tensor], cu_seqlens_list: Sequence[int],
+                       initial_state: torch.Tensor | None, output_final_state: bool):
+    """A varlen kernel from a one-sequence kernel ``kernel(*tensors, initial_state=) -> (out, final)``
+    (``[L, ...]`` rows, ``[...]`` state): a Python loop over the sequences (CPU reference path)."""
+    outs, finals = [], []
+    for i, (a, b) in enumerate(zip(cu_seqlens_list[:-1], cu_seqlens_list[1:])):
+        out, final = kernel(*(t[a:b] for t in tensors),
+                            initial_state=None if initial_state is None else initial_state[i])
+        outs.append(out)
+        finals.append(final)
+    return torch.cat(outs), (torch.stack(finals) if output_final_state else None)
+
+
+def tree_scan(kernel: Callable, tensors: Sequence[torch.Tensor], tree: RecurrentTree, what: str) -> torch.Tensor:
+    """Run a varlen recurrent ``kernel`` over every packed row's root path.
+
+    Level by level (all nodes of one depth in one kernel call), each node from its parent's
+    final state (roots from zero). The parent states reach the children through an
+    ``index_select``, so autograd gives a shared state the sum of its children's gradients.
+
+    Args:
+        kernel: a varlen kernel (module docstring).
+        tensors: its row inputs, each ``[rows, ...]``.
+        tree: the micro-batch's :class:`RecurrentTree`.
+        what: the caller's name, for errors.
+
+    Returns:
+        ``[rows, ...]``: what each row's own sequence computes alone.
+    """
+    if any(t.size(0) != tree.num_rows for t in tensors):
+        raise ValueError(
+            f"{what} expects {tree.num_rows} rows, got {[tuple(t.shape) for t in tensors]}"
+        )
+    levels = tree.levels()
+    if tree.is_flat:  # nothing forks: the rows are the level
+        lvl = levels[0]
+        out, _ = kernel(*tensors, cu_seqlens=lvl.cu_seqlens, cu_seqlens_list=lvl.cu_seqlens_list,
+                        initial_state=None, output_final_state=False)
+        return out
+    outs, final = [], None
+    for lvl in levels:
+        init = None if lvl.parent_slot is None else final.index_select(0, lvl.parent_slot)
+        out, final = kernel(
+            *(t.index_select(0, lvl.rows) for t in tensors), cu_seqlens=lvl.cu_seqlens,
+            cu_seqlens_list=lvl.cu_seqlens_list, initial_state=init,
+            output_final_state=bool(lvl.has_children.any()),
+        )
+        outs.append(out)
+    return torch.cat(outs).index_select(0, tree.level_inverse())
