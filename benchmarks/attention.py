@@ -241,7 +241,27 @@ def sweep_kernel_choice(args, use_cudnn: bool) -> str:
     headers = ["workload", "scale", "T", "segments", "levels", "fa layout", "work", "pairs/seg", "fa ms",
                "cudnn ms", "cudnn/fa", "faster", "rule", "agree"]
     return (f"\n\nKernel-choice sweep (CUDNN_MIN_WORK = {CUDNN_MIN_WORK:.3g}; work = pairs x Hq x D; "
-            f"the rule keeps flash where it runs a cascade with levels):\n\n{markdown_table(headers, rows)}\n")
+            f"the rule keeps flash where it runs a cascade with levels):\n\n{markdown_table(headers, rows)}\n"
+            f"\n{crossover_fit(rows)}\n")
+
+
+def crossover_fit(rows: list) -> str:
+    """Least-squares ``cudnn_ms = a + r * fa_ms`` over the sweep rows and the crossover it
+    implies (flash ms ``a / (1 - r)``, and the work there, interpolated in log-log)."""
+    import numpy as np
+
+    fa = np.array([r[8] for r in rows], dtype=float)
+    cd = np.array([r[9] for r in rows], dtype=float)
+    work = np.array([r[6] for r in rows], dtype=float)
+    if fa.size < 2 or np.ptp(fa) == 0:
+        return "fit: too few rows"
+    r, a = np.polyfit(fa, cd, 1)
+    if r >= 1 or a <= 0:
+        return f"fit: cudnn_ms = {a:.3g} + {r:.3g} * fa_ms (no crossover: one kernel wins everywhere)"
+    cross_ms = a / (1 - r)
+    k, c = np.polyfit(np.log(fa), np.log(work), 1)  # work ~ exp(c) * fa_ms**k
+    return (f"fit: cudnn_ms = {a:.3g} + {r:.3g} * fa_ms; crossover at fa = {cross_ms:.3g} ms, "
+            f"work ~ {np.exp(c) * cross_ms**k:.3g} (CUDNN_MIN_WORK = {CUDNN_MIN_WORK:.3g})")
 
 
 def sweep_level_chunking(plan, step, base_ms, ideal, args) -> list:

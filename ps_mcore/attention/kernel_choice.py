@@ -2,10 +2,11 @@
 
 Both compute the same attention exactly (each tested against the unshared float64
 computation); they differ in speed by shape. Measured on one H200 (bf16, Hq=16, Hkv=2, D=128,
-gather-KV layout, docs/benchmarks.md issue 15): cuDNN (TE 2.20 fused attention) took 0.79x of
-flash's time on grpo-long-prompt and 0.88x on grpo-wide, but 1.09x on agent-tree and 1.21x on
-step-wise. The wins are the workloads with the most attention work per call; cuDNN's fixed
-cost per call is higher, so on small calls flash wins.
+gather-KV layout, fwd+bwd, issue 15): cuDNN (TE 2.20 fused attention) 4.25 vs flash 5.36 ms on
+grpo-long-prompt, 2.69 vs 3.04 on grpo-wide, 1.83 vs 1.68 on agent-tree, 1.58 vs 1.31 on
+step-wise. Those four fit ``cudnn_ms = 0.71 + 0.66 * flash_ms`` within 0.02 ms: cuDNN's
+kernels are a third faster but each call pays a fixed ~0.7 ms more, so cuDNN wins once flash
+would take more than ~2.1 ms, i.e. once the call has enough attention work.
 
 The rule (:func:`prefers_cudnn`, a pure function of shape numbers so it can be tested and
 swept without a GPU):
@@ -13,7 +14,9 @@ swept without a GPU):
 * ``work = pairs * Hq * D`` (query-key pairs of the tree, causal pairs counted once, times
   query heads and head dim: the forward's QK^T multiply-adds) must be at least
   :data:`CUDNN_MIN_WORK`. The measured crossover lies between agent-tree (2.0e10, flash faster)
-  and grpo-wide (4.0e10, cuDNN faster); the constant sits between them.
+  and grpo-wide (4.0e10, cuDNN faster); the fit above puts it at ~2.7e10 (flash ~2.1 ms,
+  work interpolated log-log over the four). The constant sits just above, so a call near the
+  crossover keeps today's kernel.
 * cuDNN runs only the gather-KV layout or, on a chain forest, the single causal self call
   (``cudnn.py``). It is chosen only where flash's own layout choice would not be a cascade with
   level calls (``cascade_pays``), so memory never exceeds what ``varlen`` uses on that plan.
