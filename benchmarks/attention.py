@@ -226,16 +226,16 @@ def sweep_kernel_choice(args, use_cudnn: bool) -> str:
             t = plan.num_tokens
             q, k, v = leaves((t, hq, d), (t, hkv, d), dtype, 3)
             g = torch.randn(t, hq, d, device=DEVICE, dtype=dtype)
-            fa = time_ms(fwd_bwd(lambda q, k, v: tree_varlen_attention(q, k, v, plan, scale, kernel), (q, k, v), g),
+            fa = time_ms(fwd_bwd(lambda q, k, v, p=plan: tree_varlen_attention(q, k, v, p, scale, kernel), (q, k, v), g),
                          args.warmup, args.iters)
-            cd = time_ms(fwd_bwd(lambda q, k, v: cudnn_tree_attention(q, k, v, plan, scale), (q, k, v), g),
+            cd = time_ms(fwd_bwd(lambda q, k, v, p=plan: cudnn_tree_attention(q, k, v, p, scale), (q, k, v), g),
                          args.warmup, args.iters)
             faster = "cudnn" if cd < fa else "fa"
             pick = "cudnn" if prefers_cudnn(shape) else "fa"
             rows.append([name, factor, t, shape.segments, shape.levels, "cascade" if shape.cascade else "gather",
                          shape.work, shape.pairs / shape.segments, fa, cd, cd / fa, faster, pick,
                          "yes" if faster == pick else "NO"])
-            del q, k, v, g, plan
+            del q, k, v, g
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
     headers = ["workload", "scale", "T", "segments", "levels", "fa layout", "work", "pairs/seg", "fa ms",
