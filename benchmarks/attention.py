@@ -1,15 +1,29 @@
-"""Tree attention vs. the unshared varlen baseline (and flex, PrefixGrouper), fwd+bwd.
+"""Tree attention vs. the unshared baseline, each kernel and layout side by side, fwd+bwd.
 
-    python benchmarks/attention.py [--heads 16 --kv-heads 2 --head-dim 128] [--out FILE]
+    python benchmarks/attention.py [--heads 16 --kv-heads 2 --head-dim 128] [--flex] [--sweep] [--out FILE]
 
-For every standard workload: (a) the unshared baseline, varlen flash attention over all N tokens
-with one segment per sequence (the same flash kernel and call path as the tree, no gather);
-(b) tree ``varlen`` (what ``tree_attention`` runs: the layout ``cascade_pays`` picks); (c) the
-same kernel forced into the cascade layout and (d) into the gather-KV layout; (e) tree
-``flex`` (``--flex``);
-(f) PrefixGrouper (pip ``prefix-grouper``, the same varlen kernel underneath) on the GRPO
-workloads. Ideal speedup = attention-FLOP ratio; measured/ideal = speedup / ideal. "err" is
-the largest relative difference (output, dq, dk, dv) between the two tree layouts.
+One table, one row per standard workload (progress on stderr). Kernels: torch's flash kernel
+(``fa``: FA2 through ``torch.ops.aten._flash_attention_*``) and cuDNN fused attention through
+Transformer Engine (``cudnn``; its columns print "-" where TE cannot run). Columns:
+
+* base fa / base cudnn: the unshared batch in THD (one causal segment per sequence, no gather)
+  through each kernel;
+* fa cascade, fa gather: the tree with torch flash forced into each layout; cudnn gather, and
+  cudnn cascade where the plan is a chain forest (0 levels: the one causal self call; cuDNN does
+  not run level calls); each "m/i" is its speedup over the *same kernel's* unshared baseline
+  divided by the ideal (attention-FLOP ratio);
+* auto: what ``tree_attention(backend="auto")`` runs (kernel/layout picked by
+  ``kernel_choice.prefers_cudnn`` and ``layout.cascade_pays``), its m/i against the *faster*
+  of the two unshared baselines;
+* err: the largest relative difference (output, dq, dk, dv) of every tree column against
+  fa gather on the same inputs;
+* flex (``--flex``, compiles), PG = PrefixGrouper on the GRPO workloads (torch varlen flash
+  underneath; m/i against base fa); MiB = peak memory above the inputs per step.
+
+``--sweep``: the kernel-choice evidence: per workload and length scale (0.5, 1, 2), the shape
+numbers the rule reads (work = pairs x Hq x D, pairs per segment), torch flash and cuDNN each
+in its own layout choice, which was faster and what the rule picks.
+``--sweep-chunking``: cascade timings under other level-chunking constants.
 """
 
 from __future__ import annotations
@@ -24,12 +38,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import environment, markdown_table, peak_mib, time_ms, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared, tree_attention  # noqa: E402
+from ps_mcore.attention import auto_choice  # noqa: E402
 from ps_mcore.attention.cascade import tree_varlen_attention  # noqa: E402
 from ps_mcore.attention.gather_kv import default_scale, flash_kernel_for  # noqa: E402
+from ps_mcore.attention.kernel_choice import CUDNN_MIN_WORK, plan_shape, prefers_cudnn  # noqa: E402
 from ps_mcore.attention.layout import cascade_layout  # noqa: E402
 from ps_mcore.workloads import WORKLOADS, make_workload  # noqa: E402
 
 GRPO = ("grpo-long-prompt", "grpo-wide", "grpo-math")
+DEVICE = "cuda"  # a CPU dry run of the table code sets "cpu" (and stands kernels in)
+NAN = float("nan")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def fwd_bwd(fn, inputs, grad):
@@ -42,8 +64,8 @@ def fwd_bwd(fn, inputs, grad):
 
 
 def leaves(shape_q, shape_kv, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda s: torch.randn(s, device="cuda", dtype=dtype, generator=g).requires_grad_()  # noqa: E731
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    mk = lambda s: torch.randn(s, device=DEVICE, dtype=dtype, generator=g).requires_grad_()  # noqa: E731
     return mk(shape_q), mk(shape_kv), mk(shape_kv)
 
 
@@ -79,17 +101,167 @@ def prefix_grouper_step(w, hq, hkv, d, dtype):
     return fwd_bwd(lambda q, k, v: pg.forward(attn, q, k, v), (q, k, v), grad)
 
 
-def layout_difference(plan, q, k, v, grad) -> float:
-    """Largest relative difference (output and the three gradients) between the tree's
-    cascade and gather-KV layouts on the same inputs."""
-    kernel, scale = flash_kernel_for(q.device), default_scale(q.size(-1))
-    results = []
-    for layout in ("cascade", "gather"):
+def cudnn_reason(hq: int, d: int, dtype) -> str | None:
+    """Why the cuDNN columns cannot run here (None: they can)."""
+    from ps_mcore.attention.cudnn import cudnn_unavailable_reason
+
+    return cudnn_unavailable_reason(torch.zeros(1, hq, d, device=DEVICE, dtype=dtype))
+
+
+def tree_fns(plan, scale, use_cudnn: bool, flex: bool) -> dict:
+    """Column name -> ``(q, k, v) -> out`` over the tree plan; None where it cannot run."""
+    from ps_mcore.attention.cudnn import cudnn_tree_attention
+
+    kernel = flash_kernel_for(torch.device(DEVICE))
+    chain_forest = cascade_layout(plan).num_levels == 0
+    fns = {
+        "fa cascade": lambda q, k, v: tree_varlen_attention(q, k, v, plan, scale, kernel, layout="cascade"),
+        "fa gather": lambda q, k, v: tree_varlen_attention(q, k, v, plan, scale, kernel, layout="gather"),
+        "cudnn gather": (lambda q, k, v: cudnn_tree_attention(q, k, v, plan, scale, layout="gather")) if use_cudnn else None,
+        "cudnn cascade": (
+            (lambda q, k, v: cudnn_tree_attention(q, k, v, plan, scale, layout="cascade"))
+            if use_cudnn and chain_forest else None
+        ),
+        "auto": lambda q, k, v: tree_attention(q, k, v, plan, backend="auto"),
+        "flex": (lambda q, k, v: tree_attention(q, k, v, plan, backend="flex")) if flex else None,
+    }
+    return fns
+
+
+def largest_difference(fns: dict, reference: str, q, k, v, grad) -> float:
+    """Largest relative difference (output and the three gradients) of every column in ``fns``
+    against ``fns[reference]`` on the same inputs."""
+    results = {}
+    for name, fn in fns.items():
         x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = tree_varlen_attention(*x, plan, scale, kernel, layout=layout)
+        out = fn(*x)
         out.backward(grad)
-        results.append([out.detach()] + [t.grad for t in x])
-    return max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(*results))
+        results[name] = [out.detach()] + [t.grad for t in x]
+        del out, x
+    ref = results.pop(reference)
+    worst = 0.0
+    for got in results.values():
+        for a, b in zip(got, ref):
+            worst = max(worst, ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item())
+    return worst
+
+
+HEADERS = [
+    "workload", "N", "T", "levels", "ideal", "base fa ms", "base cudnn ms",
+    "fa cascade ms", "m/i", "fa gather ms", "m/i", "cudnn gather ms", "m/i", "cudnn cascade ms", "m/i",
+    "auto", "auto ms", "auto m/i", "err", "flex ms", "m/i", "PG ms", "m/i",
+    "base fa MiB", "base cudnn MiB", "auto MiB", "fa cascade MiB", "fa gather MiB", "cudnn gather MiB",
+    "flex MiB", "PG MiB",
+]
+# tree column -> the unshared baseline its m/i is measured against
+_OWN_BASE = {"fa cascade": "base fa", "fa gather": "base fa", "cudnn gather": "base cudnn",
+             "cudnn cascade": "base cudnn", "flex": "base fa", "pg": "base fa"}
+
+
+def measure_workload(name: str, args, use_cudnn: bool) -> list:
+    dtype = torch.bfloat16
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    w = make_workload(name, seed=args.seed, scale=args.scale)
+    plan = plan_prefix_tree(w.sequences).to(DEVICE)
+    base_plan = plan_unshared(w.sequences).to(DEVICE)
+    stats = plan.stats()
+    n, t = stats["N"], stats["T"]
+    ideal = stats["attn_flop_ratio"]
+
+    qb, kb, vb = leaves((n, hq, d), (n, hkv, d), dtype, 1)
+    gb = torch.randn(n, hq, d, device=DEVICE, dtype=dtype)
+    base = {"base fa": fwd_bwd(lambda q, k, v: tree_attention(q, k, v, base_plan, backend="varlen"), (qb, kb, vb), gb)}
+    if use_cudnn:
+        base["base cudnn"] = fwd_bwd(lambda q, k, v: tree_attention(q, k, v, base_plan, backend="cudnn"), (qb, kb, vb), gb)
+
+    qt, kt, vt = leaves((t, hq, d), (t, hkv, d), dtype, 2)
+    gt = torch.randn(t, hq, d, device=DEVICE, dtype=dtype)
+    fns = {k: f for k, f in tree_fns(plan, default_scale(d), use_cudnn, args.flex).items() if f is not None}
+    err = largest_difference(fns, "fa gather", qt, kt, vt, gt)
+    steps = dict(base)
+    steps.update({k: fwd_bwd(f, (qt, kt, vt), gt) for k, f in fns.items()})
+    if name in args.profile:
+        profile(steps["auto"], f"tree auto ({'/'.join(auto_choice(qt, plan))}) fwd+bwd, {name}")
+    if name in GRPO and not args.no_prefix_grouper:
+        steps["pg"] = prefix_grouper_step(w, hq, hkv, d, dtype)
+    ms, mem = {}, {}
+    for key, step in steps.items():
+        log(f"    {key}")
+        ms[key], mem[key] = time_ms(step, args.warmup, args.iters), peak_mib(step)
+
+    def get(table, key):
+        return table.get(key, NAN)
+
+    def m_i(key, base_ms):
+        return base_ms / ms[key] / ideal if key in ms else NAN
+
+    best_base = min(get(ms, "base fa"), get(ms, "base cudnn")) if use_cudnn else get(ms, "base fa")
+    row = [name, n, t, cascade_layout(plan).num_levels, ideal, get(ms, "base fa"), get(ms, "base cudnn")]
+    for key in ("fa cascade", "fa gather", "cudnn gather", "cudnn cascade"):
+        row += [get(ms, key), m_i(key, get(ms, _OWN_BASE[key]))]
+    row += ["/".join(auto_choice(qt, plan)), get(ms, "auto"), m_i("auto", best_base), err]
+    for key in ("flex", "pg"):
+        row += [get(ms, key), m_i(key, get(ms, _OWN_BASE[key]))]
+    row += [get(mem, k) for k in ("base fa", "base cudnn", "auto", "fa cascade", "fa gather", "cudnn gather", "flex", "pg")]
+    return row
+
+
+def sweep_kernel_choice(args, use_cudnn: bool) -> str:
+    """Per workload and length scale: the rule's inputs, both kernels (each in its own layout
+    choice: flash by ``cascade_pays``, cuDNN gather-KV or the chain call), the faster, the pick."""
+    from ps_mcore.attention.cudnn import cudnn_tree_attention
+
+    if not use_cudnn:
+        return "\n\nKernel-choice sweep: skipped (cuDNN unavailable).\n"
+    dtype, hq, hkv, d = torch.bfloat16, args.heads, args.kv_heads, args.head_dim
+    scale = default_scale(d)
+    kernel = flash_kernel_for(torch.device(DEVICE))
+    rows = []
+    for name in args.workloads:
+        for factor in (0.5, 1.0, 2.0):
+            log(f"  sweep {name} x{factor}")
+            w = make_workload(name, seed=args.seed, scale=args.scale * factor)
+            plan = plan_prefix_tree(w.sequences).to(DEVICE)
+            shape = plan_shape(plan, hq, d)
+            t = plan.num_tokens
+            q, k, v = leaves((t, hq, d), (t, hkv, d), dtype, 3)
+            g = torch.randn(t, hq, d, device=DEVICE, dtype=dtype)
+            fa = time_ms(fwd_bwd(lambda q, k, v, p=plan: tree_varlen_attention(q, k, v, p, scale, kernel), (q, k, v), g),
+                         args.warmup, args.iters)
+            cd = time_ms(fwd_bwd(lambda q, k, v, p=plan: cudnn_tree_attention(q, k, v, p, scale), (q, k, v), g),
+                         args.warmup, args.iters)
+            faster = "cudnn" if cd < fa else "fa"
+            pick = "cudnn" if prefers_cudnn(shape) else "fa"
+            rows.append([name, factor, t, shape.segments, shape.levels, "cascade" if shape.cascade else "gather",
+                         shape.work, shape.pairs / shape.segments, fa, cd, cd / fa, faster, pick,
+                         "yes" if faster == pick else "NO"])
+            del q, k, v, g
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    headers = ["workload", "scale", "T", "segments", "levels", "fa layout", "work", "pairs/seg", "fa ms",
+               "cudnn ms", "cudnn/fa", "faster", "rule", "agree"]
+    return (f"\n\nKernel-choice sweep (CUDNN_MIN_WORK = {CUDNN_MIN_WORK:.3g}; work = pairs x Hq x D; "
+            f"the rule keeps flash where it runs a cascade with levels):\n\n{markdown_table(headers, rows)}\n"
+            f"\n{crossover_fit(rows)}\n")
+
+
+def crossover_fit(rows: list) -> str:
+    """Least-squares ``cudnn_ms = a + r * fa_ms`` over the sweep rows and the crossover it
+    implies (flash ms ``a / (1 - r)``, and the work there, interpolated in log-log)."""
+    import numpy as np
+
+    fa = np.array([r[8] for r in rows], dtype=float)
+    cd = np.array([r[9] for r in rows], dtype=float)
+    work = np.array([r[6] for r in rows], dtype=float)
+    if fa.size < 2 or np.ptp(fa) == 0:
+        return "fit: too few rows"
+    r, a = np.polyfit(fa, cd, 1)
+    if r >= 1 or a <= 0:
+        return f"fit: cudnn_ms = {a:.3g} + {r:.3g} * fa_ms (no crossover: one kernel wins everywhere)"
+    cross_ms = a / (1 - r)
+    k, c = np.polyfit(np.log(fa), np.log(work), 1)  # work ~ exp(c) * fa_ms**k
+    return (f"fit: cudnn_ms = {a:.3g} + {r:.3g} * fa_ms; crossover at fa = {cross_ms:.3g} ms, "
+            f"work ~ {np.exp(c) * cross_ms**k:.3g} (CUDNN_MIN_WORK = {CUDNN_MIN_WORK:.3g})")
 
 
 def sweep_level_chunking(plan, step, base_ms, ideal, args) -> list:
@@ -130,64 +302,46 @@ def profile(step, title: str) -> None:
 
 def run(args) -> str:
     torch._dynamo.config.cache_size_limit = 64
-    dtype = torch.bfloat16
-    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
-    headers = ["workload", "N", "T", "dedup", "levels", "ideal", "base ms", "varlen ms", "speedup",
-               "meas/ideal", "cascade ms", "cascade m/i", "gather ms", "gather m/i", "err", "flex ms", "PG ms", "base MiB",
-               "varlen MiB", "gather MiB", "flex MiB", "PG MiB"]
+    reason = cudnn_reason(args.heads, args.head_dim, torch.bfloat16)
+    use_cudnn = reason is None
+    if not use_cudnn:
+        log(f"cuDNN columns print '-': {reason}")
     rows, sweeps = [], []
     for i, name in enumerate(args.workloads):
-        print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
-        w = make_workload(name, seed=args.seed)
-        plan = plan_prefix_tree(w.sequences).to("cuda")
-        base_plan = plan_unshared(w.sequences).to("cuda")
-        stats = plan.stats()
-        n, t = stats["N"], stats["T"]
+        log(f"[{i + 1}/{len(args.workloads)}] {name}")
+        rows.append(measure_workload(name, args, use_cudnn))
+        if args.sweep_chunking:
+            sweeps.append(chunking_sweep_line(name, args))
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    title = f"Attention only, fwd+bwd, bf16, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}"
+    te = "" if use_cudnn else f" (cuDNN columns: {reason})"
+    out = f"{title}{te}\n\n{environment()}\n\n{markdown_table(HEADERS, rows)}\n"
+    sweeps = [line for line in sweeps if line]
+    if sweeps:
+        out += "\nCascade level chunking (MIN_LEVEL_KEY_BLOCKS/MIN_CHUNK_ROWS: ms (meas/ideal)):\n" + "\n".join(sweeps) + "\n"
+    if args.sweep:
+        out += sweep_kernel_choice(args, use_cudnn)
+    return out
 
-        qb, kb, vb = leaves((n, hq, d), (n, hkv, d), dtype, 1)
-        gb = torch.randn(n, hq, d, device="cuda", dtype=dtype)
-        base = fwd_bwd(lambda q, k, v: tree_attention(q, k, v, base_plan, backend="varlen"), (qb, kb, vb), gb)
 
-        qt, kt, vt = leaves((t, hq, d), (t, hkv, d), dtype, 2)
-        gt = torch.randn(t, hq, d, device="cuda", dtype=dtype)
-        kernel, scale = flash_kernel_for(qt.device), default_scale(d)
-        tree = {
-            "varlen": fwd_bwd(lambda q, k, v: tree_attention(q, k, v, plan, backend="varlen"), (qt, kt, vt), gt),
-        }
-        for layout in ("cascade", "gather"):
-            tree[layout] = fwd_bwd(
-                lambda q, k, v, lay=layout: tree_varlen_attention(q, k, v, plan, scale, kernel, layout=lay),
-                (qt, kt, vt), gt,
-            )
-        if args.flex:
-            tree["flex"] = fwd_bwd(lambda q, k, v: tree_attention(q, k, v, plan, backend="flex"), (qt, kt, vt), gt)
-        err = layout_difference(plan, qt, kt, vt, gt)
-        if name in args.profile:
-            profile(tree["varlen"], f"tree varlen (auto layout) fwd+bwd, {name}")
-        ms = {"base": time_ms(base, args.warmup, args.iters)}
-        mem = {"base": peak_mib(base)}
-        for backend, step in tree.items():
-            ms[backend] = time_ms(step, args.warmup, args.iters)
-            mem[backend] = peak_mib(step)
-        ms.setdefault("flex", float("nan")), mem.setdefault("flex", float("nan"))
-        ms["pg"] = mem["pg"] = float("nan")
-        if name in GRPO and not args.no_prefix_grouper:
-            step = prefix_grouper_step(w, hq, hkv, d, dtype)
-            ms["pg"], mem["pg"] = time_ms(step, args.warmup, args.iters), peak_mib(step)
-        ideal = stats["attn_flop_ratio"]
-        speedup = ms["base"] / ms["varlen"]
-        if args.sweep and cascade_layout(plan).num_levels:
-            sweeps.append(f"{name}: " + ", ".join(sweep_level_chunking(plan, tree["cascade"], ms["base"], ideal, args)))
-        rows.append([name, n, t, stats["dedup"], cascade_layout(plan).num_levels, ideal, ms["base"],
-                     ms["varlen"], speedup, speedup / ideal, ms["cascade"], ms["base"] / ms["cascade"] / ideal,
-                     ms["gather"], ms["base"] / ms["gather"] / ideal,
-                     err, ms["flex"], ms["pg"], mem["base"], mem["varlen"], mem["gather"],
-                     mem["flex"], mem["pg"]])
-        del qb, kb, vb, qt, kt, vt, tree, base
-        torch.cuda.empty_cache()
-    title = f"Attention only, fwd+bwd, bf16, Hq={hq}, Hkv={hkv}, D={d}"
-    sweep = ("\n\nCascade level chunking (MIN_LEVEL_KEY_BLOCKS/MIN_CHUNK_ROWS: ms (meas/ideal)):\n" + "\n".join(sweeps)) if sweeps else ""
-    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}{sweep}\n"
+def chunking_sweep_line(name: str, args) -> str:
+    """One workload's cascade timing under other level-chunking constants ("" without levels)."""
+    dtype, hq, hkv, d = torch.bfloat16, args.heads, args.kv_heads, args.head_dim
+    w = make_workload(name, seed=args.seed, scale=args.scale)
+    plan = plan_prefix_tree(w.sequences).to(DEVICE)
+    if not cascade_layout(plan).num_levels:
+        return ""
+    stats = plan.stats()
+    base_plan = plan_unshared(w.sequences).to(DEVICE)
+    n, t = stats["N"], stats["T"]
+    qb, kb, vb = leaves((n, hq, d), (n, hkv, d), dtype, 1)
+    base_ms = time_ms(fwd_bwd(lambda q, k, v: tree_attention(q, k, v, base_plan, backend="varlen"), (qb, kb, vb),
+                              torch.randn(n, hq, d, device=DEVICE, dtype=dtype)), args.warmup, args.iters)
+    kernel, scale = flash_kernel_for(torch.device(DEVICE)), default_scale(d)
+    step = fwd_bwd(lambda q, k, v: tree_varlen_attention(q, k, v, plan, scale, kernel, layout="cascade"),
+                   leaves((t, hq, d), (t, hkv, d), dtype, 2), torch.randn(t, hq, d, device=DEVICE, dtype=dtype))
+    return f"{name}: " + ", ".join(sweep_level_chunking(plan, step, base_ms, stats["attn_flop_ratio"], args))
 
 
 def main() -> None:
@@ -201,7 +355,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-prefix-grouper", action="store_true")
     p.add_argument("--flex", action="store_true", help="also time tree flex (compiles)")
-    p.add_argument("--sweep", action="store_true", help="also time cascade level-chunking settings")
+    p.add_argument("--scale", type=float, default=1.0, help="workload length scale (1 = the standard sizes)")
+    p.add_argument("--sweep", action="store_true", help="also print the kernel-choice evidence (flash vs cuDNN by shape)")
+    p.add_argument("--sweep-chunking", action="store_true", help="also time cascade level-chunking settings")
     p.add_argument("--profile", nargs="*", default=[], help="workloads to profile (kernel table)")
     p.add_argument("--out", help="also write the table (markdown) here")
     args = p.parse_args()

@@ -79,3 +79,131 @@ def test_varlen_gather_and_cascade_layouts(monkeypatch, cascade, min_chunk):
         check(plan_prefix_tree(seqs, min_prefix_len=2), "varlen", 8, 2, 128, torch.bfloat16, i)
     deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]
     check(plan_prefix_tree(deep, min_prefix_len=1), "varlen", 4, 4, 64, torch.float16)
+
+
+# ----------------------------------------------------------------------------- cuDNN (TE)
+
+
+def _te_reason() -> str | None:
+    """Why the cuDNN backend cannot run on this machine (None: TE and CUDA are there)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    from ps_mcore.attention.cudnn import static_unavailable_reason
+
+    return static_unavailable_reason("cuda", torch.bfloat16, 128)
+
+
+needs_te = pytest.mark.skipif(_te_reason() is not None, reason=f"cuDNN backend: {_te_reason()}")
+
+
+@needs_te
+@pytest.mark.parametrize("name", list(nasty_forests()))
+def test_cudnn_nasty_shapes(name):
+    check(plan_prefix_tree(nasty_forests()[name], min_prefix_len=1), "cudnn", 8, 2, 64, torch.bfloat16)
+
+
+@needs_te
+@pytest.mark.parametrize("ratio, d, dtype", [(1, 64, torch.bfloat16), (4, 80, torch.bfloat16),
+                                             (7, 128, torch.bfloat16), (8, 128, torch.float16)])
+def test_cudnn_random_forests_gqa_head_dims(ratio, d, dtype):
+    rng = np.random.default_rng(ratio * d)
+    for i in range(4):
+        seqs = random_forest(rng, max_seqs=12, max_len=300)
+        check(plan_prefix_tree(seqs, min_prefix_len=4), "cudnn", 2 * ratio, 2, d, dtype, i)
+
+
+@needs_te
+@pytest.mark.parametrize("layout", ["auto", "gather"])
+def test_cudnn_layouts_on_chains_and_deep_trees(monkeypatch, layout):
+    """Chain forests (one causal call in place, or forced gather-KV) and many-level trees
+    (gather-KV with the fused scatter-add), against the float64 unshared computation."""
+    from ps_mcore.attention import backends, cudnn
+
+    monkeypatch.setattr(backends, "_cudnn", lambda q, k, v, plan, s: cudnn.cudnn_tree_attention(q, k, v, plan, s, layout))
+    monkeypatch.setitem(backends.ATTENTION_BACKENDS, "cudnn", backends.AttentionBackend(
+        "cudnn", attend=backends._cudnn, gather_kv_kernel=backends._cudnn_kernel, check=backends._check_cudnn))
+    step_wise = [list(range(37 * (j + 1))) for j in range(6)]
+    check(plan_prefix_tree(step_wise, min_prefix_len=1), "cudnn", 8, 2, 128, torch.bfloat16)
+    deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]
+    check(plan_prefix_tree(deep, min_prefix_len=1), "cudnn", 4, 4, 64, torch.float16)
+    rng = np.random.default_rng(7)
+    for i in range(3):
+        check(plan_prefix_tree(random_forest(rng, max_seqs=16, max_len=400), min_prefix_len=2),
+              "cudnn", 8, 2, 128, torch.bfloat16, i)
+
+
+@needs_te
+def test_cudnn_softmax_scale_is_honoured():
+    from attention_oracle import random_qkv, unshared_attention
+
+    from ps_mcore import tree_attention
+
+    plan = plan_prefix_tree(nasty_forests()["tree"], min_prefix_len=1).to("cuda")
+    q, k, v = random_qkv(plan, 4, 2, 64, torch.bfloat16, "cuda")
+    out = plan.unpack(tree_attention(q, k, v, plan, backend="cudnn", softmax_scale=0.37))
+    assert rel(out, unshared_attention(q, k, v, plan, scale=0.37)) < 1e-2
+    assert rel(out, unshared_attention(q, k, v, plan)) > 5e-2  # the default scale differs
+
+
+@needs_te
+@pytest.mark.parametrize("d", [40, 72, 96, 192, 256])
+def test_cudnn_other_head_dims_exact_or_refused_clearly(d):
+    """cuDNN's head-dim support depends on its version: every multiple of 8 up to 256 either
+    runs exactly or is refused by the backend's check with cuDNN's reason (never a crash
+    inside the step)."""
+    from ps_mcore.attention.cudnn import cudnn_unavailable_reason
+
+    q = torch.zeros(8, 4, d, device="cuda", dtype=torch.bfloat16)
+    reason = cudnn_unavailable_reason(q)
+    plan = plan_prefix_tree(nasty_forests()["grpo"], min_prefix_len=1)
+    if reason is None:
+        check(plan, "cudnn", 4, 2, d, torch.bfloat16)
+    else:
+        with pytest.raises(ValueError, match="backend 'cudnn'.*unavailable"):
+            resolve_backend("cudnn", q)
+
+
+@needs_te
+def test_cudnn_refuses_head_dims_cudnn_cannot_take():
+    for d in (100, 264):
+        q = torch.zeros(8, 4, d, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="multiple of 8 and at most 256"):
+            resolve_backend("cudnn", q)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        resolve_backend("cudnn", torch.zeros(8, 4, 64, device="cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or _te_reason() is None, reason="needs CUDA without TE")
+def test_cudnn_without_te_is_refused_and_auto_stays_flash():
+    from ps_mcore.workloads import make_workload
+
+    q = torch.zeros(8, 16, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="backend 'cudnn'.*transformer_engine"):
+        resolve_backend("cudnn", q)
+    plan = plan_prefix_tree(make_workload("grpo-long-prompt", seed=0).sequences).to("cuda")
+    assert resolve_backend("auto", q, plan) == "varlen"
+
+
+@needs_te
+def test_auto_picks_cudnn_by_shape():
+    """The shape rule on the device: the long GRPO prompt runs cuDNN gather-KV; no-sharing and
+    step-wise stay on flash; without a plan (CP) auto means flash."""
+    from ps_mcore.attention import auto_choice
+    from ps_mcore.workloads import make_workload
+
+    q = torch.zeros(8, 16, 128, device="cuda", dtype=torch.bfloat16)
+    picks = {}
+    for name in ("grpo-long-prompt", "step-wise", "no-sharing"):
+        plan = plan_prefix_tree(make_workload(name, seed=0).sequences).to("cuda")
+        picks[name] = auto_choice(q, plan)
+    assert picks == {"grpo-long-prompt": ("cudnn", "gather"), "step-wise": ("varlen", "cascade"),
+                     "no-sharing": ("varlen", "gather")}
+    assert resolve_backend("auto", q) == "varlen"
+
+
+@needs_te
+def test_cudnn_kernel_serves_context_parallelism():
+    from ps_mcore.attention import cp_kernel
+    from ps_mcore.attention.cudnn import CUDNN_KERNEL
+
+    assert cp_kernel("cudnn", torch.zeros(8, 4, 64, device="cuda", dtype=torch.bfloat16)) is CUDNN_KERNEL

@@ -6,8 +6,12 @@ Backends:
     varlen     varlen FlashAttention (torch's flash kernel or flash-attn), CUDA, in the cascade
                layout (no K/V copy) or gather-KV, whichever layout.cascade_pays picks.
     flex       FlexAttention with a BlockMask from subtree ends (compiled on CUDA).
+    cudnn      cuDNN fused attention through Transformer Engine, CUDA fp16/bf16: gather-KV, or
+               on a chain forest the single causal call in place (attention/cudnn.py).
     npu        gather-KV + torch_npu.npu_fusion_attention (TND, bottom-right causal), Ascend.
-    auto       npu on an NPU device, varlen on CUDA for fp16/bf16, else flex on CUDA, else chunked.
+    auto       npu on an NPU device; on CUDA for fp16/bf16 varlen, or cudnn where TE is present and
+               the plan's shape favours it (attention/kernel_choice.py); else flex on CUDA,
+               else chunked.
 
 The names map to code in one table, :mod:`ps_mcore.attention.backends` (also used by the
 context-parallel path and the layer-spec builders); add a backend there.
@@ -21,6 +25,7 @@ from ps_mcore.attention import backends
 from ps_mcore.attention.backends import (
     ATTENTION_BACKENDS,
     AttentionBackend,
+    auto_choice,
     backend_names,
     check_backend_name,
     cp_backend_names,
@@ -91,7 +96,7 @@ def tree_attention(
     if v.size(-1) != q.size(-1):
         return _with_one_head_dim(q, k, v, plan, backend, scale)
     plan = plan.to(q.device)
-    return ATTENTION_BACKENDS[resolve_backend(backend, q)](q, k, v, plan, scale)
+    return ATTENTION_BACKENDS[resolve_backend(backend, q, plan)](q, k, v, plan, scale)
 
 
 def _with_one_head_dim(q, k, v, plan, backend, scale) -> torch.Tensor:

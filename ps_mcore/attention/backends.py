@@ -121,6 +121,24 @@ def _check_varlen(q: torch.Tensor) -> None:
         raise ValueError(f"backend 'varlen' needs fp16 or bf16 inputs, got {q.dtype}")
 
 
+def _cudnn(q, k, v, plan, scale):
+    from ps_mcore.attention.cudnn import cudnn_tree_attention
+
+    return cudnn_tree_attention(q, k, v, plan, scale)
+
+
+def _cudnn_kernel(device: torch.device) -> VarlenKernel:
+    from ps_mcore.attention.cudnn import CUDNN_KERNEL
+
+    return CUDNN_KERNEL
+
+
+def _check_cudnn(q: torch.Tensor) -> None:
+    from ps_mcore.attention.cudnn import require_cudnn
+
+    require_cudnn(q)
+
+
 def _npu_kernel(device: torch.device) -> VarlenKernel:
     from ps_mcore.attention.npu import NPU_KERNEL
 
@@ -137,29 +155,61 @@ register_backend(AttentionBackend("reference", attend=_reference))
 register_backend(AttentionBackend("chunked", gather_kv_kernel=lambda device: MATH_KERNEL, cascade=True))
 register_backend(AttentionBackend("varlen", gather_kv_kernel=flash_kernel_for, check=_check_varlen, cascade=True))
 register_backend(AttentionBackend("flex", attend=_flex, check=_check_flex))
+# cuDNN through Transformer Engine: gather-KV, or the chain self call on chain forests (cudnn.py);
+# its gather-KV kernel also serves context parallelism.
+register_backend(AttentionBackend("cudnn", attend=_cudnn, gather_kv_kernel=_cudnn_kernel, check=_check_cudnn))
 register_backend(AttentionBackend("npu", gather_kv_kernel=_npu_kernel, check=_check_npu))
 
 
 # ----------------------------------------------------------------------------- resolution
 
 
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
+def resolve_backend(backend: str, q: torch.Tensor, plan: TreePlan | None = None) -> str:
     """The concrete backend ``backend`` means for ``q``; raises if it cannot run there.
 
-    ``auto``: npu on an NPU device, varlen on CUDA for fp16/bf16 (with a flash kernel), else
-    flex on CUDA, else chunked.
+    ``auto``: npu on an NPU device; on CUDA for fp16/bf16 with a flash kernel, varlen, or cudnn
+    where TE's cuDNN attention can run and the kernel-choice rule prefers it for ``plan``'s
+    shape (:mod:`ps_mcore.attention.kernel_choice`; without a plan, varlen); else flex on
+    CUDA, else chunked.
     """
     check_backend_name(backend)
     if backend == AUTO:
         if q.device.type == "npu":
             return "npu"
         if q.is_cuda and q.dtype in _FLASH_DTYPES and flash_kernel_for(q.device) is not None:
-            return "varlen"
+            return "cudnn" if plan is not None and _auto_prefers_cudnn(q, plan) else "varlen"
         return "flex" if q.is_cuda else "chunked"
     check = ATTENTION_BACKENDS[backend].check
     if check is not None:
         check(q)
     return backend
+
+
+def _auto_prefers_cudnn(q: torch.Tensor, plan: TreePlan) -> bool:
+    from ps_mcore.attention.kernel_choice import plan_shape, prefers_cudnn
+
+    if "cudnn" not in ATTENTION_BACKENDS or not isinstance(plan, TreePlan):
+        return False
+    # The shape rule first (host numbers, cached): the cuDNN probe only runs for plans it picks.
+    if not prefers_cudnn(plan_shape(plan, q.size(1), q.size(2))):
+        return False
+    from ps_mcore.attention.cudnn import cudnn_unavailable_reason
+
+    return cudnn_unavailable_reason(q) is None
+
+
+def auto_choice(q: torch.Tensor, plan: TreePlan) -> tuple[str, str]:
+    """``(backend, layout)`` that ``tree_attention(..., backend="auto")`` runs for ``q`` and
+    ``plan`` (layout "cascade" or "gather" for the varlen/cudnn kernels, else "-")."""
+    from ps_mcore.attention.layout import cascade_layout, cascade_pays
+
+    name = resolve_backend(AUTO, q, plan)
+    if name not in ("varlen", "cudnn", "chunked"):
+        return name, "-"
+    layout = cascade_layout(plan, q.device)
+    if name == "cudnn":
+        return name, "gather" if layout.num_levels else "cascade"
+    return name, "cascade" if cascade_pays(plan, layout) else "gather"
 
 
 def cp_kernel(backend: str, q: torch.Tensor) -> VarlenKernel:
@@ -182,6 +232,7 @@ __all__ = [
     "backend_names",
     "check_backend_name",
     "cp_backend_names",
+    "auto_choice",
     "cp_kernel",
     "register_backend",
     "resolve_backend",
