@@ -42,9 +42,13 @@ def test_te_model_tree_vs_stock_unshared_thd(kind):
         assert runs.plan.num_tokens < runs.plan.num_input_tokens
         with torch.no_grad():
             lp32 = runs.base_lp(ref).float()
-            err_stock = float((runs.base_lp().float() - lp32).abs().max())
-            err_tree = float((runs.tree_lp().float() - lp32).abs().max())
-        assert err_tree <= 1.5 * err_stock + 2e-2, (name, err_tree, err_stock)
+            err_stock = (runs.base_lp().float() - lp32).abs()
+            err_tree = (runs.tree_lp().float() - lp32).abs()
+        # Mean over tokens: in bf16 a near-tie top-k choice can flip for a token in either run
+        # (MoE), moving that one token's log-prob far; max errors then say nothing about the tree.
+        assert float(err_tree.mean()) <= 1.5 * float(err_stock.mean()) + 2e-3, (name, err_tree.mean(), err_stock.mean())
+        if kind == "mla":
+            assert float(err_tree.max()) <= 1.5 * float(err_stock.max()) + 2e-2, (name, err_tree.max(), err_stock.max())
         runs.tree_step()
         grads = [p.grad for p in tree.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads)

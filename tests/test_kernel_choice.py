@@ -77,7 +77,7 @@ def test_static_reasons_name_the_problem(monkeypatch):
     bf16 = torch.bfloat16
     assert "fp16 or bf16" in cudnn.static_unavailable_reason("cuda", torch.float32, 128)
     assert "multiple of 8" in cudnn.static_unavailable_reason("cuda", bf16, 100)
-    assert "at most 256" in cudnn.static_unavailable_reason("cuda", bf16, 512)
+    assert "at most 128" in cudnn.static_unavailable_reason("cuda", bf16, 192)
     monkeypatch.setattr(cudnn, "_te_fused_attn", lambda: "transformer_engine's fused attention is not importable (X)")
     assert "transformer_engine" in cudnn.static_unavailable_reason("cuda", bf16, 128)
 
