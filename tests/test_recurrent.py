@@ -65,12 +65,32 @@ def test_levels_cover_rows_and_parents_are_one_level_up():
     levels = tree.levels()
     rows = torch.cat([lvl.rows for lvl in levels])
     assert sorted(rows.tolist()) == list(range(plan.num_tokens + 3))
-    assert len(levels) == int(tree.depth.max()) + 1 >= 3
+    assert len(levels) == int(tree.chain_depth.max()) + 1 >= 3
     for d, lvl in enumerate(levels[1:], 1):
-        parents = tree.parent[lvl.nodes.numpy()]
-        assert (levels[d - 1].nodes[lvl.parent_slot].numpy() == parents).all()
+        parent_chains = tree.chain_head[tree.parent[lvl.nodes.numpy()]]
+        assert (levels[d - 1].nodes[lvl.parent_slot].numpy() == parent_chains).all()
     assert tree.parent[-1] == -1 and tree.length[-1] == 3
     assert recurrent_tree(plan, plan.num_tokens) is recurrent_tree(plan, plan.num_tokens)
+
+
+def test_unary_chains_run_as_one_sequence():
+    """A node with one child hands no state over: a step-wise batch (each sample a prefix of the
+    next) is one chain, one call over the rows as they are; a fork starts new chains one level down."""
+    base = list(range(1, 40))
+    steps = plan_prefix_tree([base[:n] for n in (5, 12, 20, 39)], min_prefix_len=1)
+    tree = RecurrentTree(steps, steps.num_tokens)
+    assert tree.num_nodes >= 4 and tree.is_flat and len(tree.levels()) == 1
+    assert tree.levels()[0].cu_seqlens_list == (0, steps.num_tokens)
+
+    fork = plan_prefix_tree([base[:5], base[:12], base[:12] + [90, 91], base[:12] + [95]], min_prefix_len=1)
+    tree = RecurrentTree(fork, fork.num_tokens)
+    levels = tree.levels()
+    assert not tree.is_flat and [len(lvl.nodes) for lvl in levels] == [1, 2]
+    assert levels[0].cu_seqlens_list == (0, 12) and levels[0].has_children.tolist() == [True]
+    for lvl in levels:  # each chain's rows are contiguous
+        for a, b in zip(lvl.cu_seqlens_list, lvl.cu_seqlens_list[1:]):
+            r = lvl.rows[a:b]
+            assert (r.diff() == 1).all()
 
 
 # ----------------------------------------------------------------------------- kernels alone

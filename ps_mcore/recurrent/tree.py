@@ -2,8 +2,11 @@
 
 A recurrent layer (gated delta rule, Mamba's SSM, their short causal convolution) carries state
 along each root-to-leaf path. On a prefix forest each node starts from its parent's final
-state, so nodes of one depth are independent given the depth above: :class:`RecurrentTree`
-groups them into levels, each one varlen kernel call. The short causal convolution needs no
+state. A node with exactly one child needs no state hand-over at all: in DFS pre-order that
+child's rows follow the parent's directly, so the recurrence just runs on. :class:`RecurrentTree`
+therefore scans *chains* (maximal runs of nodes each with exactly one child, as one varlen
+sequence) and groups chains by chain depth into levels, one varlen kernel call each: a
+step-wise batch (every sample a prefix of the next) is one chain, one call. The short causal convolution needs no
 levels: each node reads the last ``kernel_size - 1`` rows of its ancestor chain (which may span
 several ancestors when nodes are short), gathered once (:meth:`RecurrentTree.conv_layout`).
 
@@ -23,16 +26,17 @@ from ps_mcore.planner import TreePlan, ragged_arange
 
 @dataclass(frozen=True)
 class Level:
-    """All nodes of one depth, as one varlen batch.
+    """All chains of one chain depth, as one varlen batch.
 
     Attributes:
-        nodes: ``[n]`` node ids (pre-order).
-        rows: ``[R]`` packed rows of these nodes, node after node.
-        cu_seqlens: ``[n+1]`` int32 node boundaries within ``rows``.
+        nodes: ``[n]`` node id of each chain's head (pre-order).
+        rows: ``[R]`` packed rows of these chains, chain after chain (a chain's rows are
+            contiguous).
+        cu_seqlens: ``[n+1]`` int32 chain boundaries within ``rows``.
         cu_seqlens_list: the same as Python ints (kernels that want host-side lengths).
-        parent_slot: ``[n]`` position of each node's parent within the level above (None at
-            depth 0, where every node is a root).
-        has_children: ``[n]`` bool; only these nodes' final states are read.
+        parent_slot: ``[n]`` position, within the level above, of the chain that ends in each
+            head's parent (None at depth 0, where every chain starts at a root).
+        has_children: ``[n]`` bool; only these chains' final states are read.
     """
 
     nodes: torch.Tensor
@@ -71,6 +75,19 @@ class RecurrentTree:
             if parent[v] >= 0:
                 depth[v] = depth[parent[v]] + 1
         self.depth = depth
+        # chains: a node whose parent has exactly one child continues the parent's chain
+        children = np.bincount(parent[parent >= 0], minlength=m)
+        head = np.arange(m)
+        chain_depth = np.zeros(m, dtype=np.int64)
+        for v in range(m):  # pre-order: the parent's chain is known first
+            p = parent[v]
+            if p >= 0 and children[p] == 1:
+                head[v] = head[p]
+            elif p >= 0:
+                chain_depth[v] = chain_depth[head[p]] + 1
+        self.chain_head = head
+        self.chain_depth = chain_depth
+        self._children = children
         self.device = plan.device
         self._plan = plan
         self._levels: list[Level] | None = None
@@ -82,29 +99,34 @@ class RecurrentTree:
 
     @property
     def is_flat(self) -> bool:
-        """True when every node is a root: one varlen call over the rows as they are."""
-        return bool((self.parent < 0).all())
+        """True when every chain starts at a root: one varlen call over the rows as they are."""
+        return bool((self.chain_depth[self.chain_head] == 0).all())
 
     def levels(self) -> list[Level]:
-        """Nodes grouped by depth (depth 0 first); cached."""
+        """Chains grouped by chain depth (roots' chains first); cached."""
         if self._levels is None:
+            heads = np.flatnonzero(self.chain_head == np.arange(self.num_nodes))
+            chain_len = np.bincount(self.chain_head, weights=self.length, minlength=self.num_nodes).astype(np.int64)
+            # the last node of a chain is the one with != 1 children; its children fork
+            forks = np.zeros(self.num_nodes, dtype=bool)
+            forks[self.chain_head[self._children > 1]] = True
+            depth = self.chain_depth[heads]
             slot = np.zeros(self.num_nodes, dtype=np.int64)
-            has_children = np.zeros(self.num_nodes, dtype=bool)
-            has_children[self.parent[self.parent >= 0]] = True
             levels = []
-            for d in range(int(self.depth.max()) + 1 if self.num_nodes else 0):
-                nodes = np.flatnonzero(self.depth == d)
+            for d in range(int(depth.max()) + 1 if len(heads) else 0):
+                nodes = heads[depth == d]
                 slot[nodes] = np.arange(len(nodes))
-                lens = self.length[nodes]
+                lens = chain_len[nodes]
                 cu = np.concatenate([[0], np.cumsum(lens)])
+                parent_head = self.chain_head[self.parent[nodes]] if d else None
                 levels.append(
                     Level(
                         nodes=torch.from_numpy(nodes).to(self.device),
                         rows=torch.from_numpy(ragged_arange(self.start[nodes], lens)).to(self.device),
                         cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(self.device),
                         cu_seqlens_list=tuple(int(x) for x in cu),
-                        parent_slot=None if d == 0 else torch.from_numpy(slot[self.parent[nodes]]).to(self.device),
-                        has_children=has_children[nodes],
+                        parent_slot=None if d == 0 else torch.from_numpy(slot[parent_head]).to(self.device),
+                        has_children=forks[nodes],
                     )
                 )
             self._levels = levels
