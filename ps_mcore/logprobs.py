@@ -72,9 +72,11 @@ class _RowStats(torch.autograd.Function):
             # d lse / dz = p;  d H / dz = -p (z - lse + H);  d z[label] / dz = one-hot
             dz = p * (g_lse[a:b, None] - g_ent[a:b, None] * (z - lse[a:b, None] + ent[a:b, None]))
             if g_label is not None:
-                sel = (rows >= a) & (rows < b) & in_shard
-                flat = (rows[sel] - a) * v_local + local[sel]
-                dz.view(-1).index_add_(0, flat, g_label[sel])
+                # Every label adds into this chunk, those outside it (or the shard) add 0 at a
+                # clamped index: no boolean-mask select, so no device sync per chunk.
+                inside = (rows >= a) & (rows < b)
+                flat = (rows - a).clamp(0, b - a - 1) * v_local + local.clamp(0, v_local - 1)
+                dz.view(-1).index_add_(0, flat, torch.where(inside, g_label, 0.0))
             grad[a:b] = (dz / temp).to(grad.dtype)
         return grad, None, None, None, None, None
 
