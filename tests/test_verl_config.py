@@ -77,14 +77,21 @@ def test_shipped_config_composes_validates_and_instantiates(name, installed_patc
     assert critic.prefix_grouper == expected
 
 
-def test_plus_form_on_stock_config(installed_patchsets):
+def _validated_plus_form(extra: str):
+    """verl's stock megatron config with the actor's flag and mode set by ``+`` keys, plus
+    ``extra``, composed and validated driver-side."""
     overrides = BASE_OVERRIDES + [
         "actor_rollout_ref.actor.use_prefix_grouper=true",
         "+actor_rollout_ref.actor.prefix_grouper.mode=arbitrary_prefix",
-        "+actor_rollout_ref.actor.prefix_grouper.min_group_size=3",
+        extra,
     ]
     cfg = compose(verl_config_dir(), "ppo_megatron_trainer", overrides)
     _validate_driver_side(cfg)
+    return cfg
+
+
+def test_plus_form_on_stock_config(installed_patchsets):
+    cfg = _validated_plus_form("+actor_rollout_ref.actor.prefix_grouper.min_group_size=3")
     actor, ref = _instantiate_worker_side(cfg)
     assert actor.prefix_grouper == PrefixGrouperConfig(mode="arbitrary_prefix", min_group_size=3)
     # the ref section has no flag of its own: it follows the actor of this process
@@ -167,13 +174,7 @@ def test_ref_keeps_its_own_sub_config_and_follows_the_actor_flag(driver_copies, 
     from ps_mcore.integrations.verl080.config import resolve_setting
     from ps_mcore.integrations.verl080.trainer import follow_actor_setting
 
-    overrides = BASE_OVERRIDES + [
-        "actor_rollout_ref.actor.use_prefix_grouper=true",
-        "+actor_rollout_ref.actor.prefix_grouper.mode=arbitrary_prefix",
-        "+actor_rollout_ref.ref.prefix_grouper.min_prefix_len=32",
-    ]
-    cfg = compose(verl_config_dir(), "ppo_megatron_trainer", overrides)
-    _validate_driver_side(cfg)
+    cfg = _validated_plus_form("+actor_rollout_ref.ref.prefix_grouper.min_prefix_len=32")
     if driver_copies:
         follow_actor_setting(cfg)
         assert cfg.actor_rollout_ref.ref.use_prefix_grouper is True
