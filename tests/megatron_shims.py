@@ -126,11 +126,13 @@ def assert_tree_matches_stock(stock, tree, seqs) -> None:
     torch.testing.assert_close(plan.unpack(got), ref, rtol=1e-5, atol=1e-5)
 
 
-def local_hybrid_stack_spec(stack, submodules_cls, gdn_config=None):
+def local_hybrid_stack_spec(stack, submodules_cls, gdn_config=None, mamba=False):
     """A hybrid stack spec (0.19's ``HybridStack`` / 0.16's ``MambaStack`` with its submodules
     dataclass) built from Megatron's local layers: attention (the GPT local layer, with its MLP),
-    MLP and, given a GDN config, a Gated DeltaNet layer laid out as 0.19's ``hybrid_stack_spec``
-    lays it out (a TransformerLayer with the stock GatedDeltaNet as self_attention, no MLP)."""
+    MLP, given a GDN config a Gated DeltaNet layer laid out as 0.19's ``hybrid_stack_spec``
+    lays it out (a TransformerLayer with the stock GatedDeltaNet as self_attention, no MLP), and
+    with ``mamba`` a MambaLayer (norm + the stock MambaMixer with local linears; its kernels
+    need ``mamba_shims.shim_mamba_for_cpu()`` on CPU)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -147,6 +149,15 @@ def local_hybrid_stack_spec(stack, submodules_cls, gdn_config=None):
         mixer_only = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=gpt.submodules.input_layernorm, self_attn_bda=gpt.submodules.self_attn_bda))
         layers["gdn_layer"] = gdn_layer_spec(gdn_config, mixer_only)
+    if mamba:
+        from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+        from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        mixer = ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+            in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
+        layers["mamba_layer"] = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+            norm=gpt.submodules.input_layernorm, mixer=mixer, mamba_bda=gpt.submodules.self_attn_bda))
     return ModuleSpec(module=stack, submodules=submodules_cls(**layers))
 
 

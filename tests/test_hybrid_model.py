@@ -57,8 +57,8 @@ def _torch_final_norm(monkeypatch):
     monkeypatch.setattr(hybrid_block, "TENorm", SPTorchNorm)
 
 
-def _local_hybrid_spec(config=None) -> ModuleSpec:
-    return local_hybrid_stack_spec(HybridStack, HybridStackSubmodules, config)
+def _local_hybrid_spec(config=None, mamba=False) -> ModuleSpec:
+    return local_hybrid_stack_spec(HybridStack, HybridStackSubmodules, config, mamba=mamba)
 
 
 def _model(spec, pattern=PATTERN, config=None):
@@ -149,6 +149,47 @@ def test_gdn_hybrid_model_tree_matches_each_sequence(gdn_models, forest):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     torch.testing.assert_close(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), rtol=1e-5, atol=1e-5)
     assert_grads_close(grads, ref_grads, rel_atol=3e-5, rtol=1e-4)
+
+
+MAMBA_PATTERN = "M*M-"  # Mamba, attention (with its MLP), Mamba, MLP
+
+
+@pytest.fixture(scope="module")
+def mamba_models():
+    from mamba_shims import shim_mamba_for_cpu
+
+    shim_mamba_for_cpu()  # megatron's Mamba kernels (mamba-ssm, Triton) as torch stand-ins
+    cfg = tiny_config("qwen2", num_layers=len(MAMBA_PATTERN), mamba_num_groups=2, mamba_num_heads=4,
+                      mamba_head_dim=5, mamba_state_dim=6)
+    spec = _local_hybrid_spec(mamba=True)
+    hybrid_block.TENorm = SPTorchNorm
+    try:
+        stock = _model(spec, MAMBA_PATTERN, cfg)
+        randomize_(stock, seed=5)
+        with torch.no_grad():  # slow decays and convs reaching across nodes
+            for layer, kind in zip(stock.decoder.layers, MAMBA_PATTERN):
+                if kind == "M":
+                    layer.mixer.cp.get_A_log().copy_(torch.linspace(-3.0, 0.0, layer.mixer.cp.get_A_log().numel()))
+                    layer.mixer.cp.get_conv1d_weight().mul_(4.0)
+        tree = _model(to_tree_spec(spec), MAMBA_PATTERN, cfg)
+    finally:
+        hybrid_block.TENorm = _STOCK_TENORM
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    return stock, tree
+
+
+@pytest.mark.parametrize("forest", ["deep-chain-short-nodes", "duplicates-and-prefix", "tree", "random"])
+def test_mamba_hybrid_model_tree_matches_each_sequence(mamba_models, forest):
+    """0.19 HybridModel ``M*M-`` with the stock MambaMixer swapped by to_tree_spec: logits,
+    log-probs and every gradient, tree vs each sequence alone through the stock model (fp32)."""
+    from ps_mcore.layer_specs.mamba import TreeMambaMixer
+
+    stock, tree = mamba_models
+    assert [type(layer.mixer) for layer in tree.decoder.layers[::2]] == [TreeMambaMixer] * 2
+    (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, GDN_FORESTS[forest])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    torch.testing.assert_close(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads, rel_atol=5e-5, rtol=1e-4)
 
 
 def test_stock_hybrid_stack_spec_converts_gdn_and_mamba_mixers():

@@ -57,7 +57,17 @@ def _sharpen_(mixer):
     with torch.no_grad():
         mixer.A_log.copy_(torch.linspace(-3.0, 0.0, mixer.A_log.numel()))
         mixer.dt_bias.copy_(torch.linspace(-1.5, 0.5, mixer.dt_bias.numel()))
-        mixer.conv1d.weight.mul_(4.0)
+        mixer.cp.get_conv1d_weight().mul_(4.0)  # conv1d.weight (0.16) / conv1d_weight (0.19)
+
+
+def _thd_params(cu: torch.Tensor, max_len: int) -> PackedSeqParams:
+    """Standard THD params; megatron-core 0.19's Mamba reads the sequence of each row from
+    ``seq_idx`` (0.16 derives it from ``cu_seqlens``), so it is filled where the field exists."""
+    extra = {}
+    if "seq_idx" in {f.name for f in dataclasses.fields(PackedSeqParams)}:
+        extra["seq_idx"] = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff().long()).int()[None]
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len, **extra)
 
 
 def _mixer_pair(shape, seed=0):
@@ -109,8 +119,7 @@ def _tree_vs_stock(stock, tree, seqs, oracle="alone", pad_to_multiple_of=4):
         ref = torch.cat([stock(part[:, None])[0][:, 0] for part in per_seq.split(list(plan.seq_lens))])
     else:
         cu = torch.tensor(np.concatenate([[0], np.cumsum(plan.seq_lens)]), dtype=torch.int32)
-        thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                              max_seqlen_q=max(plan.seq_lens), max_seqlen_kv=max(plan.seq_lens))
+        thd = _thd_params(cu, max(plan.seq_lens))
         ref = stock(per_seq[:, None], packed_seq_params=thd)[0][:, 0]
     (dx_ref,) = torch.autograd.grad((w[:, None] * ref * probe).sum(), x, retain_graph=True)
     (w[:, None] * ref * probe).sum().backward()
@@ -168,7 +177,7 @@ def test_ordinary_batches_run_the_stock_forward(mixers):
     with torch.no_grad():
         torch.testing.assert_close(tree(x)[0], stock(x)[0], rtol=0, atol=0)
         cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-        thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=5, max_seqlen_kv=5)
+        thd = _thd_params(cu, 5)
         torch.testing.assert_close(tree(x[:, :1], packed_seq_params=thd)[0],
                                    stock(x[:, :1], packed_seq_params=thd)[0], rtol=0, atol=0)
 
@@ -234,6 +243,10 @@ def _stack_spec(cfg, mixer_cls, attention_layer):
 
 @pytest.fixture(scope="module")
 def models(monkeypatch_module):
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.core.models.hybrid") is not None:
+        pytest.skip("megatron-core 0.19+: MambaModel is a HybridModel (tests/test_hybrid_model.py)")
     from megatron.core.models.mamba.mamba_model import MambaModel
 
     monkeypatch_module.setattr(mamba_block, "TENorm", SPTorchNorm)  # the stack's final norm is TE's
