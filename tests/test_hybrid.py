@@ -39,6 +39,7 @@ from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec,
 )
 from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
+from ps_mcore.layer_specs.moe import TreeTopKRouter  # noqa: E402
 from ps_mcore.layer_specs.recurrent_specs import refuse_tree_batch, tree_recurrent_spec  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -184,7 +185,8 @@ def test_mamba_stack_spec_conversion():
     assert attn.module is TreeSelfAttention and attn.submodules.core_attention.module is TreeCoreAttention
     assert tree.mlp_layer is spec.submodules.mlp_layer
     assert tree.mamba_layer is spec.submodules.mamba_layer  # IdentityOp: no Mamba layers
-    assert issubclass(tree.moe_layer.module, moe.module)  # kept, refusing tree batches
+    assert issubclass(tree.moe_layer.module, moe.module)  # records its tree batch for the router
+    assert tree.moe_layer.submodules.mlp.submodules.router is TreeTopKRouter
 
     unknown_mixer = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(mixer=ModuleSpec(module=torch.nn.Identity)))
     spec.submodules.mamba_layer = unknown_mixer

@@ -2,7 +2,7 @@
 ``to_tree_spec`` converts the attention layers and the Gated DeltaNet layers (tree vs each
 sequence alone through the stock model: logits and every parameter gradient), puts
 ``TreeMambaMixer`` into the Mamba layers, leaves MLP layers stock, and a tree batch that reaches
-a layer kind without tree support (DSA, MLA, MoE) raises naming it.
+a layer kind without tree support (DSA, MLA) raises naming it.
 
 Test-only shims: ``HybridStack`` builds its final norm with ``TENorm`` unconditionally (TE needs
 CUDA); it is pointed at a torch RMSNorm here. The stock ``GatedDeltaNet`` runs megatron's
@@ -45,6 +45,8 @@ from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec,
 )
 from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
+from ps_mcore.layer_specs.moe import TreeTopKRouter  # noqa: E402
+from ps_mcore.layer_specs.spec_class import spec_class  # noqa: E402
 
 PATTERN = "*-*-"
 
@@ -208,13 +210,54 @@ def test_stock_hybrid_stack_spec_converts_gdn_and_mamba_mixers():
     assert tree.gdn_layer.submodules.self_attention.module is TreeGatedDeltaNet
     assert tree.attention_layer.submodules.self_attention.module is TreeSelfAttention
     assert tree.mlp_layer is stock.mlp_layer and tree.mtp_block_spec is stock.mtp_block_spec
-    for field in ("dsa_layer", "mla_layer", "moe_layer"):  # kept, but refusing tree batches
+    for field in ("dsa_layer", "mla_layer"):  # kept, but refusing tree batches
         kept, refusing = getattr(stock, field).module, getattr(tree, field).module
         assert refusing is not kept and issubclass(refusing, kept)
+    assert issubclass(tree.moe_layer.module, stock.moe_layer.module)  # records its batch
+    moe = tree.moe_layer.submodules.mlp  # a functools.partial in 0.19's TE hybrid stack spec
+    assert moe.keywords["submodules"].router is TreeTopKRouter
+
+
+MOE_PATTERN = "*E*E"  # attention, MoE, attention, MoE (0.19's hybrid MoE layers)
+
+
+@pytest.mark.parametrize("forest", ["tree", "duplicates-and-prefix", "deep-chain-short-nodes"])
+def test_moe_hybrid_model_tree_equals_unshared_thd(forest):
+    """0.19 HybridModel with MoE layers (MoETransformerLayer, local experts): the tree equals the
+    unshared THD batch through the same model in log-probs, every gradient, the aux / z losses
+    and the tokens counted per expert (each shared row counted once per sample holding it)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+    from megatron_shims import enable_cpu_moe
+    from moe_cases import MOE_CASES, assert_same, moe_config, run_tree, run_unshared, sample_coefs
+
+    enable_cpu_moe()
+    cfg = moe_config(num_layers=len(MOE_PATTERN), **MOE_CASES["aux+z/allgather"])
+    moe_mlp = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm").submodules
+    assert spec_class(moe_mlp.mlp) is MoELayer
+    spec = _local_hybrid_spec()
+    spec.submodules.moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=moe_mlp.pre_mlp_layernorm, mlp=moe_mlp.mlp, mlp_bda=moe_mlp.mlp_bda))
+    hybrid_block.TENorm = SPTorchNorm
+    try:
+        model = _model(to_tree_spec(spec), MOE_PATTERN, cfg)
+    finally:
+        hybrid_block.TENorm = _STOCK_TENORM
+    randomize_(model, seed=2)
+    model.train()
+    routers = [m for m in model.modules() if isinstance(m, TreeTopKRouter)]
+    assert len(routers) == 2
+    seqs = small_nasty_forests()[forest]
+    coef = sample_coefs(seqs, seed=3)
+    tree, _ = run_tree(model, seqs, coef)
+    ref = run_unshared(model, seqs, coef)
+    assert {"load_balancing_loss", "z_loss"} <= set(ref["losses"])  # the comparison compares something
+    assert_same(tree, ref)
 
 
 class _MixerLayer(torch.nn.Module):
-    """Stands for a DSA / MLA / MoE layer: mixes tokens, has weights."""
+    """Stands for a DSA / MLA layer: mixes tokens, has weights."""
 
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -224,7 +267,7 @@ class _MixerLayer(torch.nn.Module):
         return hidden_states.cumsum(0) * self.weight
 
 
-@pytest.mark.parametrize("field", ["dsa_layer", "mla_layer", "moe_layer"])
+@pytest.mark.parametrize("field", ["dsa_layer", "mla_layer"])
 def test_tree_batch_reaching_a_layer_without_tree_support_raises(field):
     spec = HybridStackSubmodules(**{field: ModuleSpec(module=_MixerLayer)})
     tree = to_tree_spec(spec)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -92,6 +93,9 @@ def _group_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 def _group_size(group) -> int:
     return 1 if group is None else group.size()
+
+
+_ATTACH_TAKES_NEEDS_DP_AVG = "needs_dp_avg" in inspect.signature(TopKRouter.attach_and_log_load_balancing_loss).parameters
 
 
 class TreeTopKRouter(TopKRouter):
@@ -204,10 +208,14 @@ class TreeTopKRouter(TopKRouter):
             moe_aux_loss_coeff=coeff,
             fused=False,
         )
+        # The global loss's group already holds DP: 0.16 says so with reduce_group_has_dp=True,
+        # 0.19 with needs_dp_avg=False.
+        global_kwarg = (
+            {"needs_dp_avg": kind != "global_aux_loss"} if _ATTACH_TAKES_NEEDS_DP_AVG
+            else {"reduce_group_has_dp": kind == "global_aux_loss"}
+        )
         return self.attach_and_log_load_balancing_loss(
-            probs, coeff, loss, name, group,
-            reduce_group_has_dp=kind == "global_aux_loss",
-            valid_token_count=local_tokens,
+            probs, coeff, loss, name, group, valid_token_count=local_tokens, **global_kwarg
         )
 
     def _tree_z_loss(self, logits, weight, group_tokens, local_tokens) -> torch.Tensor:

@@ -134,12 +134,12 @@ def _tree_layer_spec(spec: Any, backend: str | None) -> ModuleSpec:
 
 # ------------------------------------------------------------------ hybrid stacks
 # HybridStackSubmodules (megatron-core 0.19+) and MambaStackSubmodules (0.16) name one spec per
-# layer kind. One builder per kind converts it; a kind without one (DSA, MLA, MoE, future kinds)
+# layer kind. One builder per kind converts it; a kind without one (DSA, MLA, future kinds)
 # keeps its parameters but refuses a tree batch (_refuse_tree_batches). Both stacks hand
 # packed_seq_params to every layer (checked in 0.16.1 and 0.19.2), which is how the tree plan
 # reaches the mixers; _require_packed_seq_params refuses a stack or layer class whose forward
 # cannot take them.
-_REFUSING_CLASSES: dict[tuple[type, str], type] = {}
+_LAYER_SUBCLASSES: dict[tuple[type, str, str], type] = {}
 
 
 def _is_hybrid_submodules(spec: Any) -> bool:
@@ -197,37 +197,70 @@ def _tokenwise_layer(layer: Any, field: str, backend: str | None) -> Any:
     return layer
 
 
-# An MoE layer of a hybrid stack has no attention of its own to hand its router the tree batch
-# (router statistics must be weighted by multiplicity), so it refuses tree batches for now.
+def _tree_batch_of(args, kwargs):
+    from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+
+    return next((v for v in (*args, *kwargs.values()) if isinstance(v, TreePackedSeqParams)), None)
+
+
+def _layer_subclass(cls: type, field: str, role: str, doc: str, forward: Callable) -> type:
+    """A subclass of layer ``cls`` (same parameters and state_dict keys) with ``forward``; one
+    class per (cls, field, role), so specs converted twice build the same class."""
+    key = (cls, field, role)
+    if key not in _LAYER_SUBCLASSES:
+        _LAYER_SUBCLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": forward, "__module__": cls.__module__, "__doc__": f"{cls.__name__} {doc}"})
+    return _LAYER_SUBCLASSES[key]
+
+
+def _tree_batch_refusing(cls: type, field: str) -> type:
+    """``cls`` raising when a tree batch reaches it, instead of mixing tokens across the packed
+    branches."""
+
+    def forward(self, *args, **kwargs):
+        if _tree_batch_of(args, kwargs) is not None:
+            raise NotImplementedError(
+                f"a prefix-tree batch reached {cls.__name__} (the hybrid stack's {field}), "
+                "which has no tree support: its token mixing would run across the packed "
+                "branches. Run this model with the stock (unshared) batch"
+            )
+        return cls.forward(self, *args, **kwargs)
+
+    return _layer_subclass(cls, field, "refusing", "refusing prefix-tree batches (ps_mcore.to_tree_spec).", forward)
+
+
+def _tree_moe_layer(layer: Any, field: str, backend: str | None) -> Any:
+    """``moe_layer`` (0.19's MoETransformerLayer; 0.16 MambaStack's MoE layer): the router by
+    :class:`TreeTopKRouter` (token statistics counted once per sample holding a row), and the
+    layer records its own batch for that router: in a GPT layer the attention does it, a hybrid
+    MoE layer has no attention of its own."""
+    from ps_mcore.layer_specs.tree_context import set_current_tree_batch
+
+    cls = spec_class(layer)
+    if not isinstance(layer, ModuleSpec) or not isinstance(cls, type) or not hasattr(layer.submodules, "mlp"):
+        raise NotImplementedError(
+            f"cannot convert the hybrid stack's {field} {layer!r}: to_tree_spec expects a layer "
+            "ModuleSpec with an MoE mlp submodule"
+        )
+    _require_packed_seq_params(cls, f"the hybrid stack's {field}")
+
+    def forward(self, *args, **kwargs):
+        set_current_tree_batch(_tree_batch_of(args, kwargs))  # None for any other batch
+        return cls.forward(self, *args, **kwargs)
+
+    recording = _layer_subclass(cls, field, "moe", "recording its tree batch for the router (ps_mcore.to_tree_spec).", forward)
+    return dataclasses.replace(layer, module=recording, submodules=dataclasses.replace(
+        layer.submodules, mlp=to_tree_moe_spec(layer.submodules.mlp)))
+
+
 _HYBRID_LAYER_BUILDERS: dict[str, Callable[[Any, str, str | None], Any]] = {
     "attention_layer": _tree_attention_layer,
     "gdn_layer": _tree_gdn_layer,
     "mamba_layer": _tree_mamba_layer,
+    "moe_layer": _tree_moe_layer,
     "mlp_layer": _tokenwise_layer,
     "mtp_block_spec": _tokenwise_layer,
 }
-
-
-def _tree_batch_refusing(cls: type, field: str) -> type:
-    """A subclass of layer ``cls`` (same parameters and state_dict keys) that raises when a
-    tree batch reaches it, instead of mixing tokens across the packed branches."""
-    key = (cls, field)
-    if key not in _REFUSING_CLASSES:
-        from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-
-        def forward(self, *args, **kwargs):
-            if any(isinstance(v, TreePackedSeqParams) for v in (*args, *kwargs.values())):
-                raise NotImplementedError(
-                    f"a prefix-tree batch reached {cls.__name__} (the hybrid stack's {field}), "
-                    "which has no tree support: its token mixing would run across the packed "
-                    "branches. Run this model with the stock (unshared) batch"
-                )
-            return cls.forward(self, *args, **kwargs)
-
-        _REFUSING_CLASSES[key] = type(cls.__name__, (cls,), {
-            "forward": forward, "__module__": cls.__module__,
-            "__doc__": f"{cls.__name__} refusing prefix-tree batches (ps_mcore.to_tree_spec)."})
-    return _REFUSING_CLASSES[key]
 
 
 def _refuse_tree_batches(layer: Any, field: str) -> Any:
@@ -250,7 +283,7 @@ def _tree_hybrid_submodules(spec: Any, backend: str | None) -> Any:
     for field in dataclasses.fields(spec):
         layer = getattr(spec, field.name)
         build = _HYBRID_LAYER_BUILDERS.get(field.name)
-        if build is None:  # dsa, mla, moe, future kinds
+        if build is None:  # dsa, mla, future kinds
             changes[field.name] = _refuse_tree_batches(layer, field.name)
         elif layer is not None and not _is_identity(layer):
             changes[field.name] = build(layer, field.name, backend)
@@ -271,8 +304,9 @@ def to_tree_spec(spec, tree_attention_backend: str | None = None):
         A spec of the same type; layers that shared one spec object still share one. In a
         hybrid stack (0.19's ``HybridStack``, 0.16's ``MambaStack``) the attention layers get
         tree attention, GDN and Mamba layers their tree mixer (``recurrent_specs.TREE_MIXERS``),
-        MLP layers stay as they are, and every other layer kind (MoE, DSA, MLA) keeps its
-        parameters but raises ``NotImplementedError`` naming itself when a tree batch reaches it.
+        MoE layers the tree router, MLP layers stay as they are, and every other layer kind
+        (DSA, MLA) keeps its parameters but raises ``NotImplementedError`` naming itself when a
+        tree batch reaches it.
     """
     check_backend_name(tree_attention_backend)
     if isinstance(spec, TransformerBlockSubmodules):
