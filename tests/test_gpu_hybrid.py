@@ -11,17 +11,22 @@ import torch
 import torch.nn.functional as F
 
 from forests import nasty_forests, random_forest
-from mamba_shims import mamba_ssd_reference
-from ps_mcore import plan_prefix_tree
-from ps_mcore.recurrent import (
-    gated_delta_rule_recurrent, l2norm, recurrent_tree, tree_gated_delta_rule, tree_mamba_chunk_scan,
-)
+from ps_mcore import plan_prefix_tree, plan_unshared
+from ps_mcore.recurrent import l2norm, recurrent_tree, tree_gated_delta_rule, tree_mamba_chunk_scan
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 FORESTS = {**nasty_forests(), "random": random_forest(np.random.default_rng(0), max_len=200)}
 FORESTS["long-shared"] = [list(range(150)) + [1] * n for n in (1, 70, 130)]  # > one 64-row chunk
+
+
+def each_sequence_alone(seqs):
+    """The recurrent tree of the unshared batch (every sample its own root): the reference runs
+    the pure-torch chunked kernels on it in fp64 (each checked against the token recurrence in
+    tests/test_recurrent.py), far fewer GPU launches than the token loop."""
+    flat = plan_unshared(seqs).to("cuda")
+    return recurrent_tree(flat, flat.num_tokens)
 
 
 def rel(a, b):
@@ -45,8 +50,8 @@ def test_fla_tree_matches_each_sequence(name, dtype):
     out = tree_gated_delta_rule(*args(lambda t: t.to(dtype)), recurrent_tree(plan, rows), backend="fla")
     assert out.dtype == dtype and torch.isfinite(out).all()
     got = plan.unpack(out)
-    per_seq = zip(*(plan.unpack(t[: plan.num_tokens]).split(list(plan.seq_lens)) for t in args(torch.Tensor.double)))
-    ref = torch.cat([gated_delta_rule_recurrent(*parts)[0] for parts in per_seq])
+    unshared = [plan.unpack(t[: plan.num_tokens]) for t in args(torch.Tensor.double)]
+    ref = tree_gated_delta_rule(*unshared, each_sequence_alone(FORESTS[name]), backend="torch")
     tol = 2e-3 if dtype == torch.float32 else 2e-2
     assert rel(got, ref) < tol, f"output rel err {rel(got, ref)}"
     cot = torch.randn_like(ref)
@@ -82,10 +87,9 @@ def test_fla_mamba_tree_matches_each_sequence(name, dtype):
                                 D=d, z=low[4], dt_bias=dt_bias, backend="fla")
     assert out.dtype == dtype and torch.isfinite(out).all()
     got = plan.unpack(out[: plan.num_tokens])
-    ref_in = [plan.unpack(t[: plan.num_tokens].double()).split(list(plan.seq_lens))
-              for t in (x, F.softplus(dt + dt_bias), b_in, c_in, z)]
-    ref = torch.cat([mamba_ssd_reference(xs, dts, -a_log.double().exp(), bs, cs, d.double()) * F.silu(zs)
-                     for xs, dts, bs, cs, zs in zip(*ref_in)])
+    xs, dts, bs, cs, zs = (plan.unpack(t[: plan.num_tokens].double()) for t in (x, dt, b_in, c_in, z))
+    ref = tree_mamba_chunk_scan(xs, dts, -a_log.double().exp(), bs, cs, each_sequence_alone(FORESTS[name]),
+                                D=d.double(), z=zs, dt_bias=dt_bias.double(), backend="torch")
     tol = 2e-3 if dtype == torch.float32 else 2e-2
     assert rel(got, ref) < tol, f"output rel err {rel(got, ref)}"
     cot = torch.randn_like(ref)
