@@ -79,8 +79,9 @@ def varlen_by_sequence(kernel: Callable, tensors: Sequence[torch.Tensor], cu_seq
 def tree_scan(kernel: Callable, tensors: Sequence[torch.Tensor], tree: RecurrentTree, what: str) -> torch.Tensor:
     """Run a varlen recurrent ``kernel`` over every packed row's root path.
 
-    Level by level (all nodes of one depth in one kernel call), each node from its parent's
-    final state (roots from zero). The parent states reach the children through an
+    Level by level (all chains of one chain depth in one kernel call, see
+    :class:`RecurrentTree`), each chain from the final state of the chain ending in its head's
+    parent (roots from zero). The parent states reach the children through an
     ``index_select``, so autograd gives a shared state the sum of its children's gradients.
 
     Args:
