@@ -176,6 +176,49 @@ class TreePlan:
 # ----------------------------------------------------------------------------- validation
 
 
+@dataclass(frozen=True)
+class UnaryChains:
+    """Maximal unary chains of a pre-order forest: a node whose parent has exactly one child
+    continues its parent's chain (it is the very next node in pre-order, so a chain's rows are
+    contiguous). Attention's cascade layout and the recurrent layers both work on chains.
+
+    Attributes:
+        chain_of: ``[m]`` chain index of each node (chains numbered in row order).
+        heads: ``[c]`` first node of each chain.
+        start, end: ``[c]`` the chain's rows ``[start, end)``.
+        parent: ``[c]`` chain index of the chain ending in the head's parent (-1 at roots).
+        depth: ``[c]`` chains above it (roots 0).
+    """
+
+    chain_of: np.ndarray
+    heads: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    parent: np.ndarray
+    depth: np.ndarray
+
+
+def unary_chains(node_parent: np.ndarray, node_start: np.ndarray, num_rows: int) -> UnaryChains:
+    """:class:`UnaryChains` of nodes in pre-order with parents ``node_parent`` (-1 at roots)
+    and first rows ``node_start``, over ``num_rows`` rows."""
+    parent = np.asarray(node_parent, dtype=np.int64)
+    m = parent.size
+    has_parent = parent >= 0
+    n_children = np.bincount(parent[has_parent], minlength=m)
+    continues = has_parent & (n_children[np.maximum(parent, 0)] == 1)
+    chain_of = np.cumsum(~continues) - 1
+    heads = np.flatnonzero(~continues)
+    start = np.asarray(node_start, dtype=np.int64)[heads]
+    end = np.append(start[1:], num_rows)
+    c_parent = np.where(has_parent[heads], chain_of[np.maximum(parent[heads], 0)], -1)
+    depth = np.zeros(heads.size, dtype=np.int64)
+    cur = c_parent
+    while (cur >= 0).any():  # one step per level of the chain forest
+        depth += cur >= 0
+        cur = np.where(cur >= 0, c_parent[np.maximum(cur, 0)], -1)
+    return UnaryChains(chain_of, heads, start, end, c_parent, depth)
+
+
 def _as_int_array(seq: Any, i: int) -> np.ndarray:
     if isinstance(seq, torch.Tensor):
         if seq.is_floating_point() or seq.is_complex() or seq.dtype == torch.bool:

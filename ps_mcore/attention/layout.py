@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ps_mcore.planner import TreePlan, ragged_arange
+from ps_mcore.planner import TreePlan, ragged_arange, unary_chains
 
 # Beyond this many chain levels the cascade's launches and merges cost more than copying the
 # contexts: tree_attention falls back to the gather-KV layout (see cascade_pays).
@@ -87,27 +87,12 @@ def _cu32(lengths: np.ndarray) -> torch.Tensor:
 
 
 def chains(plan: TreePlan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per chain, in row order: ``start, end, subtree_end`` rows and ``depth`` (roots 0)."""
+    """Per chain (:func:`~ps_mcore.planner.unary_chains`), in row order: ``start, end,
+    subtree_end`` rows and ``depth`` (roots 0)."""
     bounds = plan.cu_seqlens_q.cpu().numpy().astype(np.int64)
-    parent = plan.node_parent.cpu().numpy().astype(np.int64)
-    t, m = plan.num_tokens, parent.size
-    node_start = bounds[:-1]
-    has_parent = parent >= 0
-    n_children = np.bincount(parent[has_parent], minlength=m)
-    # An only child continues its parent's chain (it is the very next node in pre-order).
-    continues = has_parent & (n_children[np.maximum(parent, 0)] == 1)
-    chain_of = np.cumsum(~continues) - 1
-    heads = np.flatnonzero(~continues)
-    start = node_start[heads]
-    end = np.append(start[1:], t)
-    subtree_end = plan.subtree_end.cpu().numpy().astype(np.int64)[start]
-    c_parent = np.where(has_parent[heads], chain_of[np.maximum(parent[heads], 0)], -1)
-    depth = np.zeros(heads.size, dtype=np.int64)
-    cur = c_parent
-    while (cur >= 0).any():  # one step per level of the chain forest
-        depth += cur >= 0
-        cur = np.where(cur >= 0, c_parent[np.maximum(cur, 0)], -1)
-    return start, end, subtree_end, depth
+    c = unary_chains(plan.node_parent.cpu().numpy(), bounds[:-1], plan.num_tokens)
+    subtree_end = plan.subtree_end.cpu().numpy().astype(np.int64)[c.start]
+    return c.start, c.end, subtree_end, c.depth
 
 
 def _level_call(t: int, start, end, subtree_end) -> VarlenCall:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ps_mcore.planner import TreePlan, ragged_arange
+from ps_mcore.planner import TreePlan, ragged_arange, unary_chains
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Level:
 
 
 class RecurrentTree:
-    """Nodes of a plan (plus one padding root) with depths, levels and conv tails.
+    """Nodes of a plan (plus one padding root), their unary chains, levels and conv tails.
 
     Args:
         plan: the micro-batch's plan.
@@ -69,25 +69,7 @@ class RecurrentTree:
         self.start = cu[:-1]
         self.length = np.diff(cu)
         self.parent = parent
-        m = len(parent)
-        depth = np.zeros(m, dtype=np.int64)
-        for v in range(m):  # parents precede children in pre-order
-            if parent[v] >= 0:
-                depth[v] = depth[parent[v]] + 1
-        self.depth = depth
-        # chains: a node whose parent has exactly one child continues the parent's chain
-        children = np.bincount(parent[parent >= 0], minlength=m)
-        head = np.arange(m)
-        chain_depth = np.zeros(m, dtype=np.int64)
-        for v in range(m):  # pre-order: the parent's chain is known first
-            p = parent[v]
-            if p >= 0 and children[p] == 1:
-                head[v] = head[p]
-            elif p >= 0:
-                chain_depth[v] = chain_depth[head[p]] + 1
-        self.chain_head = head
-        self.chain_depth = chain_depth
-        self._children = children
+        self.chains = unary_chains(parent, self.start, rows)
         self.device = plan.device
         self._plan = plan
         self._levels: list[Level] | None = None
@@ -100,33 +82,29 @@ class RecurrentTree:
     @property
     def is_flat(self) -> bool:
         """True when every chain starts at a root: one varlen call over the rows as they are."""
-        return bool((self.chain_depth[self.chain_head] == 0).all())
+        return bool((self.chains.depth == 0).all())
 
     def levels(self) -> list[Level]:
         """Chains grouped by chain depth (roots' chains first); cached."""
         if self._levels is None:
-            heads = np.flatnonzero(self.chain_head == np.arange(self.num_nodes))
-            chain_len = np.bincount(self.chain_head, weights=self.length, minlength=self.num_nodes).astype(np.int64)
-            # the last node of a chain is the one with != 1 children; its children fork
-            forks = np.zeros(self.num_nodes, dtype=bool)
-            forks[self.chain_head[self._children > 1]] = True
-            depth = self.chain_depth[heads]
-            slot = np.zeros(self.num_nodes, dtype=np.int64)
+            c = self.chains
+            forks = np.zeros(c.heads.size, dtype=bool)
+            forks[c.parent[c.parent >= 0]] = True  # only these chains' final states are read
+            slot = np.zeros(c.heads.size, dtype=np.int64)
             levels = []
-            for d in range(int(depth.max()) + 1 if len(heads) else 0):
-                nodes = heads[depth == d]
-                slot[nodes] = np.arange(len(nodes))
-                lens = chain_len[nodes]
+            for d in range(int(c.depth.max()) + 1 if c.heads.size else 0):
+                chains = np.flatnonzero(c.depth == d)
+                slot[chains] = np.arange(len(chains))
+                lens = c.end[chains] - c.start[chains]
                 cu = np.concatenate([[0], np.cumsum(lens)])
-                parent_head = self.chain_head[self.parent[nodes]] if d else None
                 levels.append(
                     Level(
-                        nodes=torch.from_numpy(nodes).to(self.device),
-                        rows=torch.from_numpy(ragged_arange(self.start[nodes], lens)).to(self.device),
+                        nodes=torch.from_numpy(c.heads[chains]).to(self.device),
+                        rows=torch.from_numpy(ragged_arange(c.start[chains], lens)).to(self.device),
                         cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(self.device),
                         cu_seqlens_list=tuple(int(x) for x in cu),
-                        parent_slot=None if d == 0 else torch.from_numpy(slot[parent_head]).to(self.device),
-                        has_children=forks[nodes],
+                        parent_slot=None if d == 0 else torch.from_numpy(slot[c.parent[chains]]).to(self.device),
+                        has_children=forks[chains],
                     )
                 )
             self._levels = levels
