@@ -201,15 +201,12 @@ def _auto_prefers_cudnn(q: torch.Tensor, plan: TreePlan) -> bool:
 def auto_choice(q: torch.Tensor, plan: TreePlan) -> tuple[str, str]:
     """``(backend, layout)`` that ``tree_attention(..., backend="auto")`` runs for ``q`` and
     ``plan`` (layout "cascade" or "gather" for the varlen/cudnn kernels, else "-")."""
-    from ps_mcore.attention.layout import cascade_layout, cascade_pays
+    from ps_mcore.attention.layout import auto_layout, cascade_layout
 
     name = resolve_backend(AUTO, q, plan)
     if name not in ("varlen", "cudnn", "chunked"):
         return name, "-"
-    layout = cascade_layout(plan, q.device)
-    if name == "cudnn":
-        return name, "gather" if layout.num_levels else "cascade"
-    return name, "cascade" if cascade_pays(plan, layout) else "gather"
+    return name, auto_layout(plan, cascade_layout(plan, q.device), level_calls=name != "cudnn")
 
 
 def cp_kernel(backend: str, q: torch.Tensor) -> VarlenKernel:

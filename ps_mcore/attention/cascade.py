@@ -97,13 +97,13 @@ def tree_varlen_attention(q, k, v, plan, softmax_scale: float, kernel: VarlenKer
     (no copy) where it pays, else gather-KV (``layout.cascade_pays``); or the one named
     (``"cascade"``/``"gather"``)."""
     from ps_mcore.attention.gather_kv import gather_kv_attention
-    from ps_mcore.attention.layout import cascade_layout, cascade_pays
+    from ps_mcore.attention.layout import auto_layout, cascade_layout
 
     if layout not in ("auto", "cascade", "gather"):
         raise ValueError(f"unknown tree attention layout {layout!r}; expected auto, cascade or gather")
     if layout == "gather":
         return gather_kv_attention(q, k, v, plan, softmax_scale, kernel)
     cascade = cascade_layout(plan, q.device)
-    if layout == "auto" and not cascade_pays(plan, cascade):
+    if layout == "auto" and auto_layout(plan, cascade) == "gather":
         return gather_kv_attention(q, k, v, plan, softmax_scale, kernel)
     return cascade_attention(q, k, v, cascade, softmax_scale, kernel)

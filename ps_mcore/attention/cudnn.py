@@ -180,14 +180,14 @@ def cudnn_tree_attention(q, k, v, plan, softmax_scale: float, layout: str = "aut
     for a chain forest (cuDNN does not run the cascade's level calls, see the module
     docstring)."""
     from ps_mcore.attention.gather_kv import _GatherKVAttention, gather_kv_attention
-    from ps_mcore.attention.layout import cascade_layout
+    from ps_mcore.attention.layout import auto_layout, cascade_layout
 
     if layout not in ("auto", "cascade", "gather"):
         raise ValueError(f"unknown tree attention layout {layout!r}; expected auto, cascade or gather")
     if layout == "gather":
         return gather_kv_attention(q, k, v, plan, softmax_scale, CUDNN_KERNEL)
     cascade = cascade_layout(plan, q.device)
-    if cascade.num_levels:
+    if auto_layout(plan, cascade, level_calls=False) == "gather":
         if layout == "cascade":
             raise ValueError(
                 f"the cuDNN kernel runs the cascade layout only on chain forests; this plan has "

@@ -74,7 +74,7 @@ def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray) -> float:
 def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
     """The :class:`PlanShape` of ``plan`` for ``heads`` query heads of ``head_dim`` (host
     numbers cached on the plan's host copy: no device sync per layer)."""
-    from ps_mcore.attention.layout import cascade_layout, cascade_pays
+    from ps_mcore.attention.layout import auto_layout, cascade_layout
 
     host = plan._cache.get("host", plan)
     if "kernel_choice_shape" not in host._cache:
@@ -82,7 +82,7 @@ def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
         layout = cascade_layout(host)
         host._cache["kernel_choice_shape"] = (
             tree_pairs(cu_q, cu_k), host.num_tokens, int(cu_k[-1]), int(cu_q.size - 1),
-            layout.num_levels, bool(cascade_pays(host, layout)),
+            layout.num_levels, auto_layout(host, layout) == "cascade",
         )
     pairs, rows, ctx, segs, levels, cascade = host._cache["kernel_choice_shape"]
     return PlanShape(pairs, rows, ctx, segs, levels, cascade, heads, head_dim)

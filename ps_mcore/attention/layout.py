@@ -193,3 +193,12 @@ def cascade_pays(plan: TreePlan, layout: CascadeLayout) -> bool:
     if layout.num_levels > MAX_CASCADE_LEVELS:
         return False
     return 4 * (1 + 2 * layout.num_levels) * plan.num_tokens <= 3 * plan.kv_index.numel()
+
+
+def auto_layout(plan: TreePlan, layout: CascadeLayout, level_calls: bool = True) -> str:
+    """The layout ``layout="auto"`` runs, ``"cascade"`` or ``"gather"``: the cascade where it
+    pays (:func:`cascade_pays`); for a kernel that cannot run the cascade's level calls
+    (``level_calls=False``: cuDNN) only its single self call, on chain forests."""
+    if not level_calls:
+        return "gather" if layout.num_levels else "cascade"
+    return "cascade" if cascade_pays(plan, layout) else "gather"
