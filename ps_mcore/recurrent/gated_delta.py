@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ps_mcore.recurrent.scan import (
-    BACKENDS, compute_dtype, fla_op, resolve_backend, tree_scan, varlen_by_sequence,
+    BACKENDS, compute_dtype, fla_op, fla_varlen, resolve_backend, tree_scan, varlen_by_sequence,
 )
 from ps_mcore.recurrent.tree import RecurrentTree
 
@@ -117,12 +117,8 @@ def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_list, initi
     """
     backend = resolve_gdn_backend(backend, q.device)
     if backend == "fla":
-        out, final = _fla_kernel()(
-            q[None], k[None], v[None], g[None], beta[None], scale=scale,
-            initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens.long(), cu_seqlens_cpu=torch.tensor(cu_seqlens_list, dtype=torch.long),
-        )
-        return out[0], final
+        return fla_varlen(_fla_kernel(), (q, k, v, g, beta), cu_seqlens, cu_seqlens_list, scale=scale,
+                          initial_state=initial_state, output_final_state=output_final_state)
     return varlen_by_sequence(functools.partial(chunk_gated_delta_rule_torch, scale=scale),
                               (q, k, v, g, beta), cu_seqlens_list, initial_state, output_final_state)
 

@@ -63,6 +63,16 @@ def resolve_backend(backend: str, device: torch.device, fla_kernel: Callable | N
     return backend
 
 
+def fla_varlen(op: Callable, tensors: Sequence[torch.Tensor], cu_seqlens: torch.Tensor,
+               cu_seqlens_list: Sequence[int], **kwargs):
+    """A flash-linear-attention chunk op over packed sequences: rows as one batch row with
+    ``cu_seqlens`` (device and host copies, which fla 0.6 takes); ``kwargs`` are the op's own
+    (scale, initial_state, output_final_state). Returns ``(out [R, ...], final states)``."""
+    out, final = op(*(t[None] for t in tensors), cu_seqlens=cu_seqlens.long(),
+                    cu_seqlens_cpu=torch.tensor(cu_seqlens_list, dtype=torch.long), **kwargs)
+    return out[0], final
+
+
 def varlen_by_sequence(kernel: Callable, tensors: Sequence[torch.Tensor], cu_seqlens_list: Sequence[int],
                        initial_state: torch.Tensor | None, output_final_state: bool):
     """A varlen kernel from a one-sequence kernel ``kernel(*tensors, initial_state=) -> (out, final)``
