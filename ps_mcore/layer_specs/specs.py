@@ -26,8 +26,10 @@ from ps_mcore.attention.backends import check_backend_name
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
 from ps_mcore.layer_specs.recurrent_specs import is_recurrent_mixer, tree_recurrent_spec
 from ps_mcore.layer_specs.moe import to_tree_moe_spec
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
 from ps_mcore.layer_specs.spec_class import spec_class
+from ps_mcore.layer_specs.tree_context import set_current_tree_batch
 
 
 def _is_identity(spec: Any) -> bool:
@@ -198,8 +200,6 @@ def _tokenwise_layer(layer: Any, field: str, backend: str | None) -> Any:
 
 
 def _tree_batch_of(args, kwargs):
-    from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-
     return next((v for v in (*args, *kwargs.values()) if isinstance(v, TreePackedSeqParams)), None)
 
 
@@ -234,8 +234,6 @@ def _tree_moe_layer(layer: Any, field: str, backend: str | None) -> Any:
     :class:`TreeTopKRouter` (token statistics counted once per sample holding a row), and the
     layer records its own batch for that router: in a GPT layer the attention does it, a hybrid
     MoE layer has no attention of its own."""
-    from ps_mcore.layer_specs.tree_context import set_current_tree_batch
-
     cls = spec_class(layer)
     if not isinstance(layer, ModuleSpec) or not isinstance(cls, type) or not hasattr(layer.submodules, "mlp"):
         raise NotImplementedError(
