@@ -114,6 +114,8 @@ def workload_rows(
         w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
         steps = new_steps(w.sequences)
         rows.append(row(name, measure(steps, shape, args.warmup, args.iters, reset), steps))
+        if verbose:  # the row as soon as it exists: a long run that is cut short still says something
+            print("  " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
         if name in getattr(args, "profile", ()) and torch.cuda.is_available():
             print(profile_steps({"base": steps.base_step, "tree": steps.tree_step}, f"profile: {name}"), flush=True)
         del steps
@@ -162,7 +164,52 @@ def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iter
         columns[label] = {**kinds, "all kernels": kernels, "wall": wall, "uncovered": wall - kernels}
     rows_order = [k for k, _ in KERNEL_KINDS] + ["other", "all kernels", "wall", "uncovered"]
     rows = [[kind] + [columns[c].get(kind, 0.0) for c in columns] for kind in rows_order]
-    return f"{title} (ms per step)\n\n" + markdown_table(["kind", *columns], rows)
+    syncs = [[label, count, where] for label, step in named_steps.items() for where, count in host_syncs(step)]
+    return (
+        f"{title} (ms per step)\n\n" + markdown_table(["kind", *columns], rows)
+        + "\n\nhost syncs per step (the GPU queue drains at each; source = innermost project frames)\n\n"
+        + (markdown_table(["step", "syncs", "source"], syncs) if syncs else "none")
+    )
+
+
+# CUDA runtime calls that block the host until the GPU has caught up
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+PROJECT_FRAMES = ("ps_mcore/", "megatron/", "benchmarks/", "fla/", "transformer_engine/")
+
+
+def host_syncs(step: Callable[[], object]) -> list[tuple[str, int]]:
+    """Where one run of ``step`` makes the host wait for the GPU: ``(source, count)`` pairs, most
+    frequent first; the source is the sync's op and its innermost project frames (forward and
+    backward alike: the profiler sees the autograd threads too)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.name not in SYNC_CALLS:
+            continue
+        chain, parent = [], event.cpu_parent  # innermost first: ops, then Python frames (with_stack)
+        while parent is not None:
+            chain += [parent.name, *parent.stack]
+            parent = parent.cpu_parent
+        op = next((n for n in chain if n.startswith("aten::")), event.name)
+        frames = [_short(n) for n in chain if "): " in n and any(k in n for k in PROJECT_FRAMES)]
+        if frames and "host_syncs" in frames[0]:
+            continue  # this function's own closing synchronize
+        where = f"{op} @ " + " < ".join(dict.fromkeys(frames[:3]))
+        counts[where] = counts.get(where, 0) + 1
+    return sorted(counts.items(), key=lambda kv: -kv[1])
+
+
+def _short(frame: str) -> str:
+    """'/.../site-packages/megatron/core/x.py(12): f' -> 'megatron/core/x.py:12 f'."""
+    start = min((i for i in (frame.find(k) for k in PROJECT_FRAMES) if i >= 0), default=0)
+    return frame[start:].replace("(", ":", 1).replace("): ", " ", 1)
 
 
 def environment() -> str:
