@@ -207,6 +207,36 @@ def test_padding_rows_do_not_affect_real_rows(models):
     assert_grads_close(out[8][1], out[1][1])
 
 
+def test_unfused_rope_reads_host_bounds(models, monkeypatch):
+    """Megatron's unfused THD RoPE reads its bounds with .tolist()/.item() (a device sync each on
+    a GPU): a tree batch hands it the same bounds on the host, and nothing else changes."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    _, _, tree = models
+    assert not tree.config.apply_rope_fusion
+    plan = _plan(FORESTS["random2"])
+    reference = _tree_logits(tree, plan, 8).detach()
+    seen = []
+    thd = rope_utils._apply_rotary_pos_emb_thd
+
+    def spy(t, cu_seqlens, *args, **kwargs):
+        seen.append(cu_seqlens)
+        return thd(t, cu_seqlens, *args, **kwargs)
+
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", spy)
+    psp = TreePackedSeqParams.from_plan(plan, 8)
+    logits = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
+                  attention_mask=None, packed_seq_params=psp)[0]
+    host = psp.with_host_bounds()
+    assert host is psp.with_host_bounds() and host.plan is psp.plan  # once per micro-batch
+    assert psp.cu_seqlens_q_padded is None  # the caller's parameters are untouched
+    assert len(seen) == 2 * tree.config.num_layers  # q and k in every layer
+    for cu in seen:
+        assert cu is host.cu_seqlens_q_padded and cu.device.type == "cpu"
+        assert torch.equal(cu, psp.cu_seqlens_q.cpu())
+    torch.testing.assert_close(logits.detach(), reference, rtol=0, atol=0)
+
+
 def test_softmax_scale_and_layer_scaling_as_megatron():
     """config.softmax_scale and apply_query_key_layer_scaling (which cancels out in the
     softmax) give the stock attention's numbers; 0.13-style constructor kwargs are accepted."""

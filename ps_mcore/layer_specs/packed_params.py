@@ -11,7 +11,7 @@ the same 2*cp chunks as the rows) and ``cp_layout`` carries this rank's share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -94,6 +94,20 @@ class TreePackedSeqParams(PackedSeqParams):
             cp_layout=layout,
             multiplicity=multiplicity,
         )
+
+    def with_host_bounds(self) -> "TreePackedSeqParams":
+        """These parameters with ``cu_seqlens_{q,kv}_padded`` (same values) on the host (cached).
+
+        Megatron's unfused THD RoPE reads the bounds with ``.tolist()``, ``== cu_seqlens[-1]`` and
+        ``.item()``: three device syncs per call, six per layer, each draining the GPU queue. On
+        a host tensor they cost nothing. Only for unfused RoPE: TE's fused THD kernel (and TE
+        attention) want device bounds."""
+        cached = self.__dict__.get("_host_bounds")
+        if cached is None:
+            host = self.cu_seqlens_q.to("cpu", copy=True)  # once per micro-batch; its own tensor
+            cached = replace(self, cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host)
+            self.__dict__["_host_bounds"] = cached
+        return cached
 
     @property
     def cp_size(self) -> int:

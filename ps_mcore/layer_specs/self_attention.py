@@ -138,4 +138,6 @@ class TreeSelfAttention(SelfAttention):
             rope = arg.get("rotary_pos_emb")
             if rope is not None:
                 arg["rotary_pos_emb"] = _tree_rope(rope, psp)
+                if not self.config.apply_rope_fusion:  # no device syncs in the unfused THD RoPE
+                    arg["packed_seq_params"] = psp.with_host_bounds()
         return super().forward(*bound.args[1:], **bound.kwargs)
