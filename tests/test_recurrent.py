@@ -81,15 +81,15 @@ def test_unary_chains_run_as_one_sequence():
     steps = plan_prefix_tree([base[:n] for n in (5, 12, 20, 39)], min_prefix_len=1)
     tree = RecurrentTree(steps, steps.num_tokens)
     assert tree.num_nodes >= 4 and tree.is_flat and len(tree.levels()) == 1
-    assert tree.levels()[0].cu_seqlens_list == (0, steps.num_tokens)
+    assert tree.levels()[0].cu_seqlens_host.tolist() == [0, steps.num_tokens]
 
     fork = plan_prefix_tree([base[:5], base[:12], base[:12] + [90, 91], base[:12] + [95]], min_prefix_len=1)
     tree = RecurrentTree(fork, fork.num_tokens)
     levels = tree.levels()
     assert not tree.is_flat and [len(lvl.nodes) for lvl in levels] == [1, 2]
-    assert levels[0].cu_seqlens_list == (0, 12) and levels[0].has_children.tolist() == [True]
+    assert levels[0].cu_seqlens_host.tolist() == [0, 12] and levels[0].has_children.tolist() == [True]
     for lvl in levels:  # each chain's rows are contiguous
-        for a, b in zip(lvl.cu_seqlens_list, lvl.cu_seqlens_list[1:]):
+        for a, b in zip(lvl.cu_seqlens_host.tolist(), lvl.cu_seqlens_host.tolist()[1:]):
             r = lvl.rows[a:b]
             assert (r.diff() == 1).all()
 
@@ -120,7 +120,7 @@ def test_shared_initial_state_gradient_is_sum_over_readers():
     args = _gdn_args(raw, g_raw, b_raw)
     s0 = torch.randn(2, 5, 3, requires_grad=True)
     cu = [0, 4, 11]
-    out, _ = varlen_gated_delta_rule(*args, torch.tensor(cu, dtype=torch.int32), cu,
+    out, _ = varlen_gated_delta_rule(*args, torch.tensor(cu), torch.tensor(cu),
                                      s0[None].expand(2, -1, -1, -1), output_final_state=False)
     cot = torch.randn_like(out)
     (grad,) = torch.autograd.grad((out * cot).sum(), s0)

@@ -103,13 +103,13 @@ def resolve_gdn_backend(backend: str, device: torch.device) -> str:
     return resolve_backend(backend, device, _fla_kernel(), "gated delta rule")
 
 
-def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_list, initial_state=None,
+def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_host, initial_state=None,
                             output_final_state=True, scale=None, backend="auto"):
     """Independent sequences packed along rows, each from its own initial state.
 
     Args:
         q, k: ``[R, H, K]``; v: ``[R, H, V]``; g, beta: ``[R, H]``.
-        cu_seqlens: ``[n+1]`` int32 boundaries (device); cu_seqlens_list: the same as ints.
+        cu_seqlens: ``[n+1]`` int64 boundaries (device); cu_seqlens_host: the same on the host.
         initial_state: ``[n, H, K, V]`` or None (zeros).
 
     Returns:
@@ -117,10 +117,10 @@ def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_list, initi
     """
     backend = resolve_gdn_backend(backend, q.device)
     if backend == "fla":
-        return fla_varlen(_fla_kernel(), (q, k, v, g, beta), cu_seqlens, cu_seqlens_list, scale=scale,
+        return fla_varlen(_fla_kernel(), (q, k, v, g, beta), cu_seqlens, cu_seqlens_host, scale=scale,
                           initial_state=initial_state, output_final_state=output_final_state)
     return varlen_by_sequence(functools.partial(chunk_gated_delta_rule_torch, scale=scale),
-                              (q, k, v, g, beta), cu_seqlens_list, initial_state, output_final_state)
+                              (q, k, v, g, beta), cu_seqlens_host, initial_state, output_final_state)
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, tree: RecurrentTree, scale=None, backend="auto"):

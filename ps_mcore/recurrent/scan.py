@@ -7,10 +7,10 @@ rule (``gated_delta.py``) and Mamba-2's SSD (``ssd.py``) are two kernels for it.
 
 Kernel calling convention (keywords after the row tensors)::
 
-    out, final = kernel(*tensors, cu_seqlens=, cu_seqlens_list=, initial_state=, output_final_state=)
+    out, final = kernel(*tensors, cu_seqlens=, cu_seqlens_host=, initial_state=, output_final_state=)
 
-with every tensor ``[R, ...]`` (rows first), ``cu_seqlens`` ``[n+1]`` int32 on the device,
-``cu_seqlens_list`` the same as ints, ``initial_state`` ``[n, ...]`` or None (zeros), ``out``
+with every tensor ``[R, ...]`` (rows first), ``cu_seqlens`` ``[n+1]`` int64 on the device,
+``cu_seqlens_host`` the same on the host, ``initial_state`` ``[n, ...]`` or None (zeros), ``out``
 ``[R, ...]`` and ``final`` ``[n, ...]`` (or None when not asked).
 """
 
@@ -64,21 +64,23 @@ def resolve_backend(backend: str, device: torch.device, fla_kernel: Callable | N
 
 
 def fla_varlen(op: Callable, tensors: Sequence[torch.Tensor], cu_seqlens: torch.Tensor,
-               cu_seqlens_list: Sequence[int], **kwargs):
+               cu_seqlens_host: torch.Tensor, **kwargs):
     """A flash-linear-attention chunk op over packed sequences: rows as one batch row with
-    ``cu_seqlens`` (device and host copies, which fla 0.6 takes); ``kwargs`` are the op's own
+    ``cu_seqlens`` (int64 device and host copies, which fla 0.6 takes; pass the same objects
+    every call, fla memoises its chunk indices by identity); ``kwargs`` are the op's own
     (scale, initial_state, output_final_state). Returns ``(out [R, ...], final states)``."""
-    out, final = op(*(t[None] for t in tensors), cu_seqlens=cu_seqlens.long(),
-                    cu_seqlens_cpu=torch.tensor(cu_seqlens_list, dtype=torch.long), **kwargs)
+    out, final = op(*(t[None] for t in tensors), cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_host,
+                    **kwargs)
     return out[0], final
 
 
-def varlen_by_sequence(kernel: Callable, tensors: Sequence[torch.Tensor], cu_seqlens_list: Sequence[int],
+def varlen_by_sequence(kernel: Callable, tensors: Sequence[torch.Tensor], cu_seqlens_host: torch.Tensor,
                        initial_state: torch.Tensor | None, output_final_state: bool):
     """A varlen kernel from a one-sequence kernel ``kernel(*tensors, initial_state=) -> (out, final)``
     (``[L, ...]`` rows, ``[...]`` state): a Python loop over the sequences (CPU reference path)."""
     outs, finals = [], []
-    for i, (a, b) in enumerate(zip(cu_seqlens_list[:-1], cu_seqlens_list[1:])):
+    bounds = cu_seqlens_host.tolist()
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         out, final = kernel(*(t[a:b] for t in tensors),
                             initial_state=None if initial_state is None else initial_state[i])
         outs.append(out)
@@ -110,7 +112,7 @@ def tree_scan(kernel: Callable, tensors: Sequence[torch.Tensor], tree: Recurrent
     levels = tree.levels()
     if tree.is_flat:  # nothing forks: the rows are the level
         lvl = levels[0]
-        out, _ = kernel(*tensors, cu_seqlens=lvl.cu_seqlens, cu_seqlens_list=lvl.cu_seqlens_list,
+        out, _ = kernel(*tensors, cu_seqlens=lvl.cu_seqlens, cu_seqlens_host=lvl.cu_seqlens_host,
                         initial_state=None, output_final_state=False)
         return out
     outs, final = [], None
@@ -118,7 +120,7 @@ def tree_scan(kernel: Callable, tensors: Sequence[torch.Tensor], tree: Recurrent
         init = None if lvl.parent_slot is None else final.index_select(0, lvl.parent_slot)
         out, final = kernel(
             *(t.index_select(0, lvl.rows) for t in tensors), cu_seqlens=lvl.cu_seqlens,
-            cu_seqlens_list=lvl.cu_seqlens_list, initial_state=init,
+            cu_seqlens_host=lvl.cu_seqlens_host, initial_state=init,
             output_final_state=bool(lvl.has_children.any()),
         )
         outs.append(out)

@@ -89,13 +89,13 @@ def resolve_ssd_backend(backend: str, device: torch.device) -> str:
     return resolve_backend(backend, device, _fla_kernel(), "Mamba SSD (simple GLA)")
 
 
-def varlen_simple_gla(q, k, v, g, cu_seqlens, cu_seqlens_list, initial_state=None,
+def varlen_simple_gla(q, k, v, g, cu_seqlens, cu_seqlens_host, initial_state=None,
                       output_final_state=True, scale=1.0, backend="auto"):
     """Independent sequences packed along rows, each from its own initial state.
 
     Args:
         q, k: ``[R, H, K]``; v: ``[R, H, V]``; g: ``[R, H]`` (fp32 on the fla path).
-        cu_seqlens: ``[n+1]`` int32 boundaries (device); cu_seqlens_list: the same as ints.
+        cu_seqlens: ``[n+1]`` int64 boundaries (device); cu_seqlens_host: the same on the host.
         initial_state: ``[n, H, K, V]`` or None (zeros).
 
     Returns:
@@ -103,10 +103,10 @@ def varlen_simple_gla(q, k, v, g, cu_seqlens, cu_seqlens_list, initial_state=Non
     """
     backend = resolve_ssd_backend(backend, q.device)
     if backend == "fla":
-        return fla_varlen(_fla_kernel(), (q, k, v, g), cu_seqlens, cu_seqlens_list, scale=scale,
+        return fla_varlen(_fla_kernel(), (q, k, v, g), cu_seqlens, cu_seqlens_host, scale=scale,
                           initial_state=initial_state, output_final_state=output_final_state)
     return varlen_by_sequence(functools.partial(chunk_simple_gla_torch, scale=scale),
-                              (q, k, v, g), cu_seqlens_list, initial_state, output_final_state)
+                              (q, k, v, g), cu_seqlens_host, initial_state, output_final_state)
 
 
 def tree_simple_gla(q, k, v, g, tree: RecurrentTree, scale=1.0, backend="auto"):

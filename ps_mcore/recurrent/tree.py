@@ -32,8 +32,10 @@ class Level:
         nodes: ``[n]`` node id of each chain's head (pre-order).
         rows: ``[R]`` packed rows of these chains, chain after chain (a chain's rows are
             contiguous).
-        cu_seqlens: ``[n+1]`` int32 chain boundaries within ``rows``.
-        cu_seqlens_list: the same as Python ints (kernels that want host-side lengths).
+        cu_seqlens: ``[n+1]`` int64 chain boundaries within ``rows`` (device).
+        cu_seqlens_host: the same on the host. Both live as long as the plan: fla memoises its
+            chunk indices by tensor identity (the last 4 per helper), so up to four levels cost
+            one host-to-device copy (a device sync) each per micro-batch, not one per call.
         parent_slot: ``[n]`` position, within the level above, of the chain that ends in each
             head's parent (None at depth 0, where every chain starts at a root).
         has_children: ``[n]`` bool; only these chains' final states are read.
@@ -42,7 +44,7 @@ class Level:
     nodes: torch.Tensor
     rows: torch.Tensor
     cu_seqlens: torch.Tensor
-    cu_seqlens_list: tuple[int, ...]
+    cu_seqlens_host: torch.Tensor
     parent_slot: torch.Tensor | None
     has_children: np.ndarray
 
@@ -96,13 +98,13 @@ class RecurrentTree:
                 chains = np.flatnonzero(c.depth == d)
                 slot[chains] = np.arange(len(chains))
                 lens = c.end[chains] - c.start[chains]
-                cu = np.concatenate([[0], np.cumsum(lens)])
+                cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
                 levels.append(
                     Level(
                         nodes=torch.from_numpy(c.heads[chains]).to(self.device),
                         rows=torch.from_numpy(ragged_arange(c.start[chains], lens)).to(self.device),
-                        cu_seqlens=torch.from_numpy(cu.astype(np.int32)).to(self.device),
-                        cu_seqlens_list=tuple(int(x) for x in cu),
+                        cu_seqlens=cu.to(self.device),
+                        cu_seqlens_host=cu,
                         parent_slot=None if d == 0 else torch.from_numpy(slot[c.parent[chains]]).to(self.device),
                         has_children=forks[chains],
                     )
