@@ -7,6 +7,8 @@ import platform
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -172,44 +174,42 @@ def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iter
     )
 
 
-# CUDA runtime calls that block the host until the GPU has caught up
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 PROJECT_FRAMES = ("ps_mcore/", "megatron/", "benchmarks/", "fla/", "transformer_engine/")
 
 
 def host_syncs(step: Callable[[], object]) -> list[tuple[str, int]]:
     """Where one run of ``step`` makes the host wait for the GPU: ``(source, count)`` pairs, most
-    frequent first; the source is the sync's op and its innermost project frames (forward and
-    backward alike: the profiler sees the autograd threads too)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
+    frequent first. torch's sync debug mode warns at every synchronizing CUDA op; the source is
+    the innermost project frames of the warning's Python stack (a sync inside the backward pass
+    is reported at the step's ``.backward()``: autograd threads hand their warnings back there)."""
     step()
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        step()
-        torch.cuda.synchronize()
     counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.name not in SYNC_CALLS:
-            continue
-        chain, parent = [], event.cpu_parent  # innermost first: ops, then Python frames (with_stack)
-        while parent is not None:
-            chain += [parent.name, *parent.stack]
-            parent = parent.cpu_parent
-        op = next((n for n in chain if n.startswith("aten::")), event.name)
-        frames = [_short(n) for n in chain if "): " in n and any(k in n for k in PROJECT_FRAMES)]
-        if frames and "host_syncs" in frames[0]:
-            continue  # this function's own closing synchronize
-        where = f"{op} @ " + " < ".join(dict.fromkeys(frames[:3]))
+
+    def record(message, *args, **kwargs) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(traceback.extract_stack())
+                  if any(k in f.filename for k in PROJECT_FRAMES) and f.name not in ("record", "host_syncs")]
+        where = " < ".join(frames[:3]) or "?"
         counts[where] = counts.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
     return sorted(counts.items(), key=lambda kv: -kv[1])
 
 
-def _short(frame: str) -> str:
-    """'/.../site-packages/megatron/core/x.py(12): f' -> 'megatron/core/x.py:12 f'."""
-    start = min((i for i in (frame.find(k) for k in PROJECT_FRAMES) if i >= 0), default=0)
-    return frame[start:].replace("(", ":", 1).replace("): ", " ", 1)
+def _short(path: str) -> str:
+    """'/.../site-packages/megatron/core/x.py' -> 'megatron/core/x.py'."""
+    start = min((i for i in (path.find(k) for k in PROJECT_FRAMES) if i >= 0), default=0)
+    return path[start:]
 
 
 def environment() -> str:
