@@ -70,3 +70,30 @@ def gdn_layer_spec(config, layer_spec):
     spec = get_gdn_layer_local_tree_spec(layer_spec, conv_bias=True)
     mixer = dataclasses.replace(spec.submodules.self_attention, module=GatedDeltaNet)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=mixer))
+
+
+def gdn_block_spec(config, pattern="G*G"):
+    """A block of local-spec layers by ``pattern``: ``G`` a Gated DeltaNet layer (stock mixer),
+    ``*`` an attention layer (dense MLP in both)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    attn = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                                    normalization=config.normalization)
+    gdn = gdn_layer_spec(config, attn)
+    return TransformerBlockSubmodules(
+        layer_specs=[gdn if c == "G" else attn for c in pattern], layer_norm=attn.submodules.input_layernorm
+    )
+
+
+def sharpen_gdn_(model) -> None:
+    """Decays away from 1 and short convolutions strong enough to reach across nodes, in every
+    Gated DeltaNet layer (random init leaves both too mild for the tree to matter)."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.decoder.layers:
+            mixer = layer.self_attention
+            if hasattr(mixer, "A_log"):
+                mixer.A_log.copy_(torch.linspace(-1.0, 0.5, mixer.A_log.numel()))
+                mixer.conv1d.weight.mul_(4.0)

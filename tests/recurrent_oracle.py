@@ -5,7 +5,7 @@ loss, tree vs each sequence alone through the stock model."""
 from __future__ import annotations
 
 import torch
-from megatron_shims import VOCAB, stock_forward
+from megatron_shims import stock_forward
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
@@ -24,9 +24,8 @@ def tree_vs_each_sequence(stock, tree, seqs, pad_to_multiple_of=4):
     plan = plan_prefix_tree(seqs, min_prefix_len=1)
     dtype = next(stock.parameters()).dtype
     w = torch.cat([torch.full((len(s),), 0.3 + 0.4 * i, dtype=dtype) for i, s in enumerate(seqs)])
-    probe = torch.randn(plan.num_input_tokens, VOCAB, generator=torch.Generator().manual_seed(1)).to(dtype)
-
-    ref = torch.cat([stock_forward(stock, s) for s in seqs])
+    ref = torch.cat([stock_forward(stock, s) for s in seqs])  # [N, V] (V / tp: a vocab shard)
+    probe = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     (w[:, None] * ref * probe).sum().backward()
     ref_grads = grads_of(stock)
 

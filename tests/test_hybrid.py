@@ -16,9 +16,9 @@ import torch
 pytest.importorskip("megatron.core")
 
 from forests import small_nasty_forests  # noqa: E402
-from gdn_shims import gdn_config_overrides, gdn_layer_spec, shim_gdn_for_cpu  # noqa: E402
+from gdn_shims import gdn_block_spec, gdn_config_overrides, sharpen_gdn_, shim_gdn_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
-    VOCAB, SPTorchNorm, build_gpt, init_cpu_megatron, layer_spec_args, local_hybrid_stack_spec, randomize_,
+    VOCAB, SPTorchNorm, build_gpt, init_cpu_megatron, local_hybrid_stack_spec, randomize_,
     stock_forward, tiny_config,
 )
 from recurrent_oracle import assert_grads_close, tree_vs_each_sequence  # noqa: E402
@@ -33,7 +33,6 @@ from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E40
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 
 from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec,
@@ -46,26 +45,13 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 FORESTS = small_nasty_forests()
 
 
-def _block_spec(cfg, pattern="G*G"):
-    """``G``: Gated DeltaNet layer, ``*``: attention layer (local spec, dense MLP)."""
-    attn = stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg))
-    gdn = gdn_layer_spec(cfg, attn)
-    return TransformerBlockSubmodules(
-        layer_specs=[gdn if c == "G" else attn for c in pattern], layer_norm=attn.submodules.input_layernorm
-    )
-
-
 @pytest.fixture(scope="module")
 def models():
     cfg = tiny_config("qwen2", num_layers=3, **gdn_config_overrides())
-    spec = _block_spec(cfg)
+    spec = gdn_block_spec(cfg)
     stock = build_gpt(cfg, spec)
     randomize_(stock, seed=11)
-    with torch.no_grad():  # decays away from 1 and short convs that reach across nodes
-        for layer in (0, 2):
-            mixer = stock.decoder.layers[layer].self_attention
-            mixer.A_log.copy_(torch.linspace(-1.0, 0.5, mixer.A_log.numel()))
-            mixer.conv1d.weight.mul_(4.0)
+    sharpen_gdn_(stock)
     tree = build_gpt(cfg, to_tree_spec(spec))
     tree.load_state_dict(stock.state_dict(), strict=True)
     return cfg, stock, tree
@@ -99,7 +85,7 @@ def test_hybrid_tree_matches_each_sequence(models, forest):
 @pytest.fixture(scope="module")
 def gdn_only_fp64(models):
     cfg, _, _ = models
-    spec = _block_spec(cfg, "GG")
+    spec = gdn_block_spec(cfg, "GG")
     stock = build_gpt(cfg, spec)
     randomize_(stock, seed=5)
     tree = build_gpt(cfg, to_tree_spec(spec))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,7 +19,7 @@ pytest.importorskip("megatron.core")
 from forests import small_nasty_forests  # noqa: E402
 from mamba_shims import shim_mamba_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
-    VOCAB, SPTorchNorm, init_cpu_megatron, layer_spec_args, randomize_, stock_forward, tiny_config,
+    VOCAB, SPTorchNorm, init_cpu_megatron, layer_spec_args, randomize_, stock_forward,
 )
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -29,8 +28,6 @@ init_cpu_megatron(1)
 shim_mamba_for_cpu()
 
 from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E402
-from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.ssm import mamba_block  # noqa: E402
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules  # noqa: E402
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -40,121 +37,39 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from ps_mcore.layer_specs import TreePackedSeqParams, to_tree_spec  # noqa: E402
 from ps_mcore.layer_specs.mamba import TreeMambaMixer  # noqa: E402
 from ps_mcore.layer_specs.recurrent_specs import tree_recurrent_spec  # noqa: E402
+from mamba_oracle import (  # noqa: E402
+    SHAPES, assert_close_scaled, grads_of, mamba_config, mixer_pair, sharpen_mamba_, thd_params, tree_vs_stock,
+)
 
 
 FORESTS = small_nasty_forests()
-# (ngroups, heads, headdim, d_state, D_has_hdim): groups > 1 with an odd head dim, and D per channel
-SHAPES = {"g1": (1, 2, 8, 4, False), "g2-odd-headdim": (2, 4, 5, 6, True)}
-
-
-def _config(groups, heads, headdim, state, **extra):
-    return tiny_config("qwen2", mamba_num_groups=groups, mamba_num_heads=heads, mamba_head_dim=headdim,
-                       mamba_state_dim=state, **extra)
-
-
-def _sharpen_(mixer):
-    """Slow decays (state crosses many nodes) and a conv that reaches across node boundaries."""
-    with torch.no_grad():
-        mixer.A_log.copy_(torch.linspace(-3.0, 0.0, mixer.A_log.numel()))
-        mixer.dt_bias.copy_(torch.linspace(-1.5, 0.5, mixer.dt_bias.numel()))
-        mixer.cp.get_conv1d_weight().mul_(4.0)  # conv1d.weight (0.16) / conv1d_weight (0.19)
-
-
-def _thd_params(cu: torch.Tensor, max_len: int) -> PackedSeqParams:
-    """Standard THD params; megatron-core 0.19's Mamba reads the sequence of each row from
-    ``seq_idx`` (0.16 derives it from ``cu_seqlens``), so it is filled where the field exists."""
-    extra = {}
-    if "seq_idx" in {f.name for f in dataclasses.fields(PackedSeqParams)}:
-        extra["seq_idx"] = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff().long()).int()[None]
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len, **extra)
-
-
-def _mixer_pair(shape, seed=0):
-    groups, heads, headdim, state, d_hdim = shape
-    cfg = _config(groups, heads, headdim, state)
-    sub = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
-    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-    kw = dict(d_model=cfg.hidden_size, d_conv=4, D_has_hdim=d_hdim, pg_collection=pgs)
-    stock = MambaMixer(cfg, sub, **kw)
-    randomize_(stock, seed=seed)
-    _sharpen_(stock)
-    tree = TreeMambaMixer(cfg, sub, **kw)
-    tree.load_state_dict(stock.state_dict(), strict=True)
-    return cfg, stock, tree
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def mixers(request):
-    return _mixer_pair(SHAPES[request.param])
-
-
-def _grads(module):
-    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
-    module.zero_grad(set_to_none=True)
-    return grads
-
-
-def _assert_close(got, ref, what, rel=1e-5):
-    scale = float(ref.abs().max())
-    assert scale > 0, f"{what}: zero reference, the test would not test it"
-    torch.testing.assert_close(got, ref, rtol=rel, atol=rel * scale, msg=what)
-
-
-def _tree_vs_stock(stock, tree, seqs, oracle="alone", pad_to_multiple_of=4):
-    """Mixer outputs at every original token and the gradients (input rows, parameters) of a
-    per-sample-weighted loss, tree vs the stock oracle (``alone``: each sequence sbhd;
-    ``thd``: the unshared batch packed with ``seq_idx``)."""
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=pad_to_multiple_of)
-    hidden = stock.config.hidden_size
-    gen = torch.Generator().manual_seed(len(seqs))
-    dtype = next(stock.parameters()).dtype
-    x = torch.randn(psp.num_local_rows, 1, hidden, generator=gen, dtype=dtype, requires_grad=True)
-    w = torch.cat([torch.full((len(s),), 0.3 + 0.4 * i, dtype=dtype) for i, s in enumerate(seqs)])
-    probe = torch.randn(plan.num_input_tokens, hidden, generator=gen, dtype=dtype)
-
-    per_seq = plan.unpack(x[: plan.num_tokens, 0])  # [N, h]: each sample's rows (differentiable)
-    if oracle == "alone":
-        ref = torch.cat([stock(part[:, None])[0][:, 0] for part in per_seq.split(list(plan.seq_lens))])
-    else:
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(plan.seq_lens)]), dtype=torch.int32)
-        thd = _thd_params(cu, max(plan.seq_lens))
-        ref = stock(per_seq[:, None], packed_seq_params=thd)[0][:, 0]
-    (dx_ref,) = torch.autograd.grad((w[:, None] * ref * probe).sum(), x, retain_graph=True)
-    (w[:, None] * ref * probe).sum().backward()
-    ref_grads = _grads(stock)
-
-    out, bias = tree(x, packed_seq_params=psp)
-    assert out.shape == x.shape and bias is None
-    got = plan.unpack(out[: plan.num_tokens, 0])
-    loss = (w[:, None] * got * probe).sum()
-    (dx,) = torch.autograd.grad(loss, x, retain_graph=True)
-    loss.backward()
-    assert not dx[plan.num_tokens:].any(), "padding rows must not reach real rows"
-    return (got.detach(), ref.detach()), (dx, dx_ref), (_grads(tree), ref_grads)
+    return mixer_pair(SHAPES[request.param])
 
 
 @pytest.mark.parametrize("forest", sorted(FORESTS))
 def test_tree_mixer_matches_each_sequence_alone(mixers, forest):
     _, stock, tree = mixers
-    (got, ref), (dx, dx_ref), (grads, ref_grads) = _tree_vs_stock(stock, tree, FORESTS[forest])
-    _assert_close(got, ref, "mixer output")
-    _assert_close(dx, dx_ref, "d hidden_states", rel=2e-5)
+    (got, ref), (dx, dx_ref), (grads, ref_grads) = tree_vs_stock(stock, tree, FORESTS[forest])
+    assert_close_scaled(got, ref, "mixer output")
+    assert_close_scaled(dx, dx_ref, "d hidden_states", rel=2e-5)
     assert grads.keys() == ref_grads.keys() and len(grads) == 8  # in/out proj, conv w/b, dt_bias, A_log, D, norm
     for name, r in ref_grads.items():
-        _assert_close(grads[name], r, f"d {name}", rel=3e-5)
+        assert_close_scaled(grads[name], r, f"d {name}", rel=3e-5)
 
 
 @pytest.mark.parametrize("forest", ["tree", "random"])
 def test_tree_mixer_matches_stock_packed_thd(mixers, forest):
     """The second oracle: stock MambaMixer on the unshared THD batch (seq_idx resets)."""
     _, stock, tree = mixers
-    (got, ref), (dx, dx_ref), (grads, ref_grads) = _tree_vs_stock(stock, tree, FORESTS[forest], oracle="thd")
-    _assert_close(got, ref, "mixer output")
-    _assert_close(dx, dx_ref, "d hidden_states", rel=2e-5)
+    (got, ref), (dx, dx_ref), (grads, ref_grads) = tree_vs_stock(stock, tree, FORESTS[forest], oracle="thd")
+    assert_close_scaled(got, ref, "mixer output")
+    assert_close_scaled(dx, dx_ref, "d hidden_states", rel=2e-5)
     for name, r in ref_grads.items():
-        _assert_close(grads[name], r, f"d {name}", rel=3e-5)
+        assert_close_scaled(grads[name], r, f"d {name}", rel=3e-5)
 
 
 @pytest.mark.parametrize("forest", ["deep-chain-short-nodes", "duplicates-and-prefix"])
@@ -162,13 +77,13 @@ def test_tree_mixer_exact_in_fp64(forest):
     """fp64: the tree equals each sequence alone to rounding, so the fp32 tolerances above are
     summation order only. A_log, dt_bias and (per-channel) D pass through fp32 on both sides
     (the stock call casts them), so their gradients are rounded to fp32 there."""
-    _, stock, tree = _mixer_pair(SHAPES["g2-odd-headdim"], seed=3)
+    _, stock, tree = mixer_pair(SHAPES["g2-odd-headdim"], seed=3)
     stock, tree = stock.double(), tree.double()
-    (got, ref), (dx, dx_ref), (grads, ref_grads) = _tree_vs_stock(stock, tree, FORESTS[forest])
-    _assert_close(got, ref, "mixer output", rel=1e-12)
-    _assert_close(dx, dx_ref, "d hidden_states", rel=1e-12)
+    (got, ref), (dx, dx_ref), (grads, ref_grads) = tree_vs_stock(stock, tree, FORESTS[forest])
+    assert_close_scaled(got, ref, "mixer output", rel=1e-12)
+    assert_close_scaled(dx, dx_ref, "d hidden_states", rel=1e-12)
     for name, r in ref_grads.items():
-        _assert_close(grads[name], r, f"d {name}", rel=1e-6 if name in ("A_log", "dt_bias", "D") else 1e-11)
+        assert_close_scaled(grads[name], r, f"d {name}", rel=1e-6 if name in ("A_log", "dt_bias", "D") else 1e-11)
 
 
 def test_ordinary_batches_run_the_stock_forward(mixers):
@@ -177,7 +92,7 @@ def test_ordinary_batches_run_the_stock_forward(mixers):
     with torch.no_grad():
         torch.testing.assert_close(tree(x)[0], stock(x)[0], rtol=0, atol=0)
         cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-        thd = _thd_params(cu, 5)
+        thd = thd_params(cu, 5)
         torch.testing.assert_close(tree(x[:, :1], packed_seq_params=thd)[0],
                                    stock(x[:, :1], packed_seq_params=thd)[0], rtol=0, atol=0)
 
@@ -250,7 +165,7 @@ def models(monkeypatch_module):
     from megatron.core.models.mamba.mamba_model import MambaModel
 
     monkeypatch_module.setattr(mamba_block, "TENorm", SPTorchNorm)  # the stack's final norm is TE's
-    cfg = _config(2, 4, 5, 6, num_layers=4)
+    cfg = mamba_config(2, 4, 5, 6, num_layers=4)
     local = stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg))
     attn_layer = dataclasses.replace(local, submodules=dataclasses.replace(  # attention only, as 0.16's stack
         local.submodules, mlp=IdentityOp, pre_mlp_layernorm=IdentityOp, mlp_bda=IdentityFuncOp))
@@ -259,7 +174,7 @@ def models(monkeypatch_module):
     stock = MambaModel(cfg, _stack_spec(cfg, MambaMixer, attn_layer), **kw)
     randomize_(stock, seed=7)
     for layer in (0, 2):
-        _sharpen_(stock.decoder.layers[layer].mixer)
+        sharpen_mamba_(stock.decoder.layers[layer].mixer)
     tree = MambaModel(cfg, _stack_spec(cfg, TreeMambaMixer, to_tree_spec(attn_layer)), **kw)
     tree.load_state_dict(stock.state_dict(), strict=True)
     return stock, tree
@@ -286,15 +201,15 @@ def test_hybrid_mamba_model_matches_each_sequence(models, forest):
 
     ref = torch.cat([stock_forward(stock, s) for s in seqs])
     (w[:, None] * ref * probe).sum().backward()
-    ref_grads = _grads(stock)
+    ref_grads = grads_of(stock)
 
     psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=4)
     logits = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
                   attention_mask=None, packed_seq_params=psp)[0]
     got = plan.unpack(logits)
     (w[:, None] * got * probe).sum().backward()
-    _assert_close(got.detach(), ref.detach(), "logits")
-    grads = _grads(tree)
+    assert_close_scaled(got.detach(), ref.detach(), "logits")
+    grads = grads_of(tree)
     assert grads.keys() == ref_grads.keys()
     for name, r in ref_grads.items():
-        _assert_close(grads[name], r, f"d {name}", rel=5e-5)
+        assert_close_scaled(grads[name], r, f"d {name}", rel=5e-5)
