@@ -138,6 +138,8 @@ class TreeSelfAttention(SelfAttention):
             rope = arg.get("rotary_pos_emb")
             if rope is not None:
                 arg["rotary_pos_emb"] = _tree_rope(rope, psp)
-                if not self.config.apply_rope_fusion:  # no device syncs in the unfused THD RoPE
+                # Megatron's unfused THD RoPE reads the bounds on the host: hand them over there
+                # (no device syncs). Not on NPUs, where MindSpeed replaces that RoPE (untested).
+                if not self.config.apply_rope_fusion and arg["hidden_states"].device.type != "npu":
                     arg["packed_seq_params"] = psp.with_host_bounds()
         return super().forward(*bound.args[1:], **bound.kwargs)
