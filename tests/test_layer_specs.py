@@ -227,8 +227,9 @@ def test_unfused_rope_reads_host_bounds(models, monkeypatch):
     psp = TreePackedSeqParams.from_plan(plan, 8)
     logits = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
                   attention_mask=None, packed_seq_params=psp)[0]
-    host = psp.with_host_bounds()
-    assert host is psp.with_host_bounds() and host.plan is psp.plan  # once per micro-batch
+    host = psp.for_unfused_rope(logits.device)
+    assert host is psp.for_unfused_rope(logits.device) and host.plan is psp.plan  # once per micro-batch
+    assert psp.for_unfused_rope(types.SimpleNamespace(type="npu")) is psp  # MindSpeed's RoPE there
     assert psp.cu_seqlens_q_padded is None  # the caller's parameters are untouched
     assert len(seen) == 2 * tree.config.num_layers  # q and k in every layer
     for cu in seen:

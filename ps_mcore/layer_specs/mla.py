@@ -98,7 +98,7 @@ class TreeMLASelfAttention(MLASelfAttention):
                     f"the layer got {rows} rows but the packed params describe "
                     f"{tree.num_local_rows}; pad input_ids with TreePackedSeqParams.pad_rows"
                 )
-            arg["packed_seq_params"] = tree.with_host_bounds()  # MLA's RoPE is unfused: no device syncs
+            arg["packed_seq_params"] = tree.for_unfused_rope(arg["hidden_states"].device)  # MLA's RoPE is unfused
         self._tree_batch = tree
         try:
             return super().forward(*bound.args[1:], **bound.kwargs)

@@ -95,13 +95,17 @@ class TreePackedSeqParams(PackedSeqParams):
             multiplicity=multiplicity,
         )
 
-    def with_host_bounds(self) -> "TreePackedSeqParams":
-        """These parameters with ``cu_seqlens_{q,kv}_padded`` (same values) on the host (cached).
+    def for_unfused_rope(self, device: torch.device) -> "TreePackedSeqParams":
+        """These parameters with ``cu_seqlens_{q,kv}_padded`` (same values) on the host (cached),
+        for layers whose RoPE is Megatron's unfused THD path, running on ``device``.
 
-        Megatron's unfused THD RoPE reads the bounds with ``.tolist()``, ``== cu_seqlens[-1]`` and
-        ``.item()``: three device syncs per call, six per layer, each draining the GPU queue. On
-        a host tensor they cost nothing. Only for unfused RoPE: TE's fused THD kernel (and TE
-        attention) want device bounds."""
+        That path reads the bounds with ``.tolist()``, ``== cu_seqlens[-1]`` and ``.item()``:
+        three device syncs per call, six per layer, each draining the GPU queue; on a host
+        tensor they cost nothing. TE's fused THD kernel (and TE attention) want device bounds,
+        so only unfused RoPE may get these. On NPUs MindSpeed replaces that RoPE (untested with
+        host bounds): ``self`` unchanged."""
+        if device.type == "npu":
+            return self
         cached = self.__dict__.get("_host_bounds")
         if cached is None:
             host = self.cu_seqlens_q.to("cpu", copy=True)  # once per micro-batch; its own tensor

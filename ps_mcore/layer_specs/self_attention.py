@@ -138,8 +138,6 @@ class TreeSelfAttention(SelfAttention):
             rope = arg.get("rotary_pos_emb")
             if rope is not None:
                 arg["rotary_pos_emb"] = _tree_rope(rope, psp)
-                # Megatron's unfused THD RoPE reads the bounds on the host: hand them over there
-                # (no device syncs). Not on NPUs, where MindSpeed replaces that RoPE (untested).
-                if not self.config.apply_rope_fusion and arg["hidden_states"].device.type != "npu":
-                    arg["packed_seq_params"] = psp.with_host_bounds()
+                if not self.config.apply_rope_fusion:  # bounds on the host: no device syncs
+                    arg["packed_seq_params"] = psp.for_unfused_rope(arg["hidden_states"].device)
         return super().forward(*bound.args[1:], **bound.kwargs)
