@@ -120,6 +120,9 @@ def run(args) -> str:
     if device == "cpu":
         _cpu_stock_gdn()
     model = build_hybrid_model(shape, device, dtype, "torch" if args.tiny else "fla")
+    if not args.tiny:  # say why the first workload is slow
+        print("note: the first fla calls autotune every Triton kernel they use (minutes on a fresh "
+              "machine; later processes reuse Triton's on-disk cache)", flush=True)
     rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device), decoder_row,
                          1 / 32 if args.tiny else 1.0, reset=lambda: model.zero_grad(set_to_none=True))
     title = (
