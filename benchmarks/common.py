@@ -180,8 +180,9 @@ PROJECT_FRAMES = ("ps_mcore/", "megatron/", "benchmarks/", "fla/", "transformer_
 def host_syncs(step: Callable[[], object]) -> list[tuple[str, int]]:
     """Where one run of ``step`` makes the host wait for the GPU: ``(source, count)`` pairs, most
     frequent first. torch's sync debug mode warns at every synchronizing CUDA op; the source is
-    the innermost project frames of the warning's Python stack (a sync inside the backward pass
-    is reported at the step's ``.backward()``: autograd threads hand their warnings back there)."""
+    the innermost project frames of the warning's Python stack. Verified on forward-pass syncs
+    (Megatron's THD RoPE, 2026-12-03); a sync inside the backward pass is reported at the
+    step's ``.backward()`` if autograd hands its threads' warnings back (not checked)."""
     step()
     torch.cuda.synchronize()
     counts: dict[str, int] = {}
