@@ -1,6 +1,7 @@
 """flash-linear-attention's varlen kernels as the tree kernels (GPU only): the gated delta rule
 (GDN) and ``chunk_simple_gla`` (Mamba-2's SSD), vs. each sequence alone through the fp64
-recurrences. Skips without CUDA or fla; run on the device:
+recurrences (one Triton config per fla kernel: tests/fla_shims.py). Skips without CUDA or fla;
+run on the device:
 ``python -m pytest -q tests/test_gpu_hybrid.py`` (with fla-core on the path)."""
 
 from __future__ import annotations
@@ -18,6 +19,23 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 FORESTS = {**nasty_forests(), "random": random_forest(np.random.default_rng(0), max_len=200)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_fla_config():
+    """One Triton config per fla kernel while these tests run (tests/fla_shims.py): exactness
+    does not depend on the config, and autotuning every one takes minutes on a fresh machine."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+        import fla.ops.simple_gla  # noqa: F401
+    except ImportError:  # each test skips, naming fla
+        yield
+        return
+    from fla_shims import one_config_per_kernel, restore_configs
+
+    trimmed = one_config_per_kernel()
+    yield
+    restore_configs(trimmed)
 FORESTS["long-shared"] = [list(range(150)) + [1] * n for n in (1, 70, 130)]  # > one 64-row chunk
 
 
