@@ -150,9 +150,7 @@ class TreePlan:
     def stats(self) -> dict[str, Any]:
         """N, T, token dedup N/T, attention-FLOP ratio (unshared / tree), nodes, depth."""
         n, t = self.num_input_tokens, self.num_tokens
-        q_len = np.diff(self.cu_seqlens_q.cpu().numpy()).astype(np.float64)
-        ctx = np.diff(self.cu_seqlens_kv.cpu().numpy()).astype(np.float64)
-        tree_pairs = float(np.sum(q_len * ctx - q_len * (q_len - 1) / 2))
+        pairs = tree_pairs(self.cu_seqlens_q.cpu().numpy(), self.cu_seqlens_kv.cpu().numpy())
         lens = np.asarray(self.seq_lens, dtype=np.float64)
         unshared_pairs = float(np.sum(lens * (lens + 1) / 2))
         parent = self.node_parent.cpu().numpy()
@@ -166,11 +164,19 @@ class TreePlan:
             "T": t,
             "dedup": n / t,
             "attn_pairs_unshared": unshared_pairs,
-            "attn_pairs_tree": tree_pairs,
-            "attn_flop_ratio": unshared_pairs / tree_pairs,
+            "attn_pairs_tree": pairs,
+            "attn_flop_ratio": unshared_pairs / pairs,
             "nodes": self.num_nodes,
             "depth": int(depth.max()) if len(depth) else 0,
         }
+
+
+def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray) -> float:
+    """Query-key pairs a tree attends (per head): per node with ``q`` own rows after a context
+    of ``k`` rows (itself included), ``q * k - q * (q - 1) / 2`` (causal pairs counted once)."""
+    q = np.diff(np.asarray(cu_q, dtype=np.float64))
+    k = np.diff(np.asarray(cu_k, dtype=np.float64))
+    return float(np.sum(q * k - q * (q - 1) / 2))
 
 
 # ----------------------------------------------------------------------------- validation

@@ -16,7 +16,8 @@ from forests import nasty_forests, random_forest
 from ps_mcore import plan_prefix_tree, plan_unshared, tree_attention
 from ps_mcore.attention import auto_choice, cudnn, kernel_choice, resolve_backend
 from ps_mcore.attention.gather_kv import MATH_KERNEL
-from ps_mcore.attention.kernel_choice import CUDNN_MIN_WORK, PlanShape, plan_shape, prefers_cudnn, tree_pairs
+from ps_mcore.attention.kernel_choice import CUDNN_MIN_WORK, PlanShape, plan_shape, prefers_cudnn
+from ps_mcore.planner import tree_pairs
 from ps_mcore.workloads import make_workload
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+from ps_mcore.planner import tree_pairs
 
 # Smallest forward work (query-key pairs x query heads x head dim) at which cuDNN is chosen.
 CUDNN_MIN_WORK = 2.8e10
@@ -62,13 +62,6 @@ def prefers_cudnn(shape: PlanShape, min_work: float = CUDNN_MIN_WORK) -> bool:
     if shape.cascade and shape.levels > 0:
         return False  # flash's cascade (no K/V copy) stays: cuDNN would gather, using more memory
     return shape.work >= min_work
-
-
-def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray) -> float:
-    """Query-key pairs of a gather-KV plan: per node ``q * k - q * (q - 1) / 2``."""
-    q = np.diff(np.asarray(cu_q, dtype=np.float64))
-    k = np.diff(np.asarray(cu_k, dtype=np.float64))
-    return float(np.sum(q * k - q * (q - 1) / 2))
 
 
 def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
