@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from ps_mcore.recurrent.scan import (
-    BACKENDS, compute_dtype, fla_op, fla_varlen, resolve_backend, tree_scan, varlen_by_sequence,
+    BACKENDS, compute_dtype, fla_op, resolve_backend, tree_scan, varlen_call,
 )
 from ps_mcore.recurrent.tree import RecurrentTree
 
 GDN_BACKENDS = BACKENDS
+_WHAT = "gated delta rule"
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -100,7 +101,7 @@ def _fla_kernel():
 
 def resolve_gdn_backend(backend: str, device: torch.device) -> str:
     """``auto``: flash-linear-attention on CUDA when installed, else pure torch."""
-    return resolve_backend(backend, device, _fla_kernel(), "gated delta rule")
+    return resolve_backend(backend, device, _fla_kernel(), _WHAT)
 
 
 def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_host, initial_state=None,
@@ -115,12 +116,9 @@ def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_host, initi
     Returns:
         out ``[R, H, V]``, final states ``[n, H, K, V]`` fp32 (None unless requested).
     """
-    backend = resolve_gdn_backend(backend, q.device)
-    if backend == "fla":
-        return fla_varlen(_fla_kernel(), (q, k, v, g, beta), cu_seqlens, cu_seqlens_host, scale=scale,
-                          initial_state=initial_state, output_final_state=output_final_state)
-    return varlen_by_sequence(functools.partial(chunk_gated_delta_rule_torch, scale=scale),
-                              (q, k, v, g, beta), cu_seqlens_host, initial_state, output_final_state)
+    return varlen_call((q, k, v, g, beta), cu_seqlens, cu_seqlens_host, initial_state, output_final_state,
+                       scale=scale, backend=backend, fla_kernel=_fla_kernel(),
+                       torch_kernel=chunk_gated_delta_rule_torch, what=_WHAT)
 
 
 def tree_gated_delta_rule(q, k, v, g, beta, tree: RecurrentTree, scale=None, backend="auto"):

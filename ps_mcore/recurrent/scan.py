@@ -88,6 +88,20 @@ def varlen_by_sequence(kernel: Callable, tensors: Sequence[torch.Tensor], cu_seq
     return torch.cat(outs), (torch.stack(finals) if output_final_state else None)
 
 
+def varlen_call(tensors: Sequence[torch.Tensor], cu_seqlens: torch.Tensor, cu_seqlens_host: torch.Tensor,
+                initial_state: torch.Tensor | None, output_final_state: bool, *, scale, backend: str,
+                fla_kernel: Callable | None, torch_kernel: Callable, what: str):
+    """One varlen call of a recurrence through the kernel ``backend`` resolves to
+    (:func:`resolve_backend`): fla's chunk op ``fla_kernel`` (:func:`fla_varlen`), or the
+    one-sequence torch kernel ``torch_kernel(*tensors, scale=, initial_state=)`` per sequence
+    (:func:`varlen_by_sequence`). Returns ``(out [R, ...], final states [n, ...] or None)``."""
+    if resolve_backend(backend, tensors[0].device, fla_kernel, what) == "fla":
+        return fla_varlen(fla_kernel, tensors, cu_seqlens, cu_seqlens_host, scale=scale,
+                          initial_state=initial_state, output_final_state=output_final_state)
+    return varlen_by_sequence(functools.partial(torch_kernel, scale=scale), tensors, cu_seqlens_host,
+                              initial_state, output_final_state)
+
+
 def tree_scan(kernel: Callable, tensors: Sequence[torch.Tensor], tree: RecurrentTree, what: str) -> torch.Tensor:
     """Run a varlen recurrent ``kernel`` over every packed row's root path.
 

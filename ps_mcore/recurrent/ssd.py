@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from ps_mcore.recurrent.scan import (
-    BACKENDS, compute_dtype, fla_op, fla_varlen, resolve_backend, tree_scan, varlen_by_sequence,
+    BACKENDS, compute_dtype, fla_op, resolve_backend, tree_scan, varlen_call,
 )
 from ps_mcore.recurrent.tree import RecurrentTree
 
 SSD_BACKENDS = BACKENDS
+_WHAT = "Mamba SSD (simple GLA)"
 
 
 def simple_gla_recurrent(q, k, v, g, scale=1.0, initial_state=None):
@@ -86,7 +87,7 @@ def _fla_kernel():
 
 def resolve_ssd_backend(backend: str, device: torch.device) -> str:
     """``auto``: flash-linear-attention on CUDA when installed, else pure torch."""
-    return resolve_backend(backend, device, _fla_kernel(), "Mamba SSD (simple GLA)")
+    return resolve_backend(backend, device, _fla_kernel(), _WHAT)
 
 
 def varlen_simple_gla(q, k, v, g, cu_seqlens, cu_seqlens_host, initial_state=None,
@@ -101,12 +102,9 @@ def varlen_simple_gla(q, k, v, g, cu_seqlens, cu_seqlens_host, initial_state=Non
     Returns:
         out ``[R, H, V]``, final states ``[n, H, K, V]`` fp32 (None unless requested).
     """
-    backend = resolve_ssd_backend(backend, q.device)
-    if backend == "fla":
-        return fla_varlen(_fla_kernel(), (q, k, v, g), cu_seqlens, cu_seqlens_host, scale=scale,
-                          initial_state=initial_state, output_final_state=output_final_state)
-    return varlen_by_sequence(functools.partial(chunk_simple_gla_torch, scale=scale),
-                              (q, k, v, g), cu_seqlens_host, initial_state, output_final_state)
+    return varlen_call((q, k, v, g), cu_seqlens, cu_seqlens_host, initial_state, output_final_state,
+                       scale=scale, backend=backend, fla_kernel=_fla_kernel(),
+                       torch_kernel=chunk_simple_gla_torch, what=_WHAT)
 
 
 def tree_simple_gla(q, k, v, g, tree: RecurrentTree, scale=1.0, backend="auto"):
