@@ -68,8 +68,8 @@ def test_levels_cover_rows_and_parents_are_one_level_up():
     chains = tree.chains
     assert len(levels) == int(chains.depth.max()) + 1 >= 3
     for d, lvl in enumerate(levels[1:], 1):  # each chain's parent chain is one level up
-        parent_chains = chains.heads[chains.chain_of[tree.parent[lvl.nodes.numpy()]]]
-        assert (levels[d - 1].nodes[lvl.parent_slot].numpy() == parent_chains).all()
+        parent_chains = chains.heads[chains.chain_of[tree.parent[lvl.nodes]]]
+        assert (levels[d - 1].nodes[lvl.parent_slot.numpy()] == parent_chains).all()
     assert tree.parent[-1] == -1 and tree.length[-1] == 3
     assert recurrent_tree(plan, plan.num_tokens) is recurrent_tree(plan, plan.num_tokens)
 

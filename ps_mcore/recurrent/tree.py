@@ -29,7 +29,7 @@ class Level:
     """All chains of one chain depth, as one varlen batch.
 
     Attributes:
-        nodes: ``[n]`` node id of each chain's head (pre-order).
+        nodes: ``[n]`` node id of each chain's head (pre-order; host, for inspection).
         rows: ``[R]`` packed rows of these chains, chain after chain (a chain's rows are
             contiguous).
         cu_seqlens: ``[n+1]`` int64 chain boundaries within ``rows`` (device).
@@ -41,7 +41,7 @@ class Level:
         has_children: ``[n]`` bool; only these chains' final states are read.
     """
 
-    nodes: torch.Tensor
+    nodes: np.ndarray
     rows: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_host: torch.Tensor
@@ -101,7 +101,7 @@ class RecurrentTree:
                 cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
                 levels.append(
                     Level(
-                        nodes=torch.from_numpy(c.heads[chains]).to(self.device),
+                        nodes=c.heads[chains],
                         rows=torch.from_numpy(ragged_arange(c.start[chains], lens)).to(self.device),
                         cu_seqlens=cu.to(self.device),
                         cu_seqlens_host=cu,
