@@ -112,6 +112,12 @@ class TreePlan:
         return self.input_ids.device
 
     @property
+    def host(self) -> "TreePlan":
+        """The plan's CPU copy (a plan moved by :meth:`to` keeps it), else the plan itself:
+        host-side layouts read it, so a GPU plan costs them no device-to-host sync."""
+        return self._cache.get("host", self)
+
+    @property
     def is_trivial(self) -> bool:
         """True when nothing is shared: packed rows are the batch concatenated in order."""
         return self.num_tokens == self.num_input_tokens

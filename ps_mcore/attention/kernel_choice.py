@@ -69,7 +69,7 @@ def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
     numbers cached on the plan's host copy: no device sync per layer)."""
     from ps_mcore.attention.layout import auto_layout, cascade_layout
 
-    host = plan._cache.get("host", plan)
+    host = plan.host
     if "kernel_choice_shape" not in host._cache:
         cu_q, cu_k = host.cu_seqlens_q.cpu().numpy(), host.cu_seqlens_kv.cpu().numpy()
         layout = cascade_layout(host)

@@ -170,7 +170,7 @@ def cascade_layout(plan: TreePlan, device: torch.device | None = None) -> Cascad
     device = plan.device if device is None else torch.device(device)
     key = ("cascade_layout", str(device))
     if key not in plan._cache:
-        host = plan._cache.get("host", plan)
+        host = plan.host
         if ("cascade_layout", "cpu") not in host._cache:
             host._cache[("cascade_layout", "cpu")] = build_cascade_layout(host)
         layout = host._cache[("cascade_layout", "cpu")]

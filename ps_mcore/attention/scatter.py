@@ -21,7 +21,7 @@ def copies_csr(plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_ptr [T+1], copies [C])`` int64: the context positions holding each packed row."""
     key = ("kv_copies_csr", str(device))
     if key not in plan._cache:
-        host = plan._cache.get("host", plan)
+        host = plan.host
         hkey = ("kv_copies_csr", "cpu")
         if hkey not in host._cache:
             index = host.kv_index.cpu().numpy()

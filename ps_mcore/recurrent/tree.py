@@ -61,8 +61,9 @@ class RecurrentTree:
         t = plan.num_tokens
         if rows < t:
             raise ValueError(f"recurrent layers need all T={t} packed rows, got {rows}")
-        cu = plan.cu_seqlens_q.cpu().numpy().astype(np.int64)
-        parent = plan.node_parent.cpu().numpy().astype(np.int64)
+        host = plan.host  # no device-to-host sync for a GPU plan
+        cu = host.cu_seqlens_q.cpu().numpy().astype(np.int64)
+        parent = host.node_parent.cpu().numpy().astype(np.int64)
         self.num_rows = rows
         self.plan_nodes = len(parent)
         if rows > t:  # padding rows: one more root after every real node (pre-order kept)
@@ -136,7 +137,7 @@ class RecurrentTree:
             raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
         if kernel_size not in self._conv:
             w = kernel_size - 1
-            plan = self._plan
+            plan = self._plan.host
             m, real = self.num_nodes, self.plan_nodes
             tails = np.full((m, w), self.num_rows, dtype=np.int64)
             if w and real:
