@@ -15,6 +15,10 @@ Transformer Engine (``cudnn``; its columns print "-" where TE cannot run). Colum
 * auto: what ``tree_attention(backend="auto")`` runs (kernel/layout picked by
   ``kernel_choice.prefers_cudnn`` and ``layout.cascade_pays``), its m/i against the *faster*
   of the two unshared baselines;
+* every ms column is timed with the steps queued back to back (``common.time_ms(queued=True)``,
+  as ``triton.testing.do_bench`` times kernels): what attention costs inside a model whose host
+  runs ahead of the GPU; ``synced ms`` / ``synced m/i``: the auto step and the baselines timed
+  with a sync after every step instead (the host's launch latency included);
 * err: the largest relative difference (output, dq, dk, dv) of every tree column against
   fa gather on the same inputs;
 * flex (``--flex``, compiles), PG = PrefixGrouper on the GRPO workloads (torch varlen flash
@@ -149,7 +153,7 @@ def largest_difference(fns: dict, reference: str, q, k, v, grad) -> float:
 HEADERS = [
     "workload", "N", "T", "levels", "ideal", "base fa ms", "base cudnn ms",
     "fa cascade ms", "m/i", "fa gather ms", "m/i", "cudnn gather ms", "m/i", "cudnn cascade ms", "m/i",
-    "auto", "auto ms", "auto m/i", "err", "flex ms", "m/i", "PG ms", "m/i",
+    "auto", "auto ms", "auto m/i", "synced ms", "synced m/i", "err", "flex ms", "m/i", "PG ms", "m/i",
     "base fa MiB", "base cudnn MiB", "auto MiB", "fa cascade MiB", "fa gather MiB", "cudnn gather MiB",
     "flex MiB", "PG MiB",
 ]
@@ -187,7 +191,8 @@ def measure_workload(name: str, args, use_cudnn: bool) -> list:
     ms, mem = {}, {}
     for key, step in steps.items():
         log(f"    {key}")
-        ms[key], mem[key] = time_ms(step, args.warmup, args.iters), peak_mib(step)
+        ms[key], mem[key] = time_ms(step, args.warmup, args.iters, queued=True), peak_mib(step)
+    synced = {key: time_ms(steps[key], args.warmup, args.iters) for key in ("base fa", "base cudnn", "auto") if key in steps}
 
     def get(table, key):
         return table.get(key, NAN)
@@ -199,7 +204,9 @@ def measure_workload(name: str, args, use_cudnn: bool) -> list:
     row = [name, n, t, cascade_layout(plan).num_levels, ideal, get(ms, "base fa"), get(ms, "base cudnn")]
     for key in ("fa cascade", "fa gather", "cudnn gather", "cudnn cascade"):
         row += [get(ms, key), m_i(key, get(ms, _OWN_BASE[key]))]
-    row += ["/".join(auto_choice(qt, plan)), get(ms, "auto"), m_i("auto", best_base), err]
+    row += ["/".join(auto_choice(qt, plan)), get(ms, "auto"), m_i("auto", best_base)]
+    best_synced = min(synced.get("base fa", NAN), synced.get("base cudnn", NAN)) if use_cudnn else synced["base fa"]
+    row += [synced["auto"], best_synced / synced["auto"] / ideal, err]
     for key in ("flex", "pg"):
         row += [get(ms, key), m_i(key, get(ms, _OWN_BASE[key]))]
     row += [get(mem, k) for k in ("base fa", "base cudnn", "auto", "fa cascade", "fa gather", "cudnn gather", "flex", "pg")]
@@ -227,9 +234,9 @@ def sweep_kernel_choice(args, use_cudnn: bool) -> str:
             q, k, v = leaves((t, hq, d), (t, hkv, d), dtype, 3)
             g = torch.randn(t, hq, d, device=DEVICE, dtype=dtype)
             fa = time_ms(fwd_bwd(lambda q, k, v, p=plan: tree_varlen_attention(q, k, v, p, scale, kernel), (q, k, v), g),
-                         args.warmup, args.iters)
+                         args.warmup, args.iters, queued=True)
             cd = time_ms(fwd_bwd(lambda q, k, v, p=plan: cudnn_tree_attention(q, k, v, p, scale), (q, k, v), g),
-                         args.warmup, args.iters)
+                         args.warmup, args.iters, queued=True)
             faster = "cudnn" if cd < fa else "fa"
             pick = "cudnn" if prefers_cudnn(shape) else "fa"
             rows.append([name, factor, t, shape.segments, shape.levels, "cascade" if shape.cascade else "gather",
@@ -279,7 +286,7 @@ def sweep_level_chunking(plan, step, base_ms, ideal, args) -> list:
     for blocks, rows in ((0, 512), (32, 1024), (64, 512), (128, 256)):
         layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS = blocks, rows
         forget_layouts()
-        ms = time_ms(step, args.warmup, args.iters)
+        ms = time_ms(step, args.warmup, args.iters, queued=True)
         out.append(f"{blocks}/{rows}: {ms:.3g} ms ({base_ms / ms / ideal:.3f})")
     layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS = saved
     forget_layouts()
@@ -337,7 +344,7 @@ def chunking_sweep_line(name: str, args) -> str:
     n, t = stats["N"], stats["T"]
     qb, kb, vb = leaves((n, hq, d), (n, hkv, d), dtype, 1)
     base_ms = time_ms(fwd_bwd(lambda q, k, v: tree_attention(q, k, v, base_plan, backend="varlen"), (qb, kb, vb),
-                              torch.randn(n, hq, d, device=DEVICE, dtype=dtype)), args.warmup, args.iters)
+                              torch.randn(n, hq, d, device=DEVICE, dtype=dtype)), args.warmup, args.iters, queued=True)
     kernel, scale = flash_kernel_for(torch.device(DEVICE)), default_scale(d)
     step = fwd_bwd(lambda q, k, v: tree_varlen_attention(q, k, v, plan, scale, kernel, layout="cascade"),
                    leaves((t, hq, d), (t, hkv, d), dtype, 2), torch.randn(t, hq, d, device=DEVICE, dtype=dtype))

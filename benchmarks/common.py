@@ -17,12 +17,27 @@ import torch
 from ps_mcore.table import format_table as markdown_table  # noqa: F401  (one table format)
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
-    """Median wall time of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU)."""
+def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 10, queued: bool = False) -> float:
+    """Median wall time of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU).
+
+    By default each step starts on an idle GPU (a sync after every step): the time then holds
+    the host's launch latency of the step's first kernels, as a training step with syncs sees
+    it. ``queued=True`` launches the steps back to back and syncs once (each step still between
+    its own two events, as ``triton.testing.do_bench`` times kernels): a step costs
+    max(GPU time, host time), what one layer costs inside a model whose host runs ahead."""
     for _ in range(warmup):
         fn()
-    samples = []
     cuda = torch.cuda.is_available()
+    if cuda and queued:
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+    samples = []
     for _ in range(iters):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
