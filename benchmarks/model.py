@@ -79,7 +79,7 @@ def init_parallel(device: str, tp: int = 1, cp: int = 1) -> None:
 
 def build_model(
     shape: DecoderShape, device: str, dtype: torch.dtype, fusions: bool, tp: int = 1, cp: int = 1,
-    spec: str = "local",
+    spec: str = "local", backend: str = "auto",
 ):
     """The tree model (``spec="local"``); for ``spec="te"`` the pair (stock TE model, tree
     model of the same spec with the stock weights)."""
@@ -100,6 +100,7 @@ def build_model(
         persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp, context_parallel_size=cp,
     )
+    config.tree_attention_backend = backend  # read by TreeCoreAttention (the stock model ignores it)
 
     def gpt(layer_spec):
         torch.manual_seed(0)
@@ -222,7 +223,7 @@ def run(args) -> str:
     init_parallel(device, args.tp, args.cp)
     if args.spec == "te":
         return run_te(args, shape, device, dtype)
-    model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp)
+    model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp, backend=args.backend)
     rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device), decoder_row, scale,
                          reset=lambda: model.zero_grad(set_to_none=True), verbose=dist.get_rank() == 0)
     title = _title(
@@ -235,7 +236,7 @@ def run(args) -> str:
 
 def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
     """Stock TE model on the unshared THD batch vs. its tree spec on the prefix tree."""
-    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te")
+    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend)
     headers = ["workload", "N", "T", "ideal", "TE stock ms", "tree ms", "speedup", "meas/ideal",
                "TE stock MiB", "tree MiB", "mem ratio", "max |dlogp|"]
 
@@ -258,6 +259,7 @@ def main() -> None:
                    help="megatron's bias-activation / bias-dropout fusions (torch.compile'd)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (run under torchrun)")
     p.add_argument("--cp", type=int, default=1, help="context parallel size (run under torchrun)")
+    p.add_argument("--backend", default="auto", help="tree attention backend of the tree model (config.tree_attention_backend)")
     p.add_argument("--spec", choices=("local", "te"), default="local",
                    help="te: stock TE model (baseline) vs to_tree_spec(TE spec); CUDA + TE, TP=CP=1")
     args = parse_model_benchmark_args(p, "benchmarks/model.py")

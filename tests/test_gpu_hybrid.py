@@ -51,6 +51,17 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def assert_grads_close(names, g_tree, g_stock, g_ref, tol, rows, num_tokens):
+    """Each gradient of the tree run vs the fp64 reference, within ``tol`` or within twice the
+    stock kernel's own error on the unshared batch (fla's fp32 dots run in TF32: a per-head
+    parameter's gradient sums every token's term, so its rounding grows with the tokens)."""
+    for name, a, s, b in zip(names, g_tree, g_stock, g_ref):
+        if a.dim() > 1 and a.size(0) == rows:
+            a, s, b = a[:num_tokens], s[:num_tokens], b[:num_tokens]
+        err, stock_err = rel(a, b), rel(s, b)
+        assert err < max(tol, 2 * stock_err), f"d{name} rel err {err} (stock kernel: {stock_err})"
+
+
 @pytest.mark.parametrize("name", sorted(FORESTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_tree_matches_each_sequence(name, dtype):
@@ -68,15 +79,18 @@ def test_fla_tree_matches_each_sequence(name, dtype):
     out = tree_gated_delta_rule(*args(lambda t: t.to(dtype)), recurrent_tree(plan, rows), backend="fla")
     assert out.dtype == dtype and torch.isfinite(out).all()
     got = plan.unpack(out)
+    alone = each_sequence_alone(FORESTS[name])
     unshared = [plan.unpack(t[: plan.num_tokens]) for t in args(torch.Tensor.double)]
-    ref = tree_gated_delta_rule(*unshared, each_sequence_alone(FORESTS[name]), backend="torch")
+    ref = tree_gated_delta_rule(*unshared, alone, backend="torch")
+    stock_in = [plan.unpack(t[: plan.num_tokens]) for t in args(lambda t: t.to(dtype))]
+    stock = tree_gated_delta_rule(*stock_in[:3], stock_in[3], stock_in[4], alone, backend="fla")
     tol = 2e-3 if dtype == torch.float32 else 2e-2
     assert rel(got, ref) < tol, f"output rel err {rel(got, ref)}"
     cot = torch.randn_like(ref)
     g_tree = torch.autograd.grad((got.double() * cot).sum(), leaves, retain_graph=True)
+    g_stock = torch.autograd.grad((stock.double() * cot).sum(), leaves)
     g_ref = torch.autograd.grad((ref * cot).sum(), leaves)
-    for lname, a, b in zip("q k v g beta".split(), g_tree, g_ref):
-        assert rel(a[: plan.num_tokens], b[: plan.num_tokens]) < 2 * tol, f"d{lname} rel err"
+    assert_grads_close("q k v g beta".split(), g_tree, g_stock, g_ref, 2 * tol, rows, plan.num_tokens)
 
 
 @pytest.mark.parametrize("name", sorted(FORESTS))
@@ -105,9 +119,12 @@ def test_fla_mamba_tree_matches_each_sequence(name, dtype):
                                 D=d, z=low[4], dt_bias=dt_bias, backend="fla")
     assert out.dtype == dtype and torch.isfinite(out).all()
     got = plan.unpack(out[: plan.num_tokens])
+    alone = each_sequence_alone(FORESTS[name])
     xs, dts, bs, cs, zs = (plan.unpack(t[: plan.num_tokens].double()) for t in (x, dt, b_in, c_in, z))
-    ref = tree_mamba_chunk_scan(xs, dts, -a_log.double().exp(), bs, cs, each_sequence_alone(FORESTS[name]),
+    ref = tree_mamba_chunk_scan(xs, dts, -a_log.double().exp(), bs, cs, alone,
                                 D=d.double(), z=zs, dt_bias=dt_bias.double(), backend="torch")
+    xl, dtl, bl, cl, zl = (plan.unpack(t[: plan.num_tokens]) for t in low)
+    stock = tree_mamba_chunk_scan(xl, dtl, -a_log.exp(), bl, cl, alone, D=d, z=zl, dt_bias=dt_bias, backend="fla")
     tol = 2e-3 if dtype == torch.float32 else 2e-2
     assert rel(got, ref) < tol, f"output rel err {rel(got, ref)}"
     cot = torch.randn_like(ref)
@@ -117,8 +134,6 @@ def test_fla_mamba_tree_matches_each_sequence(name, dtype):
         if "#640" in str(err):
             pytest.skip(f"forward checked; fla refuses the backward here: {err}")
         raise
+    g_stock = torch.autograd.grad((stock.double() * cot).sum(), leaves)
     g_ref = torch.autograd.grad((ref * cot).sum(), leaves)
-    for lname, a, b in zip("x dt B C z A_log dt_bias D".split(), g_tree, g_ref):
-        if a.dim() > 1 and a.size(0) == rows:
-            a, b = a[: plan.num_tokens], b[: plan.num_tokens]
-        assert rel(a, b) < 2 * tol, f"d{lname} rel err {rel(a, b)}"
+    assert_grads_close("x dt B C z A_log dt_bias D".split(), g_tree, g_stock, g_ref, 2 * tol, rows, plan.num_tokens)
