@@ -21,6 +21,8 @@ Transformer Engine (``cudnn``; its columns print "-" where TE cannot run). Colum
   with a sync after every step instead (the host's launch latency included);
 * err: the largest relative difference (output, dq, dk, dv) of every tree column against
   fa gather on the same inputs;
+* base fa4 / fa4: FlashAttention-4 (the flash-attn-4 package, where installed) on the unshared
+  batch and on the tree in torch flash's layout choice (backend ``"fa4"``), m/i against base fa4;
 * flex (``--flex``, compiles), PG = PrefixGrouper on the GRPO workloads (torch varlen flash
   underneath; m/i against base fa); MiB = peak memory above the inputs per step.
 
@@ -112,7 +114,14 @@ def cudnn_reason(hq: int, d: int, dtype) -> str | None:
     return cudnn_unavailable_reason(torch.zeros(1, hq, d, device=DEVICE, dtype=dtype))
 
 
-def tree_fns(plan, scale, use_cudnn: bool, flex: bool) -> dict:
+def fa4_reason(hq: int, d: int, dtype) -> str | None:
+    """Why the FA4 columns cannot run here (None: they can)."""
+    from ps_mcore.attention.fa4 import fa4_unavailable_reason
+
+    return fa4_unavailable_reason(torch.zeros(1, hq, d, device=DEVICE, dtype=dtype))
+
+
+def tree_fns(plan, scale, use_cudnn: bool, flex: bool, fa4: bool = False) -> dict:
     """Column name -> ``(q, k, v) -> out`` over the tree plan; None where it cannot run."""
     from ps_mcore.attention.cudnn import cudnn_tree_attention
 
@@ -126,6 +135,7 @@ def tree_fns(plan, scale, use_cudnn: bool, flex: bool) -> dict:
             (lambda q, k, v: cudnn_tree_attention(q, k, v, plan, scale, layout="cascade"))
             if use_cudnn and chain_forest else None
         ),
+        "fa4": (lambda q, k, v: tree_attention(q, k, v, plan, backend="fa4")) if fa4 else None,
         "auto": lambda q, k, v: tree_attention(q, k, v, plan, backend="auto"),
         "flex": (lambda q, k, v: tree_attention(q, k, v, plan, backend="flex")) if flex else None,
     }
@@ -153,13 +163,14 @@ def largest_difference(fns: dict, reference: str, q, k, v, grad) -> float:
 HEADERS = [
     "workload", "N", "T", "levels", "ideal", "base fa ms", "base cudnn ms",
     "fa cascade ms", "m/i", "fa gather ms", "m/i", "cudnn gather ms", "m/i", "cudnn cascade ms", "m/i",
+    "base fa4 ms", "fa4 ms", "m/i",
     "auto", "auto ms", "auto m/i", "synced ms", "synced m/i", "err", "flex ms", "m/i", "PG ms", "m/i",
-    "base fa MiB", "base cudnn MiB", "auto MiB", "fa cascade MiB", "fa gather MiB", "cudnn gather MiB",
+    "base fa MiB", "base cudnn MiB", "auto MiB", "fa cascade MiB", "fa gather MiB", "cudnn gather MiB", "fa4 MiB",
     "flex MiB", "PG MiB",
 ]
 # tree column -> the unshared baseline its m/i is measured against
 _OWN_BASE = {"fa cascade": "base fa", "fa gather": "base fa", "cudnn gather": "base cudnn",
-             "cudnn cascade": "base cudnn", "flex": "base fa", "pg": "base fa"}
+             "cudnn cascade": "base cudnn", "fa4": "base fa4", "flex": "base fa", "pg": "base fa"}
 
 
 def measure_workload(name: str, args, use_cudnn: bool) -> list:
@@ -180,7 +191,9 @@ def measure_workload(name: str, args, use_cudnn: bool) -> list:
 
     qt, kt, vt = leaves((t, hq, d), (t, hkv, d), dtype, 2)
     gt = torch.randn(t, hq, d, device=DEVICE, dtype=dtype)
-    fns = {k: f for k, f in tree_fns(plan, default_scale(d), use_cudnn, args.flex).items() if f is not None}
+    if args.fa4:
+        base["base fa4"] = fwd_bwd(lambda q, k, v: tree_attention(q, k, v, base_plan, backend="fa4"), (qb, kb, vb), gb)
+    fns = {k: f for k, f in tree_fns(plan, default_scale(d), use_cudnn, args.flex, args.fa4).items() if f is not None}
     err = largest_difference(fns, "fa gather", qt, kt, vt, gt)
     steps = dict(base)
     steps.update({k: fwd_bwd(f, (qt, kt, vt), gt) for k, f in fns.items()})
@@ -204,12 +217,13 @@ def measure_workload(name: str, args, use_cudnn: bool) -> list:
     row = [name, n, t, cascade_layout(plan).num_levels, ideal, get(ms, "base fa"), get(ms, "base cudnn")]
     for key in ("fa cascade", "fa gather", "cudnn gather", "cudnn cascade"):
         row += [get(ms, key), m_i(key, get(ms, _OWN_BASE[key]))]
+    row += [get(ms, "base fa4"), get(ms, "fa4"), m_i("fa4", get(ms, "base fa4"))]
     row += ["/".join(auto_choice(qt, plan)), get(ms, "auto"), m_i("auto", best_base)]
     best_synced = min(synced.get("base fa", NAN), synced.get("base cudnn", NAN)) if use_cudnn else synced["base fa"]
     row += [synced["auto"], best_synced / synced["auto"] / ideal, err]
     for key in ("flex", "pg"):
         row += [get(ms, key), m_i(key, get(ms, _OWN_BASE[key]))]
-    row += [get(mem, k) for k in ("base fa", "base cudnn", "auto", "fa cascade", "fa gather", "cudnn gather", "flex", "pg")]
+    row += [get(mem, k) for k in ("base fa", "base cudnn", "auto", "fa cascade", "fa gather", "cudnn gather", "fa4", "flex", "pg")]
     return row
 
 
@@ -313,6 +327,10 @@ def run(args) -> str:
     use_cudnn = reason is None
     if not use_cudnn:
         log(f"cuDNN columns print '-': {reason}")
+    fa4 = fa4_reason(args.heads, args.head_dim, torch.bfloat16)
+    args.fa4 = fa4 is None
+    if fa4:
+        log(f"FA4 columns print '-': {fa4}")
     rows, sweeps = [], []
     for i, name in enumerate(args.workloads):
         log(f"[{i + 1}/{len(args.workloads)}] {name}")
@@ -322,7 +340,7 @@ def run(args) -> str:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     title = f"Attention only, fwd+bwd, bf16, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}"
-    te = "" if use_cudnn else f" (cuDNN columns: {reason})"
+    te = ("" if use_cudnn else f" (cuDNN columns: {reason})") + ("" if args.fa4 else f" (FA4 columns: {fa4})")
     out = f"{title}{te}\n\n{environment()}\n\n{markdown_table(HEADERS, rows)}\n"
     sweeps = [line for line in sweeps if line]
     if sweeps:

@@ -207,3 +207,51 @@ def test_cudnn_kernel_serves_context_parallelism():
     from ps_mcore.attention.cudnn import CUDNN_KERNEL
 
     assert cp_kernel("cudnn", torch.zeros(8, 4, 64, device="cuda", dtype=torch.bfloat16)) is CUDNN_KERNEL
+
+
+# ----------------------------------------------------------------------------- FlashAttention-4
+
+
+def _fa4_reason() -> str | None:
+    """Why the fa4 backend cannot run on this machine (None: the package and an SM90+ GPU are there)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    from ps_mcore.attention.fa4 import fa4_unavailable_reason
+
+    return fa4_unavailable_reason(torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16))
+
+
+needs_fa4 = pytest.mark.skipif(_fa4_reason() is not None, reason=f"fa4 backend: {_fa4_reason()}")
+
+
+@needs_fa4
+@pytest.mark.parametrize("name", list(nasty_forests()))
+def test_fa4_nasty_shapes(name):
+    check(plan_prefix_tree(nasty_forests()[name], min_prefix_len=1), "fa4", 8, 2, 64, torch.bfloat16)
+
+
+@needs_fa4
+@pytest.mark.parametrize("ratio, d, dtype", [(1, 64, torch.bfloat16), (4, 96, torch.bfloat16),
+                                             (7, 128, torch.bfloat16), (8, 128, torch.float16)])
+def test_fa4_random_forests_gqa_head_dims(ratio, d, dtype):
+    rng = np.random.default_rng(ratio * d)
+    for i in range(4):
+        seqs = random_forest(rng, max_seqs=12, max_len=300)
+        check(plan_prefix_tree(seqs, min_prefix_len=4), "fa4", 2 * ratio, 2, d, dtype, i)
+
+
+@needs_fa4
+@pytest.mark.parametrize("cascade, min_chunk", [(False, 1024), (True, 1024), (True, 16)])
+def test_fa4_gather_and_cascade_layouts(monkeypatch, cascade, min_chunk):
+    """FA4 in both layouts: gather-KV, and the cascade whose level calls have segments with no
+    key (filler rows) and merge by FA4's logsumexp; chains, deep and random trees."""
+    monkeypatch.setattr("ps_mcore.attention.layout.cascade_pays", lambda plan, layout: cascade)
+    monkeypatch.setattr("ps_mcore.attention.layout.MIN_CHUNK_ROWS", min_chunk)
+    step_wise = [list(range(37 * (j + 1))) for j in range(6)]
+    check(plan_prefix_tree(step_wise, min_prefix_len=1), "fa4", 8, 2, 128, torch.bfloat16)
+    deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]
+    check(plan_prefix_tree(deep, min_prefix_len=1), "fa4", 4, 4, 64, torch.float16)
+    rng = np.random.default_rng(7)
+    for i in range(3):
+        check(plan_prefix_tree(random_forest(rng, max_seqs=16, max_len=400), min_prefix_len=2),
+              "fa4", 8, 2, 128, torch.bfloat16, i)

@@ -74,6 +74,14 @@ def test_cudnn_refuses_clearly_off_cuda():
         tree_attention(q, k, v, plan, backend="cudnn")
 
 
+def test_fa4_refuses_clearly_off_cuda_and_auto_never_picks_it():
+    plan = plan_prefix_tree(nasty_forests()["tree"], min_prefix_len=1)
+    q, k, v = random_qkv(plan, 4, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="backend 'fa4' .*FlashAttention-4.*unavailable: it needs a CUDA device"):
+        tree_attention(q, k, v, plan, backend="fa4")
+    assert resolve_backend("auto", q, plan) == "chunked"
+
+
 def test_static_reasons_name_the_problem(monkeypatch):
     bf16 = torch.bfloat16
     assert "fp16 or bf16" in cudnn.static_unavailable_reason("cuda", torch.float32, 128)

@@ -9,6 +9,8 @@ Backends:
     cudnn      cuDNN fused attention through Transformer Engine, CUDA fp16/bf16: gather-KV, or
                on a chain forest the single causal call in place (attention/cudnn.py).
     npu        gather-KV + torch_npu.npu_fusion_attention (TND, bottom-right causal), Ascend.
+    fa4        FlashAttention-4 (flash-attn-4, CuTe DSL, SM90+), CUDA fp16/bf16: the cascade or
+               gather-KV layout like varlen (attention/fa4.py); explicit only.
     auto       npu on an NPU device; on CUDA for fp16/bf16 varlen, or cudnn where TE is present and
                the plan's shape favours it (attention/kernel_choice.py); else flex on CUDA,
                else chunked.

@@ -139,6 +139,18 @@ def _check_cudnn(q: torch.Tensor) -> None:
     require_cudnn(q)
 
 
+def _fa4_kernel(device: torch.device) -> VarlenKernel:
+    from ps_mcore.attention.fa4 import FA4_KERNEL
+
+    return FA4_KERNEL
+
+
+def _check_fa4(q: torch.Tensor) -> None:
+    from ps_mcore.attention.fa4 import require_fa4
+
+    require_fa4(q)
+
+
 def _npu_kernel(device: torch.device) -> VarlenKernel:
     from ps_mcore.attention.npu import NPU_KERNEL
 
@@ -159,6 +171,8 @@ register_backend(AttentionBackend("flex", attend=_flex, check=_check_flex))
 # its gather-KV kernel also serves context parallelism.
 register_backend(AttentionBackend("cudnn", attend=_cudnn, gather_kv_kernel=_cudnn_kernel, check=_check_cudnn))
 register_backend(AttentionBackend("npu", gather_kv_kernel=_npu_kernel, check=_check_npu))
+# FlashAttention-4 (flash-attn-4, CuTe DSL, SM90+): both layouts, like varlen; explicit only (fa4.py).
+register_backend(AttentionBackend("fa4", gather_kv_kernel=_fa4_kernel, check=_check_fa4, cascade=True))
 
 
 # ----------------------------------------------------------------------------- resolution

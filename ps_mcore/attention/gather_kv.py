@@ -166,8 +166,8 @@ def _flash_kernel_for(device_type: str) -> VarlenKernel | None:
         return None
     if hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_flash_attention_available():
         return TORCH_FLASH_KERNEL
-    try:
-        import flash_attn  # noqa: F401
+    try:  # flash-attn 2 (FlashAttention-4 installs flash_attn.cute alone: not this kernel)
+        import flash_attn.flash_attn_interface  # noqa: F401
     except ImportError:
         return None
     return FLASH_ATTN_KERNEL

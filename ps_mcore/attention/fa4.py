@@ -1,0 +1,96 @@
+"""FlashAttention-4 (the ``flash-attn-4`` package: CuTe DSL kernels, SM90 and newer) as a
+tree-attention kernel.
+
+``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd`` (checked against
+4.0.0b40) run varlen attention on packed THD tensors with int32 ``cu_seqlens``, causal masks
+aligned bottom-right (a segment with ``seqlen_k >= seqlen_q``: query i sees keys
+``j <= seqlen_k - seqlen_q + i``), GQA natively, and return the natural-log logsumexp as
+``[Hq, total_q]`` float32: the :class:`~ps_mcore.attention.gather_kv.VarlenKernel` protocol, so
+FA4 runs both tree layouts (gather-KV and the cascade, whose level calls merge by that
+logsumexp) inside our own autograd functions, like torch's flash kernel.
+
+Backend ``"fa4"``: explicit only, ``auto`` does not pick it (not yet measured against torch
+flash and cuDNN on the standard workloads). The package is imported lazily, only on CUDA;
+:func:`fa4_unavailable_reason` says why it cannot run (not installed, GPU older than SM90, dtype,
+head dim). The first call of a shape JIT-compiles FA4's kernels (cached by FA4).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ps_mcore.attention.gather_kv import VarlenKernel
+
+FA4_DTYPES = (torch.float16, torch.bfloat16)
+# FA4 on SM90: head dims 8..256, multiples of 8 (its interface asserts the same).
+FA4_MAX_HEAD_DIM = 256
+FA4_HEAD_DIM_MULTIPLE = 8
+FA4_MIN_CAPABILITY = 9
+
+
+@functools.lru_cache(maxsize=None)
+def _fa4_interface():
+    """``(fwd, bwd)`` of ``flash_attn.cute.interface``, or a string saying why not."""
+    try:
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    except Exception as e:  # noqa: BLE001  (ImportError, or the CuTe DSL's own import checks)
+        return f"flash-attn-4 (flash_attn.cute) is not importable ({type(e).__name__}: {e})"
+    return _flash_attn_fwd, _flash_attn_bwd
+
+
+def _interface():
+    found = _fa4_interface()
+    if isinstance(found, str):
+        raise RuntimeError(f"FA4 tree attention: {found}")
+    return found
+
+
+def _fa4_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
+    fwd, _ = _interface()
+    out, lse, *_ = fwd(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
+        softmax_scale=scale, causal=causal, return_lse=True,
+    )
+    return out, (lse,)
+
+
+def _fa4_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
+    _, bwd = _interface()
+    dq, dk, dv = bwd(
+        q, k, v, out, dout, aux[0], scale, causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
+    )[:3]
+    return dq, dk, dv
+
+
+FA4_KERNEL = VarlenKernel("fa4", _fa4_forward, _fa4_backward)
+
+
+def fa4_unavailable_reason(q: torch.Tensor) -> str | None:
+    """Why FA4 tree attention cannot run for ``q`` ``[T, Hq, D]`` (None: it can): device,
+    capability, dtype, head dim, the package importable. A shape FA4 itself refuses raises
+    from its first call with FA4's own message."""
+    if not q.is_cuda:
+        return f"it needs a CUDA device (q is on {q.device.type})"
+    if torch.cuda.get_device_capability(q.device)[0] < FA4_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(q.device)
+        return f"it needs an SM90 (Hopper) or newer GPU, got {name}"
+    if q.dtype not in FA4_DTYPES:
+        return f"it needs fp16 or bf16 inputs (got {q.dtype})"
+    d = q.size(-1)
+    if d % FA4_HEAD_DIM_MULTIPLE or d > FA4_MAX_HEAD_DIM:
+        return f"it needs a head dim that is a multiple of {FA4_HEAD_DIM_MULTIPLE} and at most {FA4_MAX_HEAD_DIM} (got {d})"
+    found = _fa4_interface()
+    return found if isinstance(found, str) else None
+
+
+def require_fa4(q: torch.Tensor) -> None:
+    """Raise ``ValueError`` saying why backend ``"fa4"`` cannot run for ``q``."""
+    reason = fa4_unavailable_reason(q)
+    if reason is not None:
+        raise ValueError(
+            f"tree attention backend 'fa4' (FlashAttention-4, the flash-attn-4 package) is "
+            f"unavailable: {reason}. Use 'varlen' (torch flash) or 'auto'."
+        )
