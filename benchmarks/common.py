@@ -89,14 +89,15 @@ class Measured:
                 self.tree_ms, self.speedup, self.speedup / self.ideal, self.base_mib, self.tree_mib]
 
 
-def measure(steps, shape, warmup: int, iters: int, reset: Callable[[], object] | None = None) -> Measured:
+def measure(steps, shape, warmup: int, iters: int, reset: Callable[[], object] | None = None,
+            queued: bool = False) -> Measured:
     """Time and peak memory of ``steps.base_step`` vs ``steps.tree_step``; ``steps.plan`` is the
     tree plan, ``shape.ideal_speedup(stats)`` the FLOP-weighted ideal. ``reset`` (e.g. the
     model's ``zero_grad``) runs after the timing and after the memory runs, so gradients left
-    by one phase are not counted in the next."""
+    by one phase are not counted in the next. ``queued``: steps back to back (:func:`time_ms`)."""
     stats = steps.plan.stats()
-    base_ms = time_ms(steps.base_step, warmup, iters)
-    tree_ms = time_ms(steps.tree_step, warmup, iters)
+    base_ms = time_ms(steps.base_step, warmup, iters, queued)
+    tree_ms = time_ms(steps.tree_step, warmup, iters, queued)
     if reset is not None:
         reset()
     base_mib, tree_mib = peak_mib(steps.base_step), peak_mib(steps.tree_step)
@@ -130,7 +131,8 @@ def workload_rows(
             print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
         w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
         steps = new_steps(w.sequences)
-        rows.append(row(name, measure(steps, shape, args.warmup, args.iters, reset), steps))
+        measured = measure(steps, shape, args.warmup, args.iters, reset, getattr(args, "queued", False))
+        rows.append(row(name, measured, steps))
         if verbose:  # the row as soon as it exists: a long run that is cut short still says something
             print("  " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
         if name in getattr(args, "profile", ()) and torch.cuda.is_available():
@@ -257,6 +259,9 @@ def model_benchmark_parser(doc: str):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
+    p.add_argument("--queued", action="store_true",
+                   help="time steps back to back, one sync at the end (default: a sync after every "
+                        "step, so each step also pays the host's latency before its first kernel)")
     p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--profile", nargs="*", default=[], metavar="WORKLOAD",
                    help="also print where the base and tree step times go for these workloads (CUDA)")

@@ -116,13 +116,13 @@ class Steps:
         return float((self.tree_logprobs() - ref).abs().max())
 
 
-def measure(steps: Steps, warmup: int, iters: int) -> dict:
+def measure(steps: Steps, warmup: int, iters: int, queued: bool = False) -> dict:
     model = steps.model
     out = {}
     disable_tree_attention(model)  # baselines run the untouched stock model
     for name, fn in (("padded", steps.padded_step), ("per-seq", steps.per_seq_step)):
-        out[name] = (time_ms(fn, warmup, iters), peak_mib(fn))
-    out["tree"] = (time_ms(steps.tree_step, warmup, iters), peak_mib(steps.tree_step))
+        out[name] = (time_ms(fn, warmup, iters, queued), peak_mib(fn))
+    out["tree"] = (time_ms(steps.tree_step, warmup, iters, queued), peak_mib(steps.tree_step))
     out["diff"] = steps.max_logprob_diff()
     model.zero_grad(set_to_none=True)
     return out
@@ -144,7 +144,7 @@ def run(args) -> str:
         steps = Steps(model, w.sequences, device)
         stats = steps.plan.stats()
         ideal = decoder_shape(model.config).ideal_speedup(stats)
-        m = measure(steps, args.warmup, args.iters)
+        m = measure(steps, args.warmup, args.iters, args.queued)
         base = min(("padded", "per-seq"), key=lambda k: m[k][0])
         speedup = m[base][0] / m["tree"][0]
         rows.append([name, stats["N"], stats["T"], stats["dedup"], stats["attn_flop_ratio"], ideal,
