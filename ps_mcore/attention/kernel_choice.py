@@ -21,6 +21,13 @@ swept without a GPU):
   (``cudnn.py``). It is chosen only where flash's own layout choice would not be a cascade with
   level calls (``cascade_pays``), so memory never exceeds what ``varlen`` uses on that plan.
 
+Those timings synced the GPU after every step, so cuDNN's larger host cost per call was in
+them. Timed with the steps queued (2026-12-03, session 5), cuDNN's kernels are faster on every
+sharing workload (gather-KV 1.10 vs 1.43 ms on agent-tree, 0.83 vs 1.03 on step-wise), but the
+whole TE-spec model with cuDNN forced for every tree layer was not faster than this rule's pick
+(52.7 vs 52.1 ms step-wise, 78.6 vs 77.6 agent-tree, 120 vs 118 grpo-wide: attention is ~6 % of
+those steps and the host cost remains), so the rule stands (docs/benchmarks.md, issue 15).
+
 ``python benchmarks/attention.py --sweep`` prints, per workload and length scale, the shape
 numbers, both kernels' times and this rule's pick: the evidence for the constants.
 """
