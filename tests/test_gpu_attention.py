@@ -1,4 +1,5 @@
-"""GPU-only backends (varlen, flex) vs. per-sequence causal attention. Skips without CUDA;
+"""GPU-only backends (varlen, flex; cudnn and fa4 where TE / flash-attn-4 are installed) vs.
+per-sequence causal attention. Skips without CUDA;
 run on the device: ``python -m pytest -q tests/test_gpu_attention.py``."""
 
 from __future__ import annotations
@@ -27,19 +28,47 @@ def check(plan, backend, hq, hkv, d, dtype, seed=0, tol=1e-2):
         assert rel(a, b) < 2 * tol, f"d{name} rel err {rel(a, b)}"
 
 
-@pytest.mark.parametrize("backend", ["varlen", "flex"])
+def _te_reason() -> str | None:
+    """Why the cuDNN backend cannot run on this machine (None: TE and CUDA are there)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    from ps_mcore.attention.cudnn import static_unavailable_reason
+
+    return static_unavailable_reason("cuda", torch.bfloat16, 128)
+
+
+needs_te = pytest.mark.skipif(_te_reason() is not None, reason=f"cuDNN backend: {_te_reason()}")
+
+
+def _fa4_reason() -> str | None:
+    """Why the fa4 backend cannot run on this machine (None: the package and an SM90+ GPU are there)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    from ps_mcore.attention.fa4 import fa4_unavailable_reason
+
+    return fa4_unavailable_reason(torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16))
+
+
+needs_fa4 = pytest.mark.skipif(_fa4_reason() is not None, reason=f"fa4 backend: {_fa4_reason()}")
+# The fused kernels beside torch flash: cuDNN through TE, FlashAttention-4 (each skips without its package).
+FUSED = [pytest.param("cudnn", marks=needs_te), pytest.param("fa4", marks=needs_fa4)]
+ALL = ["varlen", "flex", *FUSED]
+
+
+@pytest.mark.parametrize("backend", ALL)
 @pytest.mark.parametrize("name", list(nasty_forests()))
 def test_nasty_shapes(name, backend):
     check(plan_prefix_tree(nasty_forests()[name], min_prefix_len=1), backend, 8, 2, 64, torch.bfloat16)
 
 
-@pytest.mark.parametrize("backend", ["varlen", "flex"])
-@pytest.mark.parametrize("ratio, d", [(1, 64), (4, 80), (7, 128)])
-def test_random_forests_gqa_head_dims(backend, ratio, d):
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("ratio, d, dtype", [(1, 64, torch.bfloat16), (4, 80, torch.bfloat16),
+                                             (7, 128, torch.bfloat16), (8, 128, torch.float16)])
+def test_random_forests_gqa_head_dims(backend, ratio, d, dtype):
     rng = np.random.default_rng(ratio * d)
     for i in range(4):
         seqs = random_forest(rng, max_seqs=12, max_len=300)
-        check(plan_prefix_tree(seqs, min_prefix_len=4), backend, 2 * ratio, 2, d, torch.bfloat16, i)
+        check(plan_prefix_tree(seqs, min_prefix_len=4), backend, 2 * ratio, 2, d, dtype, i)
 
 
 def test_flex_float32_is_tight():
@@ -67,49 +96,25 @@ def test_auto_picks_varlen_for_bf16():
     assert resolve_backend("auto", q.float()) == "flex"
 
 
+@pytest.mark.parametrize("backend", ["varlen", pytest.param("fa4", marks=needs_fa4)])
 @pytest.mark.parametrize("cascade, min_chunk", [(False, 1024), (True, 1024), (True, 16)])
-def test_varlen_gather_and_cascade_layouts(monkeypatch, cascade, min_chunk):
+def test_varlen_gather_and_cascade_layouts(monkeypatch, cascade, min_chunk, backend):
     """Gather-KV (with the fused scatter-add) and the cascade, its level calls in place or
-    (min_chunk 16) in chunks with gathered keys: all exact on forests with many chain levels."""
+    (min_chunk 16) in chunks with gathered keys, whose filler segments have no key: all exact
+    on chains and on forests with many chain levels."""
     monkeypatch.setattr("ps_mcore.attention.layout.cascade_pays", lambda plan, layout: cascade)
     monkeypatch.setattr("ps_mcore.attention.layout.MIN_CHUNK_ROWS", min_chunk)
+    step_wise = [list(range(37 * (j + 1))) for j in range(6)]
+    check(plan_prefix_tree(step_wise, min_prefix_len=1), backend, 8, 2, 128, torch.bfloat16)
     rng = np.random.default_rng(7)
     for i in range(3):
         seqs = random_forest(rng, max_seqs=16, max_len=400)
-        check(plan_prefix_tree(seqs, min_prefix_len=2), "varlen", 8, 2, 128, torch.bfloat16, i)
+        check(plan_prefix_tree(seqs, min_prefix_len=2), backend, 8, 2, 128, torch.bfloat16, i)
     deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]
-    check(plan_prefix_tree(deep, min_prefix_len=1), "varlen", 4, 4, 64, torch.float16)
+    check(plan_prefix_tree(deep, min_prefix_len=1), backend, 4, 4, 64, torch.float16)
 
 
 # ----------------------------------------------------------------------------- cuDNN (TE)
-
-
-def _te_reason() -> str | None:
-    """Why the cuDNN backend cannot run on this machine (None: TE and CUDA are there)."""
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    from ps_mcore.attention.cudnn import static_unavailable_reason
-
-    return static_unavailable_reason("cuda", torch.bfloat16, 128)
-
-
-needs_te = pytest.mark.skipif(_te_reason() is not None, reason=f"cuDNN backend: {_te_reason()}")
-
-
-@needs_te
-@pytest.mark.parametrize("name", list(nasty_forests()))
-def test_cudnn_nasty_shapes(name):
-    check(plan_prefix_tree(nasty_forests()[name], min_prefix_len=1), "cudnn", 8, 2, 64, torch.bfloat16)
-
-
-@needs_te
-@pytest.mark.parametrize("ratio, d, dtype", [(1, 64, torch.bfloat16), (4, 80, torch.bfloat16),
-                                             (7, 128, torch.bfloat16), (8, 128, torch.float16)])
-def test_cudnn_random_forests_gqa_head_dims(ratio, d, dtype):
-    rng = np.random.default_rng(ratio * d)
-    for i in range(4):
-        seqs = random_forest(rng, max_seqs=12, max_len=300)
-        check(plan_prefix_tree(seqs, min_prefix_len=4), "cudnn", 2 * ratio, 2, d, dtype, i)
 
 
 @needs_te
@@ -208,50 +213,3 @@ def test_cudnn_kernel_serves_context_parallelism():
 
     assert cp_kernel("cudnn", torch.zeros(8, 4, 64, device="cuda", dtype=torch.bfloat16)) is CUDNN_KERNEL
 
-
-# ----------------------------------------------------------------------------- FlashAttention-4
-
-
-def _fa4_reason() -> str | None:
-    """Why the fa4 backend cannot run on this machine (None: the package and an SM90+ GPU are there)."""
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    from ps_mcore.attention.fa4 import fa4_unavailable_reason
-
-    return fa4_unavailable_reason(torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16))
-
-
-needs_fa4 = pytest.mark.skipif(_fa4_reason() is not None, reason=f"fa4 backend: {_fa4_reason()}")
-
-
-@needs_fa4
-@pytest.mark.parametrize("name", list(nasty_forests()))
-def test_fa4_nasty_shapes(name):
-    check(plan_prefix_tree(nasty_forests()[name], min_prefix_len=1), "fa4", 8, 2, 64, torch.bfloat16)
-
-
-@needs_fa4
-@pytest.mark.parametrize("ratio, d, dtype", [(1, 64, torch.bfloat16), (4, 96, torch.bfloat16),
-                                             (7, 128, torch.bfloat16), (8, 128, torch.float16)])
-def test_fa4_random_forests_gqa_head_dims(ratio, d, dtype):
-    rng = np.random.default_rng(ratio * d)
-    for i in range(4):
-        seqs = random_forest(rng, max_seqs=12, max_len=300)
-        check(plan_prefix_tree(seqs, min_prefix_len=4), "fa4", 2 * ratio, 2, d, dtype, i)
-
-
-@needs_fa4
-@pytest.mark.parametrize("cascade, min_chunk", [(False, 1024), (True, 1024), (True, 16)])
-def test_fa4_gather_and_cascade_layouts(monkeypatch, cascade, min_chunk):
-    """FA4 in both layouts: gather-KV, and the cascade whose level calls have segments with no
-    key (filler rows) and merge by FA4's logsumexp; chains, deep and random trees."""
-    monkeypatch.setattr("ps_mcore.attention.layout.cascade_pays", lambda plan, layout: cascade)
-    monkeypatch.setattr("ps_mcore.attention.layout.MIN_CHUNK_ROWS", min_chunk)
-    step_wise = [list(range(37 * (j + 1))) for j in range(6)]
-    check(plan_prefix_tree(step_wise, min_prefix_len=1), "fa4", 8, 2, 128, torch.bfloat16)
-    deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]
-    check(plan_prefix_tree(deep, min_prefix_len=1), "fa4", 4, 4, 64, torch.float16)
-    rng = np.random.default_rng(7)
-    for i in range(3):
-        check(plan_prefix_tree(random_forest(rng, max_seqs=16, max_len=400), min_prefix_len=2),
-              "fa4", 8, 2, 128, torch.bfloat16, i)

@@ -29,7 +29,7 @@ import inspect
 
 import torch
 
-from ps_mcore.attention.gather_kv import VarlenKernel
+from ps_mcore.attention.gather_kv import VarlenKernel, unavailable_error
 
 CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 # cuDNN's F16 fused attention (sm80/sm90) takes head dims that are multiples of 8 up to 256, but
@@ -163,10 +163,7 @@ def require_cudnn(q: torch.Tensor) -> None:
     """Raise ``ValueError`` saying why backend ``"cudnn"`` cannot run for ``q``."""
     reason = cudnn_unavailable_reason(q)
     if reason is not None:
-        raise ValueError(
-            f"tree attention backend 'cudnn' (Transformer Engine's cuDNN fused attention) is "
-            f"unavailable: {reason}. Use 'varlen' (torch flash) or 'auto'."
-        )
+        raise unavailable_error("cudnn", "Transformer Engine's cuDNN fused attention", reason)
 
 
 # ----------------------------------------------------------------------------- tree attention

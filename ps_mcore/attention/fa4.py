@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from ps_mcore.attention.gather_kv import VarlenKernel
+from ps_mcore.attention.gather_kv import VarlenKernel, unavailable_error
 
 FA4_DTYPES = (torch.float16, torch.bfloat16)
 # FA4 on SM90: head dims 8..256, multiples of 8 (its interface asserts the same).
@@ -94,7 +94,4 @@ def require_fa4(q: torch.Tensor) -> None:
     """Raise ``ValueError`` saying why backend ``"fa4"`` cannot run for ``q``."""
     reason = fa4_unavailable_reason(q)
     if reason is not None:
-        raise ValueError(
-            f"tree attention backend 'fa4' (FlashAttention-4, the flash-attn-4 package) is "
-            f"unavailable: {reason}. Use 'varlen' (torch flash) or 'auto'."
-        )
+        raise unavailable_error("fa4", "FlashAttention-4, the flash-attn-4 package", reason)

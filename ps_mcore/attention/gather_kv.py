@@ -35,6 +35,14 @@ class VarlenKernel:
     backward: Callable
 
 
+def unavailable_error(backend: str, kernel: str, reason: str) -> ValueError:
+    """The error an explicitly chosen backend raises when its kernel cannot run here."""
+    return ValueError(
+        f"tree attention backend {backend!r} ({kernel}) is unavailable: {reason}. "
+        "Use 'varlen' (torch flash) or 'auto'."
+    )
+
+
 # ----------------------------------------------------------------------------- math kernel
 
 
