@@ -12,11 +12,13 @@ logsumexp) inside our own autograd functions, like torch's flash kernel.
 Backend ``"fa4"``: explicit only, ``auto`` does not pick it (not yet measured against torch
 flash and cuDNN on the standard workloads). On the H200 (2026-12-03, flash-attn-4 4.0.0b40,
 ``benchmarks/device/prepare_fa4.sh``) it matched the float64 unshared computation, outputs and
-q/k/v gradients, in tests/test_gpu_attention.py's ``fa4_nasty`` (tree, chain) and
-``fa4_gather_and_cascade`` cases (gather-KV; the cascade with in-place and chunked level calls,
-whose segments without keys it handles); its random-forest GQA/head-dim cases were not run. The package is imported lazily, only on CUDA;
-:func:`fa4_unavailable_reason` says why it cannot run (not installed, GPU older than SM90, dtype,
-head dim). The first call of a shape JIT-compiles FA4's kernels (cached by FA4).
+q/k/v gradients, on the nasty tree and chain shapes and in both layouts (gather-KV; the cascade
+with in-place and chunked level calls, whose segments without keys it handles); the
+random-forest GQA/head-dim cases of tests/test_gpu_attention.py were not run there yet.
+
+The package is imported lazily, only on CUDA; :func:`fa4_unavailable_reason` says why it
+cannot run (not installed, GPU older than SM90, dtype, head dim). The first call of a shape
+JIT-compiles FA4's kernels (FA4 caches them).
 """
 
 from __future__ import annotations
