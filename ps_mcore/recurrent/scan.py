@@ -129,13 +129,17 @@ def tree_scan(kernel: Callable, tensors: Sequence[torch.Tensor], tree: Recurrent
         out, _ = kernel(*tensors, cu_seqlens=lvl.cu_seqlens, cu_seqlens_host=lvl.cu_seqlens_host,
                         initial_state=None, output_final_state=False)
         return out
+    # One gather per input into level-major order, split into one view per level: its backward
+    # is one concatenation and one scatter per input, where a gather per level would add a
+    # full-size zero gradient per level.
+    order, sizes = tree.level_order()
+    parts = [t.index_select(0, order).split(sizes) for t in tensors]
     outs, final = [], None
-    for lvl in levels:
+    for i, lvl in enumerate(levels):
         init = None if lvl.parent_slot is None else final.index_select(0, lvl.parent_slot)
         out, final = kernel(
-            *(t.index_select(0, lvl.rows) for t in tensors), cu_seqlens=lvl.cu_seqlens,
-            cu_seqlens_host=lvl.cu_seqlens_host, initial_state=init,
-            output_final_state=bool(lvl.has_children.any()),
+            *(p[i] for p in parts), cu_seqlens=lvl.cu_seqlens, cu_seqlens_host=lvl.cu_seqlens_host,
+            initial_state=init, output_final_state=bool(lvl.has_children.any()),
         )
         outs.append(out)
     return torch.cat(outs).index_select(0, tree.level_inverse())

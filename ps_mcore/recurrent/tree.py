@@ -112,9 +112,16 @@ class RecurrentTree:
                 )
             self._levels = levels
             order = torch.cat([lvl.rows for lvl in levels]) if levels else torch.zeros(0, dtype=torch.long)
+            self._level_order = order, [int(lvl.cu_seqlens_host[-1]) for lvl in levels]
             self._level_inverse = torch.empty_like(order)
             self._level_inverse[order] = torch.arange(order.numel(), device=order.device)
         return self._levels
+
+    def level_order(self) -> tuple[torch.Tensor, list[int]]:
+        """``([rows] packed rows level after level, [rows per level])``: one gather puts every
+        level's rows next to each other (``tree_scan`` splits it, one view per level)."""
+        self.levels()
+        return self._level_order
 
     def level_inverse(self) -> torch.Tensor:
         """``[rows]``: position of each packed row in the level-by-level concatenation."""
