@@ -207,11 +207,12 @@ def _dims(shape: DecoderShape) -> str:
             f"ffn {shape.ffn}, vocab {shape.vocab}, {shape.layers} layers")
 
 
-def _title(model: str, baseline: str, tree: str, device: str, dtype: torch.dtype, idle: str) -> str:
+def _title(model: str, baseline: str, tree: str, device: str, dtype: torch.dtype, idle: str, backend: str) -> str:
     """The table title: ``megatron-core GPTModel{model}``, what the baseline and tree runs are."""
-    backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
+    if backend == "auto":  # the kernel choice may still pick cuDNN per plan where TE is present
+        backend = f"auto -> {resolve_backend('auto', torch.empty(1, device=device, dtype=dtype))} (kernel per plan)"
     return (f"megatron-core GPTModel{model}, fwd+bwd with LM head and token log-probs; baseline = "
-            f"{baseline}; tree = {tree}; tree attention backend auto -> {backend}; MiB = peak "
+            f"{baseline}; tree = {tree}; tree attention backend {backend}; MiB = peak "
             f"allocated above the idle {idle}")
 
 
@@ -230,7 +231,7 @@ def run(args) -> str:
         f" ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: {_dims(shape)}, tree local spec, random "
         f"init, TP={args.tp}, CP={args.cp}"
         f"{' (CP baseline: unshared plan, same CP path)' if args.cp > 1 else ''}, {str(dtype).split('.')[-1]})",
-        "unshared THD (standard PackedSeqParams)", "TreePackedSeqParams", device, dtype, "model")
+        "unshared THD (standard PackedSeqParams)", "TreePackedSeqParams", device, dtype, "model", args.backend)
     return f"{title}\n\n{environment()}\n\n{markdown_table(DECODER_HEADERS, rows)}\n"
 
 
@@ -249,7 +250,7 @@ def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
     title = _title(
         f", transformer-engine spec (Qwen2.5-1.5B shapes: {_dims(shape)}, random init, bf16)",
         "STOCK TE spec (TE fused attention, fused RoPE) on the unshared THD batch",
-        "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype, "models")
+        "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype, "models", args.backend)
     return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
 
 
