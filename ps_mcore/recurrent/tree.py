@@ -94,16 +94,21 @@ class RecurrentTree:
             forks = np.zeros(c.heads.size, dtype=bool)
             forks[c.parent[c.parent >= 0]] = True  # only these chains' final states are read
             slot = np.zeros(c.heads.size, dtype=np.int64)
+            by_depth = [np.flatnonzero(c.depth == d) for d in range(int(c.depth.max()) + 1 if c.heads.size else 0)]
+            lens = [c.end[chains] - c.start[chains] for chains in by_depth]
+            # Every level's rows, level after level: one host-to-device copy, one view per level.
+            order = np.concatenate([ragged_arange(c.start[ch], n) for ch, n in zip(by_depth, lens)] or [[]]).astype(np.int64)
+            sizes = [int(n.sum()) for n in lens]
+            order_dev = torch.from_numpy(order).to(self.device)
+            rows = order_dev.split(sizes)
             levels = []
-            for d in range(int(c.depth.max()) + 1 if c.heads.size else 0):
-                chains = np.flatnonzero(c.depth == d)
+            for d, (chains, n) in enumerate(zip(by_depth, lens)):
                 slot[chains] = np.arange(len(chains))
-                lens = c.end[chains] - c.start[chains]
-                cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+                cu = torch.from_numpy(np.concatenate([[0], np.cumsum(n)]).astype(np.int64))
                 levels.append(
                     Level(
                         nodes=c.heads[chains],
-                        rows=torch.from_numpy(ragged_arange(c.start[chains], lens)).to(self.device),
+                        rows=rows[d],
                         cu_seqlens=cu.to(self.device),
                         cu_seqlens_host=cu,
                         parent_slot=None if d == 0 else torch.from_numpy(slot[c.parent[chains]]).to(self.device),
@@ -111,10 +116,10 @@ class RecurrentTree:
                     )
                 )
             self._levels = levels
-            order = torch.cat([lvl.rows for lvl in levels]) if levels else torch.zeros(0, dtype=torch.long)
-            self._level_order = order, [int(lvl.cu_seqlens_host[-1]) for lvl in levels]
-            self._level_inverse = torch.empty_like(order)
-            self._level_inverse[order] = torch.arange(order.numel(), device=order.device)
+            inverse = np.empty(order.size, dtype=np.int64)
+            inverse[order] = np.arange(order.size)
+            self._level_order = order_dev, sizes
+            self._level_inverse = torch.from_numpy(inverse).to(self.device)
         return self._levels
 
     def level_order(self) -> tuple[torch.Tensor, list[int]]:
