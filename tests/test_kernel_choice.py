@@ -14,7 +14,7 @@ from attention_oracle import random_qkv, unshared_attention
 from forests import nasty_forests, random_forest
 
 from ps_mcore import plan_prefix_tree, plan_unshared, tree_attention
-from ps_mcore.attention import auto_choice, cudnn, kernel_choice, resolve_backend
+from ps_mcore.attention import auto_choice, cudnn, fa4, kernel_choice, resolve_backend
 from ps_mcore.attention.gather_kv import MATH_KERNEL
 from ps_mcore.attention.kernel_choice import CUDNN_MIN_WORK, PlanShape, plan_shape, prefers_cudnn
 from ps_mcore.planner import tree_pairs
@@ -49,15 +49,15 @@ def test_tree_pairs_counts_causal_pairs_once():
 
 
 def test_rule_on_the_standard_workloads():
-    """The measured H200 evidence the constant encodes (kernel_choice docstring): cuDNN for the
-    long GRPO prompt (gather-KV), flash for agent-tree, step-wise, no-sharing and the cascade
-    that grpo-wide runs."""
+    """The measured H200 evidence the constant encodes (kernel_choice docstring): cuDNN wherever
+    it gained inside the queued model (grpo-long-prompt, agent-tree, step-wise), flash for the
+    cascade that grpo-wide runs (memory) and for no-sharing's small work (host cost)."""
     picks = {}
     for name in ("grpo-long-prompt", "grpo-wide", "agent-tree", "step-wise", "no-sharing"):
         plan = plan_prefix_tree(make_workload(name, seed=0).sequences)
         picks[name] = prefers_cudnn(plan_shape(plan, 16, 128))
-    assert picks == {"grpo-long-prompt": True, "grpo-wide": False, "agent-tree": False,
-                     "step-wise": False, "no-sharing": False}
+    assert picks == {"grpo-long-prompt": True, "grpo-wide": False, "agent-tree": True,
+                     "step-wise": True, "no-sharing": False}
 
 
 def test_plan_shape_is_cached_on_the_host_plan():
@@ -80,6 +80,16 @@ def test_fa4_refuses_clearly_off_cuda_and_auto_never_picks_it():
     with pytest.raises(ValueError, match="backend 'fa4' .*FlashAttention-4.*unavailable: it needs a CUDA device"):
         tree_attention(q, k, v, plan, backend="fa4")
     assert resolve_backend("auto", q, plan) == "chunked"
+
+
+@pytest.mark.parametrize("d", [72, 80, 112, 48])
+def test_fa4_refuses_head_dims_whose_gradients_it_got_wrong(d):
+    # Measured on the H200: FA4 4.0.0b40's SM90 backward is wrong for 72, 80 and 112; 48 untested.
+    plan = plan_prefix_tree(nasty_forests()["tree"], min_prefix_len=1)
+    q, k, v = random_qkv(plan, 4, 2, d, torch.bfloat16)
+    with pytest.raises(ValueError, match=f"runs head dims 64, 96, 128, 160, 192, 256 \\(got {d}"):
+        tree_attention(q, k, v, plan, backend="fa4")
+    assert fa4.fa4_unavailable_reason(q.float()).startswith("it needs fp16 or bf16")
 
 
 def test_static_reasons_name_the_problem(monkeypatch):

@@ -1,35 +1,37 @@
 """Which kernel ``backend="auto"`` runs a plan with on CUDA: torch's flash kernel or cuDNN.
 
 Both compute the same attention exactly (each tested against the unshared float64
-computation); they differ in speed by shape. Measured on one H200 (bf16, Hq=16, Hkv=2, D=128,
-gather-KV layout, fwd+bwd, issue 15): cuDNN (TE 2.20 fused attention) 4.25 vs flash 5.36 ms on
-grpo-long-prompt, 2.69 vs 3.04 on grpo-wide, 1.83 vs 1.68 on agent-tree, 1.58 vs 1.31 on
-step-wise. Those four fit ``cudnn_ms = 0.71 + 0.66 * flash_ms`` within 0.02 ms: cuDNN's
-kernels are a third faster but each call pays a fixed ~0.7 ms more, so cuDNN wins once flash
-would take more than ~2.1 ms, i.e. once the call has enough attention work.
+computation); they differ in speed by shape, and in host cost. Measured on one H200 (bf16,
+Hq=16, Hkv=2, D=128, fwd+bwd, TE 2.20 fused attention, 2026-12-03; ``benchmarks/attention.py``
+and ``benchmarks/model.py``, docs/benchmarks.md, issue 15):
+
+* GPU time: cuDNN's kernels are faster on every standard workload (ms per step, cuDNN vs
+  flash, each in its layout below): grpo-long-prompt 3.53 vs 4.92, grpo-wide 1.88 vs 2.52,
+  agent-tree 1.07 vs 1.42, step-wise 0.87 vs 1.04, no-sharing 0.71 vs 0.74.
+* Host time: cuDNN's call costs more (1.1-1.4 vs 0.3-1.2 ms per fwd+bwd step), so a step of
+  little work timed alone, or a host-bound run, is slower with it.
+* Inside the model the host runs ahead and that cost hides: steps queued back to back
+  (``model.py --queued``, as a training loop runs micro-batches), cuDNN forced for every tree
+  layer beat flash on step-wise, agent-tree and grpo-wide in both specs (TE spec 46.7 / 73.0
+  / 114 vs 47.1 / 74.2 / 115 ms; local spec 49.5 / 77.7 / 120 vs 50.2 / 78.8 / 123 ms). With
+  a sync after every step (the host's start latency in each step) it did not (52.7 / 78.6 /
+  120 vs 52.1 / 77.6 / 118 ms, TE spec): that measurement set the earlier, higher constant.
 
 The rule (:func:`prefers_cudnn`, a pure function of shape numbers so it can be tested and
 swept without a GPU):
 
 * ``work = pairs * Hq * D`` (query-key pairs of the tree, causal pairs counted once, times
   query heads and head dim: the forward's QK^T multiply-adds) must be at least
-  :data:`CUDNN_MIN_WORK`. The measured crossover lies between agent-tree (2.0e10, flash faster)
-  and grpo-wide (4.0e10, cuDNN faster); the fit above puts it at ~2.7e10 (flash ~2.1 ms,
-  work interpolated log-log over the four). The constant sits just above, so a call near the
-  crossover keeps today's kernel.
+  :data:`CUDNN_MIN_WORK`, so that the kernel gain covers cuDNN's host cost. The smallest
+  measured shape that gained in the model is step-wise (1.55e10); no-sharing (9.1e9) gains
+  0.03 ms of kernel time for 0.4 ms more host time. The constant sits between the two.
 * cuDNN runs only the gather-KV layout or, on a chain forest, the single causal self call
   (``cudnn.py``). It is chosen only where flash's own layout choice would not be a cascade with
-  level calls (``cascade_pays``), so memory never exceeds what ``varlen`` uses on that plan.
-
-Those timings synced the GPU after every step, so cuDNN's larger host cost per call was in
-them. Timed with the steps queued (2026-12-03, session 5), cuDNN's kernels are faster on every
-sharing workload (gather-KV 1.10 vs 1.43 ms on agent-tree, 0.83 vs 1.03 on step-wise), but the
-whole TE-spec model with cuDNN forced for every tree layer was not faster than this rule's pick
-(52.7 vs 52.1 ms step-wise, 78.6 vs 77.6 agent-tree, 120 vs 118 grpo-wide: attention is ~6 % of
-those steps and the host cost remains), so the rule stands (docs/benchmarks.md, issue 15).
+  level calls (``cascade_pays``), so memory never exceeds what ``varlen`` uses on that plan
+  (grpo-wide: cuDNN gather-KV 1.91 vs flash cascade 2.62 ms alone, but 1266 vs 215 MiB).
 
 ``python benchmarks/attention.py --sweep`` prints, per workload and length scale, the shape
-numbers, both kernels' times and this rule's pick: the evidence for the constants.
+numbers, both kernels' times and this rule's pick.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from ps_mcore.planner import tree_pairs
 
 # Smallest forward work (query-key pairs x query heads x head dim) at which cuDNN is chosen.
-CUDNN_MIN_WORK = 2.8e10
+CUDNN_MIN_WORK = 1.2e10
 
 
 @dataclass(frozen=True)
