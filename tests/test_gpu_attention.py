@@ -12,6 +12,7 @@ from forests import nasty_forests, random_forest
 
 from ps_mcore import plan_prefix_tree
 from ps_mcore.attention import resolve_backend
+from ps_mcore.attention.fa4 import FA4_HEAD_DIMS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -68,7 +69,12 @@ def test_random_forests_gqa_head_dims(backend, ratio, d, dtype):
     rng = np.random.default_rng(ratio * d)
     for i in range(4):
         seqs = random_forest(rng, max_seqs=12, max_len=300)
-        check(plan_prefix_tree(seqs, min_prefix_len=4), backend, 2 * ratio, 2, d, dtype, i)
+        plan = plan_prefix_tree(seqs, min_prefix_len=4)
+        if backend == "fa4" and d not in FA4_HEAD_DIMS:  # FA4's SM90 backward was wrong there: refused
+            with pytest.raises(ValueError, match=f"got {d}"):
+                check(plan, backend, 2 * ratio, 2, d, dtype, i)
+            continue
+        check(plan, backend, 2 * ratio, 2, d, dtype, i)
 
 
 def test_flex_float32_is_tight():

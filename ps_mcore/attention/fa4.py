@@ -9,12 +9,15 @@ aligned bottom-right (a segment with ``seqlen_k >= seqlen_q``: query i sees keys
 FA4 runs both tree layouts (gather-KV and the cascade, whose level calls merge by that
 logsumexp) inside our own autograd functions, like torch's flash kernel.
 
-Backend ``"fa4"``: explicit only, ``auto`` does not pick it (not yet measured against torch
-flash and cuDNN on the standard workloads). On the H200 (2026-12-03, flash-attn-4 4.0.0b40,
-``benchmarks/device/prepare_fa4.sh``) it matched the float64 unshared computation, outputs and
-q/k/v gradients, on the nasty tree and chain shapes and in both layouts (gather-KV; the cascade
-with in-place and chunked level calls, whose segments without keys it handles); the
-random-forest GQA/head-dim cases of tests/test_gpu_attention.py were not run there yet.
+Backend ``"fa4"``: explicit only, ``auto`` does not pick it. Measured on the H200
+(2026-12-03, flash-attn-4 4.0.0b40, ``benchmarks/device/prepare_fa4.sh``, docs/benchmarks.md):
+its kernels are the fastest there (tree steps 2.58 ms vs torch flash 4.92 and cuDNN 3.53 on
+grpo-long-prompt), and the TE-spec model with it was the fastest tree model (queued steps,
+0.99-1.02 of the FLOP ideal against stock TE); but each call costs the host ~0.5 ms (its
+Python interface), so a small step timed alone is host-bound, and it is a beta package whose
+SM90 backward returned wrong gradients for head dims 72, 80 and 112 there (outputs right; 64,
+96, 128, 160, 192 and 256 right): only :data:`FA4_HEAD_DIMS` are run, others are refused.
+Exact against the float64 unshared computation on those head dims (tests/test_gpu_attention.py).
 
 The package is imported lazily, only on CUDA; :func:`fa4_unavailable_reason` says why it
 cannot run (not installed, GPU older than SM90, dtype, head dim). The first call of a shape
@@ -30,9 +33,9 @@ import torch
 from ps_mcore.attention.gather_kv import VarlenKernel, unavailable_error
 
 FA4_DTYPES = (torch.float16, torch.bfloat16)
-# FA4 on SM90: head dims 8..256, multiples of 8 (its interface asserts the same).
-FA4_MAX_HEAD_DIM = 256
-FA4_HEAD_DIM_MULTIPLE = 8
+# Head dims whose FA4 gradients matched the float64 reference on the H200 (4.0.0b40 accepts any
+# multiple of 8 up to 256, but its SM90 backward was wrong for 72, 80 and 112).
+FA4_HEAD_DIMS = (64, 96, 128, 160, 192, 256)
 FA4_MIN_CAPABILITY = 9
 
 
@@ -75,19 +78,20 @@ FA4_KERNEL = VarlenKernel("fa4", _fa4_forward, _fa4_backward)
 
 
 def fa4_unavailable_reason(q: torch.Tensor) -> str | None:
-    """Why FA4 tree attention cannot run for ``q`` ``[T, Hq, D]`` (None: it can): device,
-    capability, dtype, head dim, the package importable. A shape FA4 itself refuses raises
+    """Why FA4 tree attention cannot run for ``q`` ``[T, Hq, D]`` (None: it can): dtype, head
+    dim, device, capability, the package importable. A shape FA4 itself refuses raises
     from its first call with FA4's own message."""
+    if q.dtype not in FA4_DTYPES:
+        return f"it needs fp16 or bf16 inputs (got {q.dtype})"
+    d = q.size(-1)
+    if d not in FA4_HEAD_DIMS:
+        return (f"it runs head dims {', '.join(map(str, FA4_HEAD_DIMS))} (got {d}: flash-attn-4 4.0.0b40's "
+                "SM90 backward returned wrong gradients for head dims 72, 80 and 112)")
     if not q.is_cuda:
         return f"it needs a CUDA device (q is on {q.device.type})"
     if torch.cuda.get_device_capability(q.device)[0] < FA4_MIN_CAPABILITY:
         name = torch.cuda.get_device_name(q.device)
         return f"it needs an SM90 (Hopper) or newer GPU, got {name}"
-    if q.dtype not in FA4_DTYPES:
-        return f"it needs fp16 or bf16 inputs (got {q.dtype})"
-    d = q.size(-1)
-    if d % FA4_HEAD_DIM_MULTIPLE or d > FA4_MAX_HEAD_DIM:
-        return f"it needs a head dim that is a multiple of {FA4_HEAD_DIM_MULTIPLE} and at most {FA4_MAX_HEAD_DIM} (got {d})"
     found = _fa4_interface()
     return found if isinstance(found, str) else None
 
