@@ -131,7 +131,7 @@ def workload_rows(
             print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
         w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
         steps = new_steps(w.sequences)
-        measured = measure(steps, shape, args.warmup, args.iters, reset, getattr(args, "queued", False))
+        measured = measure(steps, shape, args.warmup, args.iters, reset, not args.synced)
         rows.append(row(name, measured, steps))
         if verbose:  # the row as soon as it exists: a long run that is cut short still says something
             print("  " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
@@ -259,9 +259,10 @@ def model_benchmark_parser(doc: str):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
-    p.add_argument("--queued", action="store_true",
-                   help="time steps back to back, one sync at the end (default: a sync after every "
-                        "step, so each step also pays the host's latency before its first kernel)")
+    p.add_argument("--synced", action="store_true",
+                   help="sync after every step, so each step also pays the host's latency before its "
+                        "first kernel (default: steps back to back, one sync at the end, as a training "
+                        "loop runs micro-batches)")
     p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--profile", nargs="*", default=[], metavar="WORKLOAD",
                    help="also print where the base and tree step times go for these workloads (CUDA)")

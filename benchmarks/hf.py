@@ -144,7 +144,7 @@ def run(args) -> str:
         steps = Steps(model, w.sequences, device)
         stats = steps.plan.stats()
         ideal = decoder_shape(model.config).ideal_speedup(stats)
-        m = measure(steps, args.warmup, args.iters, args.queued)
+        m = measure(steps, args.warmup, args.iters, not args.synced)
         base = min(("padded", "per-seq"), key=lambda k: m[k][0])
         speedup = m[base][0] / m["tree"][0]
         rows.append([name, stats["N"], stats["T"], stats["dedup"], stats["attn_flop_ratio"], ideal,
