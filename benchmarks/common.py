@@ -263,6 +263,7 @@ def model_benchmark_parser(doc: str):
                    help="sync after every step, so each step also pays the host's latency before its "
                         "first kernel (default: steps back to back, one sync at the end, as a training "
                         "loop runs micro-batches)")
+    p.add_argument("--queued", action="store_true", help=argparse.SUPPRESS)  # the default; older commands in docs/ say it
     p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--profile", nargs="*", default=[], metavar="WORKLOAD",
                    help="also print where the base and tree step times go for these workloads (CUDA)")
