@@ -197,17 +197,19 @@ def test_cudnn_without_te_is_refused_and_auto_stays_flash():
 
 @needs_te
 def test_auto_picks_cudnn_by_shape():
-    """The shape rule on the device: the long GRPO prompt runs cuDNN gather-KV; no-sharing and
-    step-wise stay on flash; without a plan (CP) auto means flash."""
+    """The shape rule on the device: the long GRPO prompt and agent-tree run cuDNN gather-KV,
+    step-wise the chain's one causal cuDNN call; grpo-wide keeps flash's cascade (memory) and
+    no-sharing flash (host cost); without a plan (CP) auto means flash."""
     from ps_mcore.attention import auto_choice
     from ps_mcore.workloads import make_workload
 
     q = torch.zeros(8, 16, 128, device="cuda", dtype=torch.bfloat16)
     picks = {}
-    for name in ("grpo-long-prompt", "step-wise", "no-sharing"):
+    for name in ("grpo-long-prompt", "grpo-wide", "agent-tree", "step-wise", "no-sharing"):
         plan = plan_prefix_tree(make_workload(name, seed=0).sequences).to("cuda")
         picks[name] = auto_choice(q, plan)
-    assert picks == {"grpo-long-prompt": ("cudnn", "gather"), "step-wise": ("varlen", "cascade"),
+    assert picks == {"grpo-long-prompt": ("cudnn", "gather"), "grpo-wide": ("varlen", "cascade"),
+                     "agent-tree": ("cudnn", "gather"), "step-wise": ("cudnn", "cascade"),
                      "no-sharing": ("varlen", "gather")}
     assert resolve_backend("auto", q) == "varlen"
 
