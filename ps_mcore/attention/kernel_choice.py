@@ -11,7 +11,7 @@ and ``benchmarks/model.py``, docs/benchmarks.md, issue 15):
 * Host time: cuDNN's call costs more (1.1-1.4 vs 0.3-1.2 ms per fwd+bwd step), so a step of
   little work timed alone, or a host-bound run, is slower with it.
 * Inside the model the host runs ahead and that cost hides: steps queued back to back
-  (``model.py --queued``, as a training loop runs micro-batches), cuDNN forced for every tree
+  (``model.py``'s default timing, as a training loop runs micro-batches), cuDNN forced for every tree
   layer beat flash on step-wise, agent-tree and grpo-wide in both specs (TE spec 46.7 / 73.0
   / 114 vs 47.1 / 74.2 / 115 ms; local spec 49.5 / 77.7 / 120 vs 50.2 / 78.8 / 123 ms). With
   a sync after every step (the host's start latency in each step) it did not (52.7 / 78.6 /
