@@ -5,8 +5,8 @@ computation); they differ in speed by shape, and in host cost. Measured on one H
 Hq=16, Hkv=2, D=128, fwd+bwd, TE 2.20 fused attention, 2026-12-03; ``benchmarks/attention.py``
 and ``benchmarks/model.py``, docs/benchmarks.md, issue 15):
 
-* GPU time: cuDNN's kernels are faster on every standard workload (ms per step, cuDNN vs
-  flash, each in its layout below): grpo-long-prompt 3.53 vs 4.92, grpo-wide 1.88 vs 2.52,
+* GPU time: cuDNN's kernels are faster on the tree of every standard workload (ms per
+  step, cuDNN vs flash, each in its layout below): grpo-long-prompt 3.53 vs 4.92, grpo-wide 1.88 vs 2.52,
   agent-tree 1.07 vs 1.42, step-wise 0.87 vs 1.04, no-sharing 0.71 vs 0.74.
 * Host time: cuDNN's call costs more (1.1-1.4 vs 0.3-1.2 ms per fwd+bwd step), so a step of
   little work timed alone, or a host-bound run, is slower with it.
