@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from attention import fwd_bwd, leaves  # noqa: E402
-from common import environment, markdown_table, time_ms, write_report  # noqa: E402
+from common import environment, markdown_table, step_kernels, time_ms, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared, tree_attention  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
@@ -50,18 +50,6 @@ def host_ms(step) -> float:
     return elapsed / HOST_STEPS * 1e3
 
 
-def kernel_ms(step) -> tuple[float, int]:
-    """GPU time of one step (its kernels and copies summed) and the kernels it launches."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_STEPS):
-            step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in events) / PROFILED_STEPS / 1e3, len(events) // PROFILED_STEPS
-
-
 def measure(plan, backend: str) -> list:
     t = plan.num_tokens
     q, k, v = leaves((t, 16, 128), (t, 2, 128), torch.bfloat16, 0)
@@ -71,8 +59,8 @@ def measure(plan, backend: str) -> list:
     for _ in range(3):  # compile / autotune / plan caches
         step()
     host = host_ms(step)
-    kernel, launched = kernel_ms(step)
-    return [host, kernel, time_ms(step, 3, 10, queued=True), launched]
+    kinds, _, launched = step_kernels(step, PROFILED_STEPS)
+    return [host, sum(kinds.values()), time_ms(step, 3, 10, queued=True), launched]
 
 
 def main() -> None:

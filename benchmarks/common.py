@@ -158,27 +158,36 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iters: int = 3) -> str:
-    """Where one step's time goes, per step in ms: CUDA kernel time by kind, and the wall time
-    the kernels leave uncovered (launch latency, host work, syncs). One column per step."""
+def step_kernels(step: Callable[[], object], iters: int = 3) -> tuple[dict[str, float], float, int]:
+    """One run of ``step``, then ``iters`` under the CUDA profiler: per step, the kernel (and
+    copy) time in ms by :func:`kernel_kind`, the wall time in ms, and the kernels launched."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / iters
+    kinds: dict[str, float] = {}
+    launched = 0
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if event.device_type.name == "CUDA" and us:
+            kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e3 / iters
+            launched += event.count
+    return kinds, wall, launched // iters
+
+
+def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iters: int = 3) -> str:
+    """Where one step's time goes, per step in ms: CUDA kernel time by kind, and the wall time
+    the kernels leave uncovered (launch latency, host work, syncs). One column per step."""
     columns = {}
     for label, step in named_steps.items():
-        step()
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                step()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) * 1e3 / iters
-        kinds: dict[str, float] = {}
-        for event in prof.key_averages():
-            us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-            if event.device_type.name == "CUDA" and us:
-                kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e3 / iters
+        kinds, wall, _ = step_kernels(step, iters)
         kernels = sum(kinds.values())
         columns[label] = {**kinds, "all kernels": kernels, "wall": wall, "uncovered": wall - kernels}
     rows_order = [k for k, _ in KERNEL_KINDS] + ["other", "all kernels", "wall", "uncovered"]
