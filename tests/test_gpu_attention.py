@@ -220,4 +220,3 @@ def test_cudnn_kernel_serves_context_parallelism():
     from ps_mcore.attention.cudnn import CUDNN_KERNEL
 
     assert cp_kernel("cudnn", torch.zeros(8, 4, 64, device="cuda", dtype=torch.bfloat16)) is CUDNN_KERNEL
-

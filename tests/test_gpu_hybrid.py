@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 FORESTS = {**nasty_forests(), "random": random_forest(np.random.default_rng(0), max_len=200)}
+FORESTS["long-shared"] = [list(range(150)) + [1] * n for n in (1, 70, 130)]  # > one 64-row chunk
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,7 +37,6 @@ def one_fla_config():
     trimmed = one_config_per_kernel()
     yield
     restore_configs(trimmed)
-FORESTS["long-shared"] = [list(range(150)) + [1] * n for n in (1, 70, 130)]  # > one 64-row chunk
 
 
 def each_sequence_alone(seqs):
