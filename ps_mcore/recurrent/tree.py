@@ -96,8 +96,10 @@ class RecurrentTree:
             slot = np.zeros(c.heads.size, dtype=np.int64)
             by_depth = [np.flatnonzero(c.depth == d) for d in range(int(c.depth.max()) + 1 if c.heads.size else 0)]
             lens = [c.end[chains] - c.start[chains] for chains in by_depth]
-            # Every level's rows, level after level: one host-to-device copy, one view per level.
-            order = np.concatenate([ragged_arange(c.start[ch], n) for ch, n in zip(by_depth, lens)] or [[]]).astype(np.int64)
+            # Every level's rows, level after level (chains by depth, stable: each level's chains
+            # in the order of by_depth): one host-to-device copy, one view per level.
+            level_chains = np.argsort(c.depth, kind="stable")
+            order = ragged_arange(c.start[level_chains], c.end[level_chains] - c.start[level_chains])
             sizes = [int(n.sum()) for n in lens]
             order_dev = torch.from_numpy(order).to(self.device)
             rows = order_dev.split(sizes)
