@@ -44,7 +44,7 @@ def test_old_import_paths_are_the_same_modules():
 
 def test_one_backend_table_serves_every_caller():
     from ps_mcore.attention import BACKENDS, backends
-    from ps_mcore.layer_specs.context_parallel import CP_BACKENDS
+    from ps_mcore.layer_specs.parallel.context_parallel import CP_BACKENDS
 
     assert BACKENDS == ("auto", *backends.ATTENTION_BACKENDS)
     assert CP_BACKENDS == ("auto", *(n for n, b in backends.ATTENTION_BACKENDS.items() if b.supports_cp))
