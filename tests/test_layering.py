@@ -1,4 +1,4 @@
-"""The package layout (#11): old import paths still work, and the floors import one way."""
+"""The package layout: the floors import one way."""
 
 from __future__ import annotations
 
@@ -22,24 +22,6 @@ def test_lower_floors_import_no_framework():
     )
     frameworks = {"verl", "megatron", "transformers", "mindspeed", "torch_npu", "transformer_engine"}
     assert not _imported_after(code) & frameworks
-
-
-def test_old_import_paths_are_the_same_modules():
-    import ps_mcore.integrations.env as env
-    import ps_mcore.integrations.patching as patching
-    import ps_mcore.integrations.verl080 as verl080
-    import ps_mcore.setup.env as old_env
-    import ps_mcore.setup.patching as old_patching
-    import ps_mcore.verl as old_verl
-    import ps_mcore.verl.engine as old_engine
-    from ps_mcore.integrations.verl080 import engine
-
-    assert old_env is env and old_patching is patching and old_engine is engine
-    assert old_verl.CONFIG_DIR == verl080.CONFIG_DIR
-    from ps_mcore.config import PrefixGrouperConfig
-    from ps_mcore.verl.config import PrefixGrouperConfig as old_config
-
-    assert old_config is PrefixGrouperConfig
 
 
 def test_one_backend_table_serves_every_caller():

@@ -65,11 +65,3 @@ def tree_recurrent_spec(spec: Any) -> Any | None:
         return tree_cls
     return dataclasses.replace(spec, module=tree_cls, params=dict(spec.params))
 
-
-def refuse_tree_batch(layer: str, reason: str) -> None:
-    """The error for a prefix-tree batch reaching a recurrent layer that cannot run it."""
-    raise NotImplementedError(
-        f"{layer} cannot run a prefix-tree batch (TreePackedSeqParams): {reason}. Running it as "
-        "one packed sequence would carry state across branches, so it is refused; train this "
-        "model on unshared batches (no plan) instead."
-    )
