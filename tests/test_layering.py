@@ -14,10 +14,11 @@ def _imported_after(code: str) -> set[str]:
 
 
 def test_lower_floors_import_no_framework():
-    """Core, ``mindspeed`` and ``setup`` (detecting stacks) import no training framework."""
+    """Core, ``mindspeed``, ``setup`` (detecting stacks) and ``analyze`` (which reads the verl
+    glue's config defaults) import no training framework."""
     code = (
-        "import ps_mcore, ps_mcore.config, ps_mcore.attention, ps_mcore.logprobs, ps_mcore.flops\n"
-        "import ps_mcore.mindspeed, ps_mcore.setup\n"
+        "import ps_mcore, ps_mcore.attention, ps_mcore.logprobs, ps_mcore.flops, ps_mcore.recurrent\n"
+        "import ps_mcore.mindspeed, ps_mcore.setup, ps_mcore.analyze\n"
         "ps_mcore.setup.detect()"
     )
     frameworks = {"verl", "megatron", "transformers", "mindspeed", "torch_npu", "transformer_engine"}
