@@ -223,16 +223,17 @@ def auto_choice(q: torch.Tensor, plan: TreePlan) -> tuple[str, str]:
     return name, auto_layout(plan, cascade_layout(plan, q.device), level_calls=name != "cudnn")
 
 
-def cp_kernel(backend: str, q: torch.Tensor) -> VarlenKernel:
-    """The gather-KV kernel ``backend`` means under CP for ``q`` (``auto`` never picks flex)."""
+def cp_kernel(backend: str, q: torch.Tensor, purpose: str = "under context parallelism") -> VarlenKernel:
+    """The gather-KV kernel ``backend`` means for ``q`` where queries attend to K/V rows that
+    are not their own (under CP, or against kept context K/V); ``auto`` never picks flex."""
     name = resolve_backend(backend, q)
     if backend == AUTO and not ATTENTION_BACKENDS[name].supports_cp:
         name = "chunked"
     chosen = ATTENTION_BACKENDS[name]
     if not chosen.supports_cp:
         raise NotImplementedError(
-            f"tree attention backend {name!r} cannot run under context parallelism: local queries "
-            f"against all-gathered K/V need a gather-KV kernel; use one of {cp_backend_names()}"
+            f"tree attention backend {name!r} cannot run {purpose}: queries against K/V rows "
+            f"that are not their own need a gather-KV kernel; use one of {cp_backend_names()}"
         )
     return chosen.gather_kv_kernel(q.device)
 
