@@ -12,8 +12,9 @@ and every row is computed once:
   of row ``a``). Those rows were computed by earlier ranges and *kept*: their per-layer K/V
   (and their per-token outputs) stay in memory for the ranges that continue them.
 * The rows of a range that later ranges continue (``subtree_end > b``: the ancestor path of row
-  ``b``) form the range's *kept call*; the others its *closed call*, which reads the kept call
-  like any other context. A closed call's samples end inside the range, so its backward runs
+  ``b``) form the range's *kept calls* (one per release time: the rows of a unary chain share
+  it), the others its *closed call*, which reads the kept calls like any other context. The
+  kept state alive at any row is then exactly its ancestor path. A closed call's samples end inside the range, so its backward runs
   with the range's loss; a kept call's backward runs once, after the last range that reads it,
   with the K/V and output gradients its readers accumulated (a *release*).
 * A kept call keeps its autograd graph (no extra compute; memory: its activations) or only
@@ -21,9 +22,9 @@ and every row is computed once:
   just before its backward). The planner keeps graphs while they leave room and turns the
   largest into K/V-only when they do not.
 
-Budget accounting, per range: ``rows computed + sum over kept calls alive (graph: 1 token per
-row; K/V only: kv_row_cost per row) <= max_tokens``, where alive means a kept call whose
-subtree the range lies in (it is released when the walk leaves that subtree). A release
+Budget accounting, per range: ``rows computed + sum over the kept rows of its ancestor path
+(graph: 1 token per row; K/V only: kv_row_cost per row) <= max_tokens`` (a kept call is
+released when the walk leaves its subtree). A release
 recomputes its call while only its ancestors' kept state is alive, which the range that
 computed it already paid for. A prefix longer than the budget becomes a chain of K/V-kept
 calls, each the context of the next (a prefix of a prefix).
@@ -288,8 +289,12 @@ class _Walk:
             rows = np.arange(a, b, dtype=np.int64)
             is_open = self.subtree_end[a:b] > b
             calls = []
-            if is_open.any():
-                kept_call = self.add_call(rows[is_open], kept=True)
+            # One kept call per release time (the rows of a unary chain share their subtree
+            # end), top first: the kept state alive at any row is then exactly its ancestors.
+            open_rows = rows[is_open]
+            ends = self.subtree_end[open_rows]
+            for group in np.split(open_rows, np.flatnonzero(np.diff(ends)) + 1) if open_rows.size else []:
+                kept_call = self.add_call(group, kept=True)
                 calls.append(kept_call)
                 self.kept.append(self.all_kept[kept_call])
             if (~is_open).any():

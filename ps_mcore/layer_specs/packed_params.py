@@ -18,6 +18,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ps_mcore.layer_specs.parallel.cp_layout import CPLayout, build_cp_layout
+from ps_mcore.minibatch import ContextPlan
 from ps_mcore.planner import TreePlan, plan_unshared
 
 
@@ -26,7 +27,9 @@ class TreePackedSeqParams(PackedSeqParams):
     """Packed-sequence parameters of one prefix-forest micro-batch.
 
     Attributes (besides the stock ``PackedSeqParams`` fields):
-        plan: the micro-batch's :class:`TreePlan` (T packed tokens).
+        plan: the micro-batch's :class:`TreePlan` (T packed tokens), or one call of a
+            cross-micro-batch schedule (:class:`~ps_mcore.minibatch.ContextPlan`: its own rows,
+            attending also to kept context K/V).
         position_ids: ``[T_pad]`` original position of every packed row (padding rows: 0).
         cp_layout: this context-parallel rank's share of the rows (None without CP).
         multiplicity: ``[T_pad]`` int64, samples sharing each packed row (padding rows: 0);
@@ -55,8 +58,8 @@ class TreePackedSeqParams(PackedSeqParams):
                 T_pad rows are one THD sequence in Megatron's ``2*cp`` chunk layout: feed the
                 model ``cp_shard(plan.input_ids)``.
         """
-        if not isinstance(plan, TreePlan):
-            raise TypeError(f"from_plan expects a TreePlan, got {type(plan).__name__}")
+        if not isinstance(plan, (TreePlan, ContextPlan)):
+            raise TypeError(f"from_plan expects a TreePlan or a ContextPlan, got {type(plan).__name__}")
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("cp_size", cp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -69,6 +72,12 @@ class TreePackedSeqParams(PackedSeqParams):
             )
         if not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
+        if cp_size > 1 and isinstance(plan, ContextPlan):
+            raise NotImplementedError(
+                "a cross-micro-batch call (ContextPlan) cannot run under context parallelism "
+                f"(cp_size={cp_size}): its kept context K/V are not CP-sharded; plan mini-batches "
+                "whose sharing units fit the token budget under CP"
+            )
         t = plan.num_tokens
         t_pad = -(-t // multiple) * multiple
         if cp_size == 1:  # padding rows form their own sequence
@@ -76,13 +85,14 @@ class TreePackedSeqParams(PackedSeqParams):
         else:  # one sequence, so Megatron's THD RoPE slices its chunks as this layout does
             bounds, max_len = [0, t_pad], t_pad
             layout = build_cp_layout(plan, t_pad, cp_size, int(cp_rank))
+        # GPTModel's rotary table has max(max_seqlen_q, max_seqlen_kv) rows: a tree reaches depth
+        # < T, a schedule call's rows may sit deeper than its own count.
+        max_len = max(max_len, plan.max_seqlen_kv)
         cu = torch.tensor(bounds, dtype=torch.int32, device=plan.device)
         positions = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
         positions[:t] = plan.position_ids
         multiplicity = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
         multiplicity[:t] = plan.multiplicity
-        # The rotary table GPTModel builds has max(max_seqlen_q, max_seqlen_kv) rows; T covers
-        # every tree depth (max depth <= T).
         return cls(
             qkv_format="thd",
             cu_seqlens_q=cu,
@@ -239,3 +249,14 @@ def thd_cp_layout(packed_seq_params: PackedSeqParams, cp_size: int, cp_rank: int
     layout = build_cp_layout(plan, int(bounds[-1]), cp_size, cp_rank, cu_seqlens=bounds)
     packed_seq_params.__dict__["_ps_mcore_cp_layout"] = (key, layout)
     return layout
+
+
+def refuse_context_plan(packed_seq_params: PackedSeqParams, layer: str) -> None:
+    """Raise for a layer that cannot run one call of a cross-micro-batch schedule: its state
+    across rows (a recurrent state, a conv window) would have to be kept between calls."""
+    if isinstance(getattr(packed_seq_params, "plan", None), ContextPlan):
+        raise NotImplementedError(
+            f"{layer} layers cannot run a cross-micro-batch schedule call: the kept state of a "
+            "prefix would be their recurrent state and conv window, which is not implemented; "
+            "give hybrid models a token budget that holds every sharing unit"
+        )

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from megatron.core.ssm import gated_delta_net as stock_gdn
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd, refuse_context_plan
 from ps_mcore.recurrent import l2norm, recurrent_tree, tree_causal_conv1d, tree_gated_delta_rule
 
 
@@ -57,6 +57,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         qkvzba = qkvzba[:, 0]
         rows = qkvzba.size(0)
         if tree_batch:
+            refuse_context_plan(packed_seq_params, "Gated DeltaNet")
             plan = packed_seq_params.plan.to(qkvzba.device)
         else:
             plan = plan_for_thd(packed_seq_params, rows, qkvzba.device)

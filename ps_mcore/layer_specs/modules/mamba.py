@@ -27,7 +27,7 @@ import warnings
 import torch
 from megatron.core.ssm.mamba_mixer import MambaMixer
 
-from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, refuse_context_plan
 from ps_mcore.recurrent import recurrent_tree, resolve_ssd_backend, tree_causal_conv1d, tree_mamba_chunk_scan
 
 _WARNED_TORCH_ON_CUDA = False
@@ -63,6 +63,7 @@ class TreeMambaMixer(MambaMixer):
         zxBCdt, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
         zxBCdt = zxBCdt[:, 0]
         rows = zxBCdt.size(0)
+        refuse_context_plan(packed_seq_params, "Mamba")
         tree = recurrent_tree(packed_seq_params.plan.to(zxBCdt.device), rows)
         y = self._tree_ssm(zxBCdt, tree, backend)
         return self.out_proj(y[:, None])
