@@ -6,6 +6,12 @@ as the unshared batch (one segment per sequence), and the table shows what shari
 and that nothing changed: log-probs and every parameter gradient of a per-sample-weighted
 loss agree. Exit status 1 when they do not, 2 on a usage error (e.g. ``--device cuda`` without
 a GPU). Third-party warnings are hidden unless ``-v``.
+
+With ``--max-tokens N`` (a micro-batch token budget, at the workloads' scale) the shared side
+is the cross-micro-batch schedule (:mod:`ps_mcore.minibatch`): the forest is cut into steps of
+at most N tokens (kept prefix state included) and every row is computed once; the table adds
+what splitting the sharing units into pieces of N tokens would compute instead, and the
+``agent-long`` workload (several budgets large) joins the default set.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import numpy as np
 import torch
 
 from ps_mcore.flops import DecoderShape
+from ps_mcore.minibatch import MiniBatchPlan, kept_kv_row_cost, schedule_tree
 from ps_mcore.planner import TreePlan, plan_prefix_tree, plan_unshared
-from ps_mcore.workloads import WORKLOADS, Workload, make_workload
+from ps_mcore.workloads import ALL_WORKLOADS, BUDGET_WORKLOADS, WORKLOADS, Workload, make_workload
 
 TINY = DecoderShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=1024)
 TOLERANCE = 1e-4  # fp32: max |delta log-prob| and max relative gradient difference
@@ -44,6 +51,12 @@ N, T: tokens unshared / packed (dedup = N/T); ideal: model-FLOP ratio, the most 
 ms: median of --iters alternating training steps (fwd+bwd, log-probs); speedup = unshared/shared ms;
 act MiB: activations kept for backward; max |d logp|, max grad rel: shared vs. unshared log-probs
 and parameter gradients (relative); parity ok when both are below {tol:g}."""
+BUDGET_LEGEND = """With --max-tokens {budget}: T split = tokens computed when every sharing unit larger than the budget
+is split into pieces that each recompute their shared prefix ("-": a sequence is longer than the
+budget, which splitting cannot run); the shared side is the cross-micro-batch
+schedule: T computed once, recomputed = forwards run again before a K/V-kept prefix's backward, steps =
+micro-batches; its act MiB is the peak over steps of the activations held (kept prefix graphs included)
+plus the kept K/V and gradient accumulators."""
 
 
 @dataclass
@@ -91,6 +104,17 @@ def build_model(shape: DecoderShape, device: torch.device, seed: int = 0) -> tor
     return model.to(device)
 
 
+def _saved_bytes_hook(saved: dict[int, int]):
+    """Record every tensor saved for backward in ``saved`` (storage -> bytes)."""
+
+    def count(x):
+        if x.device.type != "meta":
+            saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    return torch.autograd.graph.saved_tensors_hooks(count, lambda x: x)
+
+
 def make_step(model, plan: TreePlan, token_weight: torch.Tensor) -> Callable[..., torch.Tensor]:
     """One training step (forward + backward of a per-sample-weighted log-prob loss) on
     ``plan``; ``step(measure_memory=True)`` also records the activations saved for backward
@@ -101,15 +125,9 @@ def make_step(model, plan: TreePlan, token_weight: torch.Tensor) -> Callable[...
     psp = TreePackedSeqParams.from_plan(plan)
     saved: dict[int, int] = {}
 
-    def count(x):
-        if x.device.type != "meta":
-            saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
-
     def step(measure_memory=False):
         model.zero_grad(set_to_none=True)
-        hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda x: x)
-        with hooks if measure_memory else contextlib.nullcontext():
+        with _saved_bytes_hook(saved) if measure_memory else contextlib.nullcontext():
             logits = model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None],
                            attention_mask=None, packed_seq_params=psp)[0]
             logprobs, _ = token_logprobs(logits, plan)
@@ -118,6 +136,59 @@ def make_step(model, plan: TreePlan, token_weight: torch.Tensor) -> Callable[...
 
     step.saved = saved
     return step
+
+
+def make_schedule_step(model, plan: MiniBatchPlan, token_weight: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """One training step over a cross-micro-batch schedule: every step's forward, its share of
+    the per-sample-weighted loss, its backward and releases. ``step(measure_memory=True)`` puts
+    the peak held bytes in ``step.saved`` (see :func:`schedule_peak_bytes`). Returns the
+    detached log-probs ``[N]``."""
+    from ps_mcore.layer_specs.schedule import gpt_call
+    from ps_mcore.schedule import ScheduleRunner
+
+    run_call = gpt_call(model)
+    tokens = [torch.from_numpy(plan.sample_tokens(s.samples)).to(token_weight.device) for s in plan.steps]
+    saved: dict[str, int] = {}
+
+    def step(measure_memory=False):
+        model.zero_grad(set_to_none=True)
+        call_bytes: dict[int, int] = {}
+        kept_bytes = [0]
+
+        def measured(call_plan):
+            held: dict[int, int] = {}
+            with _saved_bytes_hook(held):
+                out = run_call(call_plan)
+            call_bytes.setdefault(call_plan.call, sum(held.values()))  # the first run of a call
+            return out
+
+        runner = ScheduleRunner(plan, measured if measure_memory else run_call)
+        logprobs = torch.empty(plan.tree.num_input_tokens, device=token_weight.device)
+        for j, rows in enumerate(tokens):
+            out = runner.forward(j)
+            kept_bytes[0] = max(kept_bytes[0], runner.kept_bytes())
+            logprobs[rows] = out["log_probs"].detach()
+            (-(out["log_probs"] * token_weight[rows]).sum() / token_weight.numel()).backward()
+            runner.release(j)
+        runner.finish()
+        if measure_memory:
+            saved["peak"] = schedule_peak_bytes(plan, call_bytes) + kept_bytes[0]
+        return logprobs
+
+    step.saved = saved
+    return step
+
+
+def schedule_peak_bytes(plan: MiniBatchPlan, call_bytes: dict[int, int]) -> int:
+    """Peak over steps of the activations a schedule holds: the bytes its calls saved for
+    backward, plus those of graph-kept calls from earlier steps not yet released."""
+    peak = 0
+    for step in plan.steps:
+        held = sum(call_bytes.get(c, 0) for c in step.calls)
+        held += sum(call_bytes.get(c.index, 0) for c in plan.calls
+                    if c.kept and not c.recompute and c.step < step.index <= c.release)
+        peak = max(peak, held)
+    return peak
 
 
 def first_step(model, step) -> StepResult:
@@ -166,14 +237,42 @@ def _megatron_rope_on(device: torch.device):
         torch.cuda.current_device = original
 
 
-def compare(model, w: Workload, device, iters: int, seed: int) -> dict:
-    plan = plan_fn(w).to(device)
+def split_tokens(w: Workload, max_tokens: int) -> float:
+    """Tokens computed when every sharing unit larger than ``max_tokens`` is split into pieces
+    that each recompute their shared prefix (the verl glue's dynamic micro-batching); NaN when
+    a sequence is longer than the budget (that path cannot run it)."""
+    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+    from ps_mcore.integrations.verl080.microbatch import split_unit_tokens
+
+    if max(len(s) for s in w.sequences) > max_tokens:
+        return float("nan")
+    config = PrefixGrouperConfig(mode="arbitrary_prefix")
+    return int(sum(split_unit_tokens([np.asarray(s) for s in w.sequences], config, max_tokens)))
+
+
+def kv_row_cost(shape: DecoderShape, dtype_bytes: int = 4) -> float:
+    """The demo model's kept K/V row cost (budget tokens per kept row, fp32 by default)."""
+    return kept_kv_row_cost(shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                            shape.ffn, shape.vocab, dtype_bytes=dtype_bytes)
+
+
+def compare(model, w: Workload, device, iters: int, seed: int, max_tokens: int | None = None) -> dict:
+    host_plan = plan_fn(w)
+    plan = host_plan.to(device)
     unshared = plan_unshared(w.sequences).to(device)
     rng = np.random.default_rng(seed)
     weights = rng.uniform(0.2, 2.0, len(w.sequences))
     token_weight = torch.tensor(np.repeat(weights, [len(s) for s in w.sequences]),
                                 dtype=torch.float32, device=device)
-    steps = [make_step(model, unshared, token_weight), make_step(model, plan, token_weight)]
+    budget_cols = {}
+    if max_tokens is None:
+        shared = make_step(model, plan, token_weight)
+    else:
+        schedule = schedule_tree(host_plan, max_tokens, kv_row_cost=kv_row_cost(TINY))
+        shared = make_schedule_step(model, schedule, token_weight)
+        budget_cols = {"T split": split_tokens(w, max_tokens), "recomputed": schedule.recomputed_tokens,
+                       "steps": schedule.num_steps}
+    steps = [make_step(model, unshared, token_weight), shared]
     base, tree = (first_step(model, step) for step in steps)
     base_ms, tree_ms = time_alternating(steps, iters, plan.device)
     grad_rel = max(
@@ -184,7 +283,7 @@ def compare(model, w: Workload, device, iters: int, seed: int) -> dict:
     speedup = float(np.median(base_ms) / np.median(tree_ms))
     noisy = noisy_timing([base_ms, tree_ms], speedup, ideal)
     return {
-        "workload": w.name, "N": stats["N"], "T": stats["T"], "dedup": stats["dedup"],
+        "workload": w.name, "N": stats["N"], "T": stats["T"], **budget_cols, "dedup": stats["dedup"],
         "ideal": ideal, "unshared ms": float(np.median(base_ms)), "shared ms": float(np.median(tree_ms)),
         "speedup": speedup, "act MiB unshared": base.activation_mib,
         "act MiB shared": tree.activation_mib,
@@ -208,7 +307,8 @@ def _positive(kind: type) -> Callable[[str], float]:
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", default=None, choices=ALL_WORKLOADS,
+                        help=f"default: {' '.join(WORKLOADS)} (and {' '.join(BUDGET_WORKLOADS)} with --max-tokens)")
     parser.add_argument("--scale", type=_positive(float), default=1 / 16,
                         help="length scale of the standard workloads (default 1/16)")
     parser.add_argument("--iters", type=_positive(int), default=3,
@@ -216,6 +316,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="auto (cuda if available, else cpu), cpu or cuda")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=_positive(int), default=None, metavar="N",
+                        help="micro-batch token budget (at the workloads' scale): run the "
+                        "cross-micro-batch schedule and compare with splitting (default: none, one "
+                        "micro-batch per workload)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show third-party warnings (Megatron's missing TE/Apex notes), hidden by default")
 
@@ -253,14 +357,20 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"ps-mcore demo: error: {device}", file=sys.stderr)
         return 2
     rows = []
+    max_tokens = getattr(args, "max_tokens", None)
+    names = args.workloads or list(WORKLOADS) + (list(BUDGET_WORKLOADS) if max_tokens else [])
     with _third_party_warnings(getattr(args, "verbose", False)):
         model = build_model(TINY, device, args.seed)
-        for i, name in enumerate(args.workloads):
+        for i, name in enumerate(names):
             t0 = time.perf_counter()
-            print(f"[{i + 1}/{len(args.workloads)}] {name} ...", end="", file=sys.stderr, flush=True)
+            print(f"[{i + 1}/{len(names)}] {name} ...", end="", file=sys.stderr, flush=True)
             w = make_workload(name, seed=args.seed, scale=args.scale, vocab=TINY.vocab)
             with _megatron_rope_on(device):
-                rows.append(compare(model, w, device, args.iters, args.seed))
+                try:
+                    rows.append(compare(model, w, device, args.iters, args.seed, max_tokens))
+                except ValueError as err:  # a budget too small for the workload's context
+                    print(f"\nps-mcore demo: error: {name}: {err}", file=sys.stderr)
+                    return 2
             print(f" {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     ok = all(r["max |d logp|"] < TOLERANCE and r["max grad rel"] < TOLERANCE for r in rows)
     noisy = [r.pop("noisy") for r in rows]
@@ -268,10 +378,13 @@ def run_demo(args: argparse.Namespace) -> int:
         r["parity"] = "ok" if r["max |d logp|"] < TOLERANCE and r["max grad rel"] < TOLERANCE else "FAIL"
         if flag:
             r["speedup"] = format_cell(r["speedup"]) + "*"
+    budget = f", micro-batch budget {max_tokens} tokens" if max_tokens else ""
     print(f"ps-mcore demo: tiny Megatron GPT ({TINY.layers} layers, hidden {TINY.hidden}, GQA "
-          f"{TINY.heads}/{TINY.kv_heads}), fp32 on {device}, workloads at scale {args.scale:g}")
+          f"{TINY.heads}/{TINY.kv_heads}), fp32 on {device}, workloads at scale {args.scale:g}{budget}")
     print(format_table(list(rows[0]), [list(r.values()) for r in rows]))
     print(LEGEND.format(tol=TOLERANCE))
+    if max_tokens:
+        print(BUDGET_LEGEND.format(budget=max_tokens))
     if any(noisy):
         print(f"* noisy timing (runs spread over {NOISE_SPREAD:.0%} of their median, or speedup over "
               f"{NOISE_OVER_IDEAL:g}x the ideal): this machine is busy; parity is unaffected. "

@@ -48,6 +48,35 @@ def test_demo_fails_on_a_broken_plan(capsys, monkeypatch):
     assert "FAIL" in out and "FAILED" in out
 
 
+def test_demo_with_a_token_budget_runs_the_schedule(capsys):
+    """agent-long several budgets large: the schedule computes T once where splitting
+    recomputes the history per piece; a workload that fits is one step (today's path)."""
+    parser = argparse.ArgumentParser()
+    demo.add_demo_arguments(parser)
+    args = parser.parse_args(["--workloads", "agent-long", "grpo-wide", "--scale", "0.015",
+                              "--iters", "1", "--device", "cpu", "--max-tokens", "500"])
+    assert demo.run_demo(args) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = [c.strip() for c in lines[1].split("|")]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")] for r in lines if r.startswith("| ")}
+    long, wide = rows["agent-long"], rows["grpo-wide"]
+    col = header.index
+    assert int(long[col("steps")]) > 1 and int(wide[col("steps")]) == 1
+    assert int(long[col("T split")]) > int(long[col("T")])  # splitting recomputes the history
+    assert int(wide[col("T split")]) == int(wide[col("T")])
+    assert "FAIL" not in out and "micro-batch budget 500 tokens" in out and "T split =" in out
+
+
+def test_demo_budget_too_small_is_a_usage_error(capsys):
+    parser = argparse.ArgumentParser()
+    demo.add_demo_arguments(parser)
+    args = parser.parse_args(["--workloads", "step-wise", "--scale", "0.03", "--iters", "1",
+                              "--device", "cpu", "--max-tokens", "2"])
+    assert demo.run_demo(args) == 2
+    assert "cannot hold the context" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- CLI edges
 
 

@@ -96,6 +96,12 @@ class _Units:
         t = self.tokens[u]
         return 24576 * t + t * t
 
+    def split_larger_than(self, budget: int) -> None:
+        """Split every unit larger than ``budget`` into consecutive pieces that fit."""
+        for u in reversed(range(len(self.tokens))):
+            if self.tokens[u] > budget:
+                self.split(u, budget)
+
     def split(self, u: int, budget: int) -> None:
         """Split unit ``u`` into consecutive pieces of at most ``budget`` tokens (or in two
         halves when ``budget`` is None)."""
@@ -112,6 +118,21 @@ class _Units:
             pieces.append(current)
         self.members[u : u + 1] = pieces
         self.tokens[u : u + 1] = [self._tokens(p) for p in pieces]
+
+
+def split_unit_tokens(
+    seqs: list[np.ndarray],
+    config: PrefixGrouperConfig,
+    budget: int,
+    prompts: np.ndarray | None = None,
+    groups: list[Any] | None = None,
+) -> list[int]:
+    """Deduplicated tokens of every sharing unit once the units larger than ``budget`` are
+    split into pieces (each piece recomputes the prefix its samples share): what
+    within-micro-batch sharing computes under a token budget."""
+    units = _Units(seqs, config, prompts, groups)
+    units.split_larger_than(budget)
+    return list(units.tokens)
 
 
 # ----------------------------------------------------------------------------- partitions
@@ -160,9 +181,7 @@ def dynamic_partitions(
     use_dynamic_bsz_balance: bool = True,
 ) -> list[list[int]]:
     """Sample index lists per micro-batch (dynamic batch size, dedup-token budget)."""
-    for u in reversed(range(len(units.tokens))):
-        if units.tokens[u] > budget:
-            units.split(u, budget)
+    units.split_larger_than(budget)
     k = _local_count(units, budget)
     if min_num_micro_batch is not None:
         k = max(k, min_num_micro_batch)
