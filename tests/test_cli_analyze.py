@@ -140,6 +140,36 @@ def test_threshold_sweep_matches_the_planner(tmp_path, capsys):
     assert len(seen) >= 3  # the thresholds do change the dedup on this fixture
 
 
+def test_max_tokens_reports_split_vs_schedule(tmp_path, capsys):
+    """Under a budget smaller than a GRPO group, the split recomputes each group's prompt
+    per piece; the schedule computes the mini-batch's tree once (independent numbers: the
+    planner's T and the sum of each unit's pieces)."""
+    from ps_mcore.analyze.budget import first_fit_bins
+
+    rows = _rollouts(1)
+    path = _write_jsonl(tmp_path / "r.jsonl", rows)
+    budget = 120
+    rc, out, err = _run(capsys, "analyze", path, "--max-tokens", budget, "--kv-row-cost", "0.25", "-q")
+    assert rc == 0, err
+    seqs = [r["prompt"] + r["response"] for r in rows]
+    n = sum(len(s) for s in seqs)
+    [stock] = _table_rows(out, "unshared (stock)")
+    [split] = _table_rows(out, "split sharing units")
+    [sched] = _table_rows(out, "schedule across micro-batches")
+    assert int(stock[1]) == n and int(stock[4]) == first_fit_bins([len(s) for s in seqs], budget)
+    tree = plan_prefix_tree(seqs)
+    assert int(sched[1]) == tree.num_tokens < int(split[1]) < n
+    assert int(sched[4]) > 1
+    assert "micro-batch budget 120 tokens" in out
+    rc, out, err = _run(capsys, "analyze", path, "--max-tokens", 120, "--mini-batch-size", 8, "-q")
+    assert rc == 0 and "2 mini-batch(es) (8 samples each)" in out
+    with pytest.raises(SystemExit) as exit_:
+        _run(capsys, "analyze", path, "--mini-batch-size", 8)
+    assert exit_.value.code == 2 and "--mini-batch-size needs --max-tokens" in capsys.readouterr().err
+    rc, out, _ = _run(capsys, "analyze", path, "--max-tokens", 40, "-q")
+    assert "longer than the budget: unshared and split cannot run them" in out
+
+
 def test_parquet_without_prompt_split_and_uid(tmp_path, capsys):
     pa, pq = _arrow()
     rows = _rollouts(2)
