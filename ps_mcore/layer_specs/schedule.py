@@ -160,7 +160,7 @@ def forward_backward_schedule(
 
     kwargs.setdefault("seq_length", 1)
     kwargs.setdefault("micro_batch_size", 1)
-    with _releases_before_grad_sync(model, runner, forward_only):
+    with releases_before_grad_sync(model, runner.finish, forward_only):
         result = forward_backward_func(
             forward_step_func=forward_step,
             data_iterator=iter(range(plan.num_steps)),
@@ -174,8 +174,10 @@ def forward_backward_schedule(
 
 
 @contextlib.contextmanager
-def _releases_before_grad_sync(model, runner: ScheduleRunner, forward_only: bool):
-    """Run the runner's last releases first thing in ``config.finalize_model_grads_func``."""
+def releases_before_grad_sync(model, finish: Callable[[], None], forward_only: bool):
+    """Within the block, ``config.finalize_model_grads_func`` (the data-parallel gradient
+    reduction at the end of Megatron's schedule) first calls ``finish()``: a schedule's last
+    releases, so the reduction sees complete gradients."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model[0] if isinstance(model, list) else model)
@@ -185,7 +187,7 @@ def _releases_before_grad_sync(model, runner: ScheduleRunner, forward_only: bool
         return
 
     def finalize_model_grads(*args, **kwargs):
-        runner.finish()
+        finish()
         return original(*args, **kwargs)
 
     config.finalize_model_grads_func = finalize_model_grads

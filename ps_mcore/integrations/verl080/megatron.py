@@ -179,6 +179,95 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     return result
 
 
+def megatron_schedule_refusal(engine, model, data) -> str | None:
+    """Why this Megatron engine cannot run a cross-micro-batch schedule on ``data`` (None: it
+    can). Per-micro-batch fallbacks cannot apply inside a schedule, so they refuse it here."""
+    from ps_mcore.layer_specs.schedule import schedule_refusal
+    from ps_mcore.mindspeed import mindspeed_refusal
+
+    reason = mindspeed_refusal()
+    if reason is not None:
+        return reason
+    if "multi_modal_inputs" in data.keys():
+        return "vision-language inputs"
+    if getattr(_unwrap(model).config, "fp8", None):
+        return "fp8"
+    if not isinstance(engine, _value_engine_class()):
+        temperature = uniform_temperature(data["temperature"]) if "temperature" in data.keys() else 1.0
+        reason = lm_head_batch_reason(data, temperature)
+        if reason is not None:
+            return reason
+    if len(engine.module) > 1:
+        return "virtual pipeline parallelism (several model chunks)"
+    if not has_tree_attention(model):
+        return "the model was not built with tree layer specs"
+    if getattr(engine.engine_config, "dynamic_context_parallel", False):
+        return "dynamic context parallelism"
+    refusal = schedule_refusal(model)
+    if refusal is None:
+        from ps_mcore.layer_specs.modules.moe_router import tree_unsupported_reason
+
+        moe = tree_unsupported_reason(_unwrap(model).config)
+        refusal = None if moe is None else f"MoE with {moe}"
+    return refusal
+
+
+def _value_engine_class():
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    return impl.MegatronEngineWithValueHead
+
+
+def megatron_scheduler(step, setting, data):
+    """The engine step's cross-micro-batch scheduler (None when ``cross_microbatch`` is off)."""
+    from ps_mcore.integrations.verl080.schedule import megatron_kv_row_cost, scheduler_for
+
+    if not setting.config.cross_microbatch:
+        return None
+    model = step.engine.module[0]
+    training = not step.forward_only
+    return scheduler_for(
+        setting.config, training, lambda: megatron_kv_row_cost(_unwrap(model), training),
+        megatron_schedule_refusal(step.engine, model, data),
+    )
+
+
+def run_schedule_step(model, micro, input_ids: torch.Tensor, args: dict) -> Any:
+    """Step ``micro.schedule_step`` of the engine step's schedule; returns what verl's engine
+    forward returns (jagged ``[B, j]`` with ``input_ids``'s offsets)."""
+    from megatron.core import parallel_state as mpu
+
+    from ps_mcore.integrations.verl080.schedule import schedule_outputs
+    from ps_mcore.layer_specs.schedule import gpt_call
+
+    schedule = current_step().schedule
+    value = bool(args.get("value_model"))
+    if not value and args.get("logits_processor") is None:
+        raise NotImplementedError(
+            "a cross-micro-batch schedule step returns log-probs or values; this forward asked "
+            "for raw logits (no logits_processor)"
+        )
+    reason = None if value else lm_head_batch_reason(micro.batch, _uniform_temperature(args))
+    if reason is not None:
+        raise NotImplementedError(f"a cross-micro-batch schedule step cannot run: {reason}")
+
+    def make_run_call():
+        return gpt_call(
+            model,
+            temperature=1.0 if value else _uniform_temperature(args),
+            compute_entropy=not value and batch_flag(micro.batch, "calculate_entropy"),
+            tp_group=_tp_group(),
+            pad_to_multiple_of=mpu.get_tensor_model_parallel_world_size(),
+            value_head=value,
+        )
+
+    out = schedule_outputs(schedule, micro.schedule_step, make_run_call)
+    micro.record(*schedule.step_tokens(micro.schedule_step))
+    if value:
+        return nested_like(out["values"], input_ids)
+    return {name: nested_like(tensor, input_ids) for name, tensor in out.items()}
+
+
 def tree_engine_forward(stock: Callable) -> Callable:
     """Wrap verl's engine forward function (``gptmodel_forward_model_engine`` signature)."""
     signature = inspect.signature(stock)
@@ -191,6 +280,8 @@ def tree_engine_forward(stock: Callable) -> Callable:
         bound.apply_defaults()
         args = dict(bound.arguments)
         model, input_ids = args["model"], args["input_ids"]
+        if micro.schedule_step is not None:
+            return run_schedule_step(model, micro, input_ids, args)
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
         reason = megatron_fallback_reason(model, args, micro.batch)
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
@@ -246,7 +337,7 @@ def check_same_plans(step, micro_batches, config) -> None:
 def megatron_prepare(stock: Callable) -> Callable:
     """The Megatron engine's ``prepare_micro_batches``: :func:`prefix_aware`, then the plan
     check of every micro-batch over the model-parallel ranks (:func:`check_same_plans`)."""
-    prepare = prefix_aware(stock)
+    prepare = prefix_aware(stock, megatron_scheduler)
 
     def prepare_micro_batches(*args, **kwargs):
         micro_batches, indices = prepare(*args, **kwargs)
@@ -257,6 +348,29 @@ def megatron_prepare(stock: Callable) -> Callable:
         return micro_batches, indices
 
     return prepare_micro_batches
+
+
+def megatron_get_forward_backward_func(original: Callable) -> Callable:
+    """``get_forward_backward_func`` (as the Megatron engine module imported it) returning a
+    schedule whose last cross-micro-batch releases run before the gradient reduction."""
+
+    def get_forward_backward_func(*get_args, **get_kwargs):
+        schedule_fn = original(*get_args, **get_kwargs)
+
+        def forward_backward_func(*args, **kwargs):
+            step = current_step()
+            if step is None or step.schedule is None:
+                return schedule_fn(*args, **kwargs)
+            from ps_mcore.layer_specs.schedule import releases_before_grad_sync
+
+            with releases_before_grad_sync(kwargs.get("model"), step.schedule.finish, kwargs.get("forward_only", False)):
+                result = schedule_fn(*args, **kwargs)
+            step.schedule.finish()
+            return result
+
+        return forward_backward_func
+
+    return get_forward_backward_func
 
 
 def megatron_get_forward_fn(original: Callable) -> Callable:
@@ -390,6 +504,7 @@ def install_megatron_patches(patcher) -> None:
     from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
+    patcher.wrap(impl, "get_forward_backward_func", megatron_get_forward_backward_func)
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)
     patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", megatron_forward_step)
     patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", megatron_forward_step)
