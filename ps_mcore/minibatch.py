@@ -20,7 +20,9 @@ and every row is computed once:
 * A kept call keeps its autograd graph (no extra compute; memory: its activations) or only
   its K/V (memory: ``kv_row_cost`` budget tokens per row; compute: its forward runs again
   just before its backward). The planner keeps graphs while they leave room and turns the
-  largest into K/V-only when they do not.
+  largest into K/V-only when they do not: it walks the forest once per room threshold
+  (:data:`MIN_ROOM_FRACTIONS`) and keeps the plan of least :func:`plan_cost` (recomputed rows
+  against the fixed cost of more, smaller steps).
 
 Budget accounting, per range: ``rows computed + sum over the kept rows of its ancestor path
 (graph: 1 token per row; K/V only: kv_row_cost per row) <= max_tokens`` (a kept call is
@@ -53,9 +55,14 @@ from ps_mcore.planner import TreePlan, plan_prefix_tree, ragged_arange
 # decoder (the kept_kv_row_cost estimate for a Qwen2.5-7B-like shape is 0.03-0.4, the
 # high end under full activation recompute). Integrations pass the model's own estimate.
 DEFAULT_KV_ROW_COST = 0.25
-# When kept graphs leave less than this fraction of the budget for new rows, the largest
-# kept graphs are turned into K/V-only calls (recomputed before their backward).
-MIN_ROOM_FRACTION = 0.25
+# The planner walks the forest once per policy: when kept graphs leave less than this fraction
+# of the budget for new rows, the largest are turned into K/V-only calls (recomputed before
+# their backward). It keeps the plan of least cost (:func:`plan_cost`).
+MIN_ROOM_FRACTIONS = (0.0, 0.125, 0.25, 0.5)
+# A step's fixed cost (launches, small kernels, host work) as a fraction of the budget's rows
+# of forward + backward (512 rows at a 32k budget): what one more step must save to pay for
+# itself.
+STEP_OVERHEAD_FRACTION = 1 / 64
 
 
 @dataclass(frozen=True)
@@ -208,13 +215,14 @@ class _Walk:
     """The greedy pre-order walk behind :func:`schedule_tree` (one instance per plan)."""
 
     def __init__(self, tree: TreePlan, max_tokens: int, kv_row_cost: float, training: bool,
-                 cuts: frozenset[int]):
+                 cuts: frozenset[int], min_room: float):
         host = tree.host
         self.tree = tree
         self.t = tree.num_tokens
         self.budget = float(max_tokens)
         self.rho = float(kv_row_cost)
         self.training = training
+        self.min_room = min_room
         self.subtree_end = host.subtree_end.cpu().numpy()
         self.depth = np.append(host.position_ids.cpu().numpy(), 0)  # row T: a root boundary
         starts = host.cu_seqlens_q.cpu().numpy()[:-1].astype(np.int64)
@@ -233,9 +241,9 @@ class _Walk:
 
     def make_room(self, a: int) -> float:
         """Room for new rows at ``a``, turning kept graphs into K/V-only calls (largest first)
-        while the room is under MIN_ROOM_FRACTION of the budget."""
+        while the room is under ``min_room`` of the budget (or under one row)."""
         room = self.budget - self.charge()
-        while room < MIN_ROOM_FRACTION * self.budget:
+        while room < max(self.min_room * self.budget, 1):
             graphs = [k for k in self.kept if k.graph]
             if not graphs:
                 break
@@ -327,7 +335,10 @@ def schedule_tree(
     """
     _check_budget(max_tokens, kv_row_cost)
     cuts: frozenset[int] = frozenset()
-    plan = _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts)
+    rooms = MIN_ROOM_FRACTIONS if training else MIN_ROOM_FRACTIONS[:1]  # forward only: no graphs
+    plans = [_plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, room) for room in rooms]
+    best = min(range(len(plans)), key=lambda i: (plan_cost(plans[i]), i))
+    plan, room = plans[best], rooms[best]
     while min_steps is not None and plan.num_steps < min_steps:
         cut = _extra_cut(plan)
         if cut is None:
@@ -336,8 +347,16 @@ def schedule_tree(
                 "no step holds two samples ending at different rows"
             )
         cuts = frozenset(_range_ends(plan)) | {cut}
-        plan = _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts)
+        plan = _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, room)
     return plan
+
+
+def plan_cost(plan: MiniBatchPlan) -> float:
+    """A plan's cost in forward row passes: 3 per computed row (forward + backward; 1 forward
+    only), 1 per recomputed row, and ``STEP_OVERHEAD_FRACTION * max_tokens`` rows per step."""
+    per_row = 3 if plan.training else 1
+    overhead = STEP_OVERHEAD_FRACTION * plan.max_tokens * plan.num_steps
+    return per_row * (plan.computed_tokens + overhead) + plan.recomputed_tokens
 
 
 def plan_minibatch(
@@ -385,8 +404,8 @@ def _extra_cut(plan: MiniBatchPlan) -> int | None:
     return None if best is None else best[1]
 
 
-def _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts) -> MiniBatchPlan:
-    walk = _Walk(tree, max_tokens, kv_row_cost, training, cuts)
+def _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, min_room) -> MiniBatchPlan:
+    walk = _Walk(tree, max_tokens, kv_row_cost, training, cuts, min_room)
     walk.run()
     host = tree.host
     lens = np.asarray(host.seq_lens, dtype=np.int64)

@@ -25,18 +25,26 @@ from ps_mcore.planner import plan_prefix_tree
 from ps_mcore.table import format_table
 
 
-def first_fit_bins(sizes: list[int], capacity: int) -> int:
-    """Bins of ``capacity`` first-fit decreasing packs ``sizes`` into (items over capacity
-    get a bin each)."""
+def first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Item indices per bin of ``capacity``, first-fit decreasing (an item over capacity gets
+    a bin of its own)."""
+    bins: list[list[int]] = []
     free: list[int] = []
-    for size in sorted(sizes, reverse=True):
-        for i, room in enumerate(free):
-            if size <= room:
-                free[i] -= size
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        for b, room in enumerate(free):
+            if sizes[i] <= room:
+                bins[b].append(i)
+                free[b] -= sizes[i]
                 break
         else:
-            free.append(capacity - size)
-    return len(free)
+            bins.append([i])
+            free.append(capacity - sizes[i])
+    return [sorted(b) for b in bins]
+
+
+def first_fit_bins(sizes: list[int], capacity: int) -> int:
+    """How many bins :func:`first_fit` packs ``sizes`` into."""
+    return len(first_fit(sizes, capacity))
 
 
 def mini_batches(r: Rollouts, size: int | None) -> list[list[int]]:

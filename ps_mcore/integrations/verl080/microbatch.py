@@ -130,6 +130,21 @@ class _Units:
         self.tokens[u : u + 1] = [self._tokens(p) for p in pieces]
 
 
+def split_units(
+    seqs: list[np.ndarray],
+    config: PrefixGrouperConfig,
+    budget: int,
+    prompts: np.ndarray | None = None,
+    groups: list[Any] | None = None,
+) -> list[list[int]]:
+    """Sample index lists of the sharing units once those larger than ``budget`` are split
+    into pieces (each piece recomputes the prefix its samples share): what within-micro-batch
+    sharing packs under a token budget."""
+    units = _Units(seqs, config, prompts, groups)
+    units.split_larger_than(budget)
+    return [sorted(m) for m in units.members]
+
+
 def split_unit_tokens(
     seqs: list[np.ndarray],
     config: PrefixGrouperConfig,
@@ -137,9 +152,7 @@ def split_unit_tokens(
     prompts: np.ndarray | None = None,
     groups: list[Any] | None = None,
 ) -> list[int]:
-    """Deduplicated tokens of every sharing unit once the units larger than ``budget`` are
-    split into pieces (each piece recomputes the prefix its samples share): what
-    within-micro-batch sharing computes under a token budget."""
+    """Deduplicated tokens of each piece of :func:`split_units`."""
     units = _Units(seqs, config, prompts, groups)
     units.split_larger_than(budget)
     return list(units.tokens)
