@@ -209,3 +209,76 @@ def test_refusals_name_the_option(qwen2):
         refuse_context_plan(psp, "Gated DeltaNet")
     with pytest.raises(NotImplementedError, match="context parallelism"):
         TreePackedSeqParams.from_plan(plan.call_plan(1), pad_to_multiple_of=4, cp_size=2)
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+def test_moe_routing_and_expert_counts_across_micro_batches():
+    """MoE layers under a schedule: routing, experts and shared experts are per token (exact);
+    the expert-bias token counts, summed over the steps, count every shared row once per
+    sample holding it, as the unshared batch does (a call weights its rows by their
+    multiplicity in the whole mini-batch). With load-balancing losses on, each call's loss is
+    the statistic over the unshared tokens it computes (docs/design.md)."""
+    from megatron_shims import enable_cpu_moe
+    from moe_cases import _routers, build_moe_model, moe_config, run_unshared, sample_coefs
+
+    enable_cpu_moe()
+    model = build_moe_model(moe_config(moe_router_load_balancing_type="none", moe_router_enable_expert_bias=True,
+                                       moe_router_score_function="sigmoid", moe_token_dispatcher_type="alltoall",
+                                       moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=False))
+    seqs = CASES["branching"](np.random.default_rng(5))
+    coef = sample_coefs(seqs, 5)
+    ref = run_unshared(model, seqs, coef)
+    for router in _routers(model):
+        router.local_tokens_per_expert.zero_()
+    plan = plan_minibatch(seqs, 14, kv_row_cost=0.25, min_prefix_len=1)
+    assert plan.num_steps > 2 and any(c.kept for c in plan.calls)
+    model.zero_grad(set_to_none=True)
+    runner = ScheduleRunner(plan, gpt_call(model))
+    lp = torch.zeros(plan.tree.num_input_tokens)
+    for j, step in enumerate(plan.steps):
+        out = runner.forward(j)
+        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
+        lp[tokens] = out["log_probs"].detach()
+        (out["log_probs"] * coef[tokens]).sum().backward()
+        runner.release(j)
+    runner.finish()
+    torch.testing.assert_close(lp, ref["lp"], rtol=0, atol=1e-5)
+    for name, r in ref["grads"].items():
+        scale = float(r.abs().max())
+        got = dict(model.named_parameters())[name].grad
+        assert float((got - r).abs().max()) <= 1e-5 * max(scale, 1e-12) or scale == 0, name
+    counts = [r.local_tokens_per_expert for r in _routers(model)]
+    assert all(torch.equal(got, want) for got, want in zip(counts, ref["counts"]))
+    assert sum(float(c.sum()) for c in counts) == 2 * len(counts) * plan.tree.num_input_tokens  # topk=2
+
+
+def test_moe_load_balancing_losses_run_per_call():
+    """With aux and z losses on, every call attaches its multiplicity-weighted losses (they
+    are logged per layer) and the log-probs stay the unshared batch's."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron_shims import enable_cpu_moe
+    from moe_cases import MOE_CASES, build_moe_model, moe_config, run_unshared, sample_coefs
+
+    enable_cpu_moe()
+    model = build_moe_model(moe_config(**MOE_CASES["aux+z/allgather"]))
+    seqs = CASES["grpo-long-prompt"](np.random.default_rng(6))
+    coef = sample_coefs(seqs, 6)
+    ref = run_unshared(model, seqs, coef)
+    moe_utils.clear_aux_losses_tracker()
+    plan = plan_minibatch(seqs, 12, kv_row_cost=0.25, min_prefix_len=1)
+    runner = ScheduleRunner(plan, gpt_call(model))
+    lp = torch.zeros(plan.tree.num_input_tokens)
+    for j, step in enumerate(plan.steps):
+        out = runner.forward(j)
+        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
+        lp[tokens] = out["log_probs"].detach()
+        (out["log_probs"] * coef[tokens]).sum().backward()
+        runner.release(j)
+    runner.finish()
+    torch.testing.assert_close(lp, ref["lp"], rtol=0, atol=1e-5)
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    for name in ("load_balancing_loss", "z_loss"):
+        values = tracker[name]["values"]
+        assert torch.isfinite(values).all() and float(values.sum()) > 0
