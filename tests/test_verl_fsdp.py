@@ -407,3 +407,13 @@ def test_install_and_uninstall_restore_exactly(impl):
     assert setup.install([PATCHSET]) == setup.installed() and _snapshot(impl) == after  # idempotent
     setup.uninstall()
     assert _snapshot(impl) == before  # the same objects, no new attributes
+
+
+def test_units_larger_than_the_budget_are_split_with_one_warning(impl):
+    """The FSDP engine runs no cross-micro-batch schedule: a unit larger than the token budget
+    is split into pieces (as before), saying so once; still exact."""
+    rng = np.random.default_rng(11)
+    samples = WORKLOADS["grpo"](rng, prompts=1, group=6)
+    data = make_batch(samples, rng, max_token_len_per_gpu=30)
+    with pytest.warns(UserWarning, match="no cross-micro-batch schedule.*FSDP engine runs one model call"):
+        _assert_training_matches_stock(impl, make_model(), data, _setting("prompt_only"), _ppo())

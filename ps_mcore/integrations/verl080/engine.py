@@ -84,11 +84,13 @@ def current_micro_batch() -> MicroBatchContext | None:
 def with_engine_context(original: Callable) -> Callable:
     """Wrap ``forward_backward_batch`` so helpers called inside know the engine."""
 
-    def forward_backward_batch(self, data, loss_function=None, forward_only=False, **kwargs):
+    def forward_backward_batch(self, *args, **kwargs):
+        # verl's signature: (data, loss_function, forward_only=False)
+        forward_only = kwargs.get("forward_only", args[2] if len(args) > 2 else False)
         step = EngineStep(engine=self, forward_only=bool(forward_only))
         token = _STEP.set(step)
         try:
-            result = original(self, data, loss_function, forward_only=forward_only, **kwargs)
+            result = original(self, *args, **kwargs)
             if step.schedule is not None:  # the last releases (no-op where the schedule ran them)
                 step.schedule.finish()
             return result

@@ -263,11 +263,26 @@ def fsdp_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
+FSDP_SCHEDULE_REFUSAL = (
+    "the FSDP engine runs one model call per micro-batch (a schedule's data-dependent calls "
+    "would desynchronise FSDP's collectives across data-parallel ranks; the Megatron engine "
+    "runs cross-micro-batch schedules)"
+)
+
+
+def fsdp_scheduler(step, setting, data):
+    """The FSDP engine's scheduler: it refuses (units larger than the budget are split, with
+    one warning when ``cross_microbatch`` is on)."""
+    from ps_mcore.integrations.verl080.schedule import scheduler_for
+
+    return scheduler_for(setting.config, not step.forward_only, lambda: 1.0, FSDP_SCHEDULE_REFUSAL)
+
+
 def prefix_aware_unless_stock(stock: Callable) -> Callable:
     """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
     batches whose every micro-batch runs verl's stock forward (their token budget must
     count raw tokens)."""
-    aware = prefix_aware(stock)
+    aware = prefix_aware(stock, fsdp_scheduler)
 
     def prepare_micro_batches(data, *args, **kwargs):
         if batch_fallback_reason(data) is not None:
