@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ps_mcore.planner import TreePlan, plan_prefix_tree, ragged_arange
+from ps_mcore.planner import TreePlan, plan_prefix_tree, ragged_arange, tensor_fields_on
 
 # A kept K/V row costs this many budget tokens by default: K and V of every layer (plus
 # their fp32 gradient accumulators in training) against one token's activations of a GQA
@@ -539,11 +539,7 @@ class ContextPlan:
             return self
         key = ("to", str(device))
         if key not in self._cache:
-            moved = {
-                f.name: getattr(self, f.name).to(device, non_blocking=True)
-                for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-            }
+            moved = tensor_fields_on(self, device)
             self._cache[key] = dataclasses.replace(self, _cache={"host": self._cache.get("host", self)}, **moved)
         moved = self._cache[key]
         return moved if moved.runtime is self.runtime else dataclasses.replace(moved, runtime=self.runtime)

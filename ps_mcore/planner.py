@@ -135,11 +135,7 @@ class TreePlan:
             return self
         key = ("to", str(device))
         if key not in self._cache:
-            moved = {
-                f.name: getattr(self, f.name).to(device, non_blocking=True)
-                for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-            }
+            moved = tensor_fields_on(self, device)
             # Keep the host copy: layouts derived from the plan are built there (no D2H sync).
             host = self._cache.get("host", self if self.device.type == "cpu" else None)
             self._cache[key] = dataclasses.replace(self, _cache={} if host is None else {"host": host}, **moved)
@@ -175,6 +171,15 @@ class TreePlan:
             "nodes": self.num_nodes,
             "depth": int(depth.max()) if len(depth) else 0,
         }
+
+
+def tensor_fields_on(plan, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor field of the dataclass ``plan`` on ``device`` (for ``dataclasses.replace``)."""
+    return {
+        f.name: getattr(plan, f.name).to(device, non_blocking=True)
+        for f in dataclasses.fields(plan)
+        if isinstance(getattr(plan, f.name), torch.Tensor)
+    }
 
 
 def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray) -> float:

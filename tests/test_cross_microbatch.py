@@ -70,19 +70,24 @@ def unshared(model, seqs, w):
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def scheduled(model, plan, w):
-    """The plan's steps by hand: forward, loss, backward, release."""
+def scheduled(model, plan, w, loss=step_loss, entropy=True):
+    """The plan's steps by hand: forward, ``loss(outputs, weights of the step's tokens)``,
+    backward, release. Returns the log-probs ``[N]`` and the gradients."""
     model.zero_grad(set_to_none=True)
-    runner = ScheduleRunner(plan, gpt_call(model, compute_entropy=True))
+    runner = ScheduleRunner(plan, gpt_call(model, compute_entropy=entropy))
     lp = torch.zeros(plan.tree.num_input_tokens)
     for j, step in enumerate(plan.steps):
         out = runner.forward(j)
         tokens = torch.from_numpy(plan.sample_tokens(step.samples))
         lp[tokens] = out["log_probs"].detach()
-        step_loss(out, w[tokens]).backward()
+        loss(out, w[tokens]).backward()
         runner.release(j)
     runner.finish()
-    return lp, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return lp, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def logprob_loss(out, w):
+    return (out["log_probs"] * w).sum()
 
 
 def assert_equal_runs(got, ref, tol=1e-4):
@@ -138,7 +143,7 @@ def test_activation_recompute(recompute):
     model = model_for("qwen2", **recompute)
     seqs = CASES["branching"](np.random.default_rng(2))
     w = weights_of(seqs, 2)
-    plan = plan_minibatch(seqs, 14, kv_row_cost=0.25, min_prefix_len=1)
+    plan = plan_minibatch(seqs, 10, kv_row_cost=0.1, min_prefix_len=1)
     assert any(c.kept and c.recompute for c in plan.calls) and any(c.kept and not c.recompute for c in plan.calls)
     assert_equal_runs(scheduled(model, plan, w), unshared(model, seqs, w))
 
@@ -234,21 +239,11 @@ def test_moe_routing_and_expert_counts_across_micro_batches():
         router.local_tokens_per_expert.zero_()
     plan = plan_minibatch(seqs, 14, kv_row_cost=0.25, min_prefix_len=1)
     assert plan.num_steps > 2 and any(c.kept for c in plan.calls)
-    model.zero_grad(set_to_none=True)
-    runner = ScheduleRunner(plan, gpt_call(model))
-    lp = torch.zeros(plan.tree.num_input_tokens)
-    for j, step in enumerate(plan.steps):
-        out = runner.forward(j)
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
-        lp[tokens] = out["log_probs"].detach()
-        (out["log_probs"] * coef[tokens]).sum().backward()
-        runner.release(j)
-    runner.finish()
+    lp, grads = scheduled(model, plan, coef, logprob_loss, entropy=False)
     torch.testing.assert_close(lp, ref["lp"], rtol=0, atol=1e-5)
     for name, r in ref["grads"].items():
         scale = float(r.abs().max())
-        got = dict(model.named_parameters())[name].grad
-        assert float((got - r).abs().max()) <= 1e-5 * max(scale, 1e-12) or scale == 0, name
+        assert float((grads[name] - r).abs().max()) <= 1e-5 * max(scale, 1e-12) or scale == 0, name
     counts = [r.local_tokens_per_expert for r in _routers(model)]
     assert all(torch.equal(got, want) for got, want in zip(counts, ref["counts"]))
     assert sum(float(c.sum()) for c in counts) == 2 * len(counts) * plan.tree.num_input_tokens  # topk=2
@@ -268,15 +263,7 @@ def test_moe_load_balancing_losses_run_per_call():
     ref = run_unshared(model, seqs, coef)
     moe_utils.clear_aux_losses_tracker()
     plan = plan_minibatch(seqs, 12, kv_row_cost=0.25, min_prefix_len=1)
-    runner = ScheduleRunner(plan, gpt_call(model))
-    lp = torch.zeros(plan.tree.num_input_tokens)
-    for j, step in enumerate(plan.steps):
-        out = runner.forward(j)
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
-        lp[tokens] = out["log_probs"].detach()
-        (out["log_probs"] * coef[tokens]).sum().backward()
-        runner.release(j)
-    runner.finish()
+    lp, _ = scheduled(model, plan, coef, logprob_loss, entropy=False)
     torch.testing.assert_close(lp, ref["lp"], rtol=0, atol=1e-5)
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
     for name in ("load_balancing_loss", "z_loss"):

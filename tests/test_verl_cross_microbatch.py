@@ -21,7 +21,10 @@ pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, enable_cpu_pipeline, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
-from verl_batches import RTOL, assert_grads, assert_outputs, engine_shell, make_batch, seq_last_mask, step_tokens  # noqa: E402
+from verl_batches import (  # noqa: E402
+    RTOL, add_value_targets, assert_grads, assert_outputs, engine_shell, make_batch, seq_last_mask, step_tokens,
+    tiny_critic,
+)
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
@@ -76,12 +79,16 @@ def _ppo():
 
 
 def _run(impl, model, data, setting, patched, loss_fn=None, cls=None):
+    """One engine step through megatron-core's real schedule (whatever another test module
+    set the engine's schedule name to); returns (output, grads)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
+    setup.uninstall()
+    previous = impl.get_forward_backward_func
+    impl.get_forward_backward_func = get_forward_backward_func
     if patched:
         setup.install(["verl080_mcore0161_ms0160"])
-    else:
-        setup.uninstall()
     engine = engine_shell(cls or impl.MegatronEngineWithLMHead, model, setting)
     model.zero_grad(set_to_none=True)
     config = get_model_config(model)
@@ -92,6 +99,8 @@ def _run(impl, model, data, setting, patched, loss_fn=None, cls=None):
         out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
     finally:
         config.finalize_model_grads_func = None
+        setup.uninstall()
+        impl.get_forward_backward_func = previous
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     if loss_fn is not None:
         assert len(reduced) == 1
@@ -148,34 +157,18 @@ def test_a_refusal_splits_with_one_warning(env):
                                    stock["model_output"][key].values()[rows], rtol=RTOL, atol=1e-6)
 
 
-class _ValueHead(torch.nn.Module):
-    def __init__(self, hidden):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden, 1, bias=False)
-        torch.nn.init.normal_(self.linear.weight, std=0.3, generator=torch.Generator().manual_seed(0))
-
-    def forward(self, x, weight=None, runtime_gather_output=None, **_):
-        return self.linear(x), None
-
-
 def test_critic_values_and_value_loss_match_stock(env, monkeypatch):
     """verl 0.8.0's value loss is a mean per micro-batch, so its gradient depends on how
     samples are grouped: the stock reference runs on the schedule's own micro-batches."""
     impl, _ = env
-    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import McoreCriticConfig
     from verl.workers.utils.losses import value_loss
 
-    cfg = tiny_config("qwen3")
-    critic = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
-    randomize_(critic, seed=3)
-    critic.output_layer = _ValueHead(cfg.hidden_size)
+    critic = tiny_critic()
     rng = np.random.default_rng(3)
     data = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET)
-    gen = torch.Generator().manual_seed(8)
-    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    add_value_targets(data)
     cls = impl.MegatronEngineWithValueHead
     stock, _ = _run(impl, critic, data, _setting(), False, cls=cls)
     tree, _ = _run(impl, critic, data, _setting(), True, cls=cls)
@@ -189,7 +182,6 @@ def test_critic_values_and_value_loss_match_stock(env, monkeypatch):
     tree, g_tree = _run(impl, critic, data, _setting(), True, loss_fn, cls=cls)
     parts = seen[-1]
     assert len(parts) > 2
-    setup.uninstall()  # restores verl's own names first
     monkeypatch.setattr(impl, "prepare_micro_batches", lambda data, **_: (
         [tu.index_select_tensor_dict(data, p) for p in parts], parts))
     stock, g_stock = _run(impl, critic, data, _setting(), False, loss_fn, cls=cls)

@@ -22,7 +22,7 @@ pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
-from verl_batches import RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens  # noqa: E402
+from verl_batches import RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens, tiny_critic  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
@@ -191,33 +191,15 @@ def test_fallback_per_sample_temperature_warns_once(env):
     assert torch.equal(stock["model_output"]["entropy"].values(), tree["model_output"]["entropy"].values())
 
 
-class _ValueHead(torch.nn.Module):
-    """A value head in place of the LM head (what verl's value-model hook installs)."""
-
-    def __init__(self, hidden):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden, 1, bias=False)
-        torch.nn.init.normal_(self.linear.weight, std=0.3, generator=torch.Generator().manual_seed(0))
-
-    def forward(self, x, weight=None, runtime_gather_output=None, **_):
-        return self.linear(x), None
-
-
 def test_critic_values_and_value_loss_match_stock(env):
     impl, _ = env
-    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
     from verl.workers.config import McoreCriticConfig
     from verl.workers.utils.losses import value_loss
 
-    cfg = tiny_config("qwen3")
-    critic = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
-    randomize_(critic, seed=3)
-    critic.output_layer = _ValueHead(cfg.hidden_size)
+    critic = tiny_critic()
     rng = np.random.default_rng(8)
     data = make_batch(WORKLOADS["stepwise"](rng), rng)
-    gen = torch.Generator().manual_seed(8)  # independent of test order
-    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    add_value_targets(data)
     setting = _setting("arbitrary_prefix")
     cls = impl.MegatronEngineWithValueHead
     stock, _ = _run(impl, critic, data, setting, False, cls=cls)

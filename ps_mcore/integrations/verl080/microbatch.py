@@ -140,9 +140,7 @@ def split_units(
     """Sample index lists of the sharing units once those larger than ``budget`` are split
     into pieces (each piece recomputes the prefix its samples share): what within-micro-batch
     sharing packs under a token budget."""
-    units = _Units(seqs, config, prompts, groups)
-    units.split_larger_than(budget)
-    return [sorted(m) for m in units.members]
+    return [sorted(m) for m in _split_units(seqs, config, budget, prompts, groups).members]
 
 
 def split_unit_tokens(
@@ -153,9 +151,13 @@ def split_unit_tokens(
     groups: list[Any] | None = None,
 ) -> list[int]:
     """Deduplicated tokens of each piece of :func:`split_units`."""
+    return list(_split_units(seqs, config, budget, prompts, groups).tokens)
+
+
+def _split_units(seqs, config, budget, prompts, groups) -> _Units:
     units = _Units(seqs, config, prompts, groups)
     units.split_larger_than(budget)
-    return list(units.tokens)
+    return units
 
 
 # ----------------------------------------------------------------------------- partitions
