@@ -51,9 +51,9 @@ import torch
 from ps_mcore.planner import TreePlan, plan_prefix_tree, ragged_arange, tensor_fields_on
 
 # A kept K/V row costs this many budget tokens by default: K and V of every layer (plus
-# their fp32 gradient accumulators in training) against one token's activations of a GQA
-# decoder (the kept_kv_row_cost estimate for a Qwen2.5-7B-like shape is 0.03-0.4, the
-# high end under full activation recompute). Integrations pass the model's own estimate.
+# their fp32 gradient accumulators in training) against one token's activations. A cautious
+# default: kept_kv_row_cost estimates 0.03 for a Qwen2.5-7B shape in bf16 training (0.13 under
+# full activation recompute); integrations pass the model's own estimate.
 DEFAULT_KV_ROW_COST = 0.25
 # The planner walks the forest once per policy: when kept graphs leave less than this fraction
 # of the budget for new rows, the largest are turned into K/V-only calls (recomputed before
