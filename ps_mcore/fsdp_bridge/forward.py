@@ -11,6 +11,7 @@ import torch
 from ps_mcore.fsdp_bridge.hf_attention import enable_tree_attention
 from ps_mcore.fsdp_bridge.unwrap import unwrap_model
 from ps_mcore.logprobs import token_logprobs
+from ps_mcore.minibatch import ContextPlan
 from ps_mcore.planner import TreePlan
 
 # Inputs forward_tree builds itself from the plan; passing them too would contradict it.
@@ -38,8 +39,8 @@ class TreeForwardOutput:
 
 
 def _check_args(plan: Any, model_kwargs: dict, temperature: float) -> None:
-    if not isinstance(plan, TreePlan):
-        raise TypeError(f"plan must be a TreePlan, got {type(plan).__name__}")
+    if not isinstance(plan, (TreePlan, ContextPlan)):
+        raise TypeError(f"plan must be a TreePlan or a ContextPlan, got {type(plan).__name__}")
     clash = [k for k in _RESERVED_KWARGS if k in model_kwargs]
     if clash:
         raise ValueError(f"forward_tree builds {clash} from the plan; do not pass them")
@@ -94,7 +95,9 @@ def forward_tree(
     Args:
         model: a causal LM (``*ForCausalLM``), a head model (token classification / value
             head: ``logits`` are its head output) or a bare decoder (hidden states only).
-        plan: the micro-batch's plan (moved to the model's device, cached).
+        plan: the micro-batch's plan (moved to the model's device, cached), or one call of a
+            cross-micro-batch schedule (:class:`~ps_mcore.minibatch.ContextPlan` with its
+            runtime: ``run_call`` of :class:`~ps_mcore.schedule.ScheduleRunner`).
         return_logits: keep the packed logits in the output.
         return_hidden_states: capture the decoder's last hidden state. Without logits or
             log-probs the LM head is skipped where the model supports ``logits_to_keep``.

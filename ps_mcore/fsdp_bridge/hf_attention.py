@@ -24,7 +24,9 @@ from typing import Any, Iterator
 import torch
 
 from ps_mcore.attention import tree_attention
+from ps_mcore.attention.context import context_attention
 from ps_mcore.fsdp_bridge.unwrap import unwrap_model
+from ps_mcore.minibatch import ContextPlan
 from ps_mcore.planner import TreePlan
 
 ATTN_NAME = "prefix_tree"
@@ -136,8 +138,8 @@ def _stock_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _check_tree_call(module, query, key, attention_mask, dropout, plan, kwargs) -> None:
-    if not isinstance(plan, TreePlan):
-        raise TypeError(f"tree_plan must be a TreePlan, got {type(plan).__name__}")
+    if not isinstance(plan, (TreePlan, ContextPlan)):
+        raise TypeError(f"tree_plan must be a TreePlan or a ContextPlan, got {type(plan).__name__}")
     is_causal = kwargs.get("is_causal")
     if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
         raise NotImplementedError(
@@ -216,7 +218,9 @@ def prefix_tree_attention(
 
     Args:
         query: ``[1, Hq, T, D]``; key/value ``[1, Hkv, T, D]`` (HF layout, the forest as one row).
-        tree_plan: the micro-batch's plan; None runs the model's stock implementation.
+        tree_plan: the micro-batch's plan (or one call of a cross-micro-batch schedule, a
+            :class:`~ps_mcore.minibatch.ContextPlan`: its rows against the kept context K/V,
+            kept per ``module.layer_idx``); None runs the model's stock implementation.
         tree_backend: :func:`tree_attention` backend ("auto": varlen flash on CUDA).
 
     Returns:
@@ -228,8 +232,22 @@ def prefix_tree_attention(
         )
     _check_tree_call(module, query, key, attention_mask, dropout, tree_plan, kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    out = tree_attention(q, k, v, tree_plan, backend=tree_backend, softmax_scale=scaling)
+    if isinstance(tree_plan, ContextPlan):  # one call of a cross-micro-batch schedule
+        out = context_attention(q, k, v, tree_plan, _layer_key(module), tree_backend, scaling)
+    else:
+        out = tree_attention(q, k, v, tree_plan, backend=tree_backend, softmax_scale=scaling)
     return out.unsqueeze(0), None
+
+
+def _layer_key(module: torch.nn.Module) -> int:
+    """The attention module's layer index: a schedule keeps K/V per layer."""
+    index = getattr(module, "layer_idx", None)
+    if index is None:
+        raise ValueError(
+            f"{type(module).__name__} has no layer_idx: a cross-micro-batch schedule keeps K/V per "
+            "layer and needs it"
+        )
+    return int(index)
 
 
 # ----------------------------------------------------------------------------- switching
