@@ -30,6 +30,7 @@ def _targets():
         (mcore, "get_mcore_engine_forward_fn"),
         (impl, "prepare_micro_batches"),
         (impl, "postprocess_batch_func"),
+        (impl, "get_forward_backward_func"),
         (impl.MegatronEngine, "forward_backward_batch"),
         (impl.MegatronEngine, "_build_megatron_module"),
         (impl.MegatronEngineWithLMHead, "forward_step"),
