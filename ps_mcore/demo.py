@@ -159,7 +159,8 @@ def make_schedule_step(model, plan: MiniBatchPlan, token_weight: torch.Tensor) -
             held: dict[int, int] = {}
             with _saved_bytes_hook(held):
                 out = run_call(call_plan)
-            call_bytes.setdefault(call_plan.call, sum(held.values()))  # the first run of a call
+            call = getattr(call_plan, "call", 0)  # a forest that fits: one call, the TreePlan
+            call_bytes.setdefault(call, sum(held.values()))  # the first run of a call
             return out
 
         runner = ScheduleRunner(plan, measured if measure_memory else run_call)

@@ -151,11 +151,15 @@ class MiniBatchPlan:
         """Rows whose forward runs a second time before their backward (K/V-kept calls)."""
         return int(sum(c.num_rows for c in self.calls if c.recompute))
 
-    def call_plan(self, index: int) -> "ContextPlan":
-        """The :class:`ContextPlan` of call ``index`` (built once, cached)."""
+    def call_plan(self, index: int) -> "ContextPlan | TreePlan":
+        """The :class:`ContextPlan` of call ``index`` (built once, cached); the tree itself for
+        the one call of a forest that fits the budget (today's path, unchanged)."""
+        call = self.calls[index]
+        if not call.context and not call.kept and call.num_rows == self.tree.num_tokens:
+            return self.tree
         key = ("call", index)
         if key not in self._cache:
-            self._cache[key] = _context_plan(self, self.calls[index])
+            self._cache[key] = _context_plan(self, call)
         return self._cache[key]
 
     def step_sources(self, index: int) -> tuple[tuple[int, ...], torch.Tensor]:

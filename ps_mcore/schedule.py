@@ -14,7 +14,9 @@ A training loop drives one :class:`ScheduleRunner` per mini-batch::
 ``plan.position_ids``; its attention layers call
 :func:`ps_mcore.attention.context.context_attention`, which reads ``plan.runtime``) and
 returns per-token outputs for the call's tokens (``plan.unpack_index`` order), e.g. log-probs
-from :func:`ps_mcore.logprobs.token_logprobs`, which takes the ContextPlan as its rows.
+from :func:`ps_mcore.logprobs.token_logprobs`, which takes the ContextPlan as its rows. A forest
+that fits the budget is one call whose plan is the :class:`~ps_mcore.planner.TreePlan` itself
+(today's path: the model runs it as any tree micro-batch).
 
 What happens to gradients. A *kept* call records its K/V per layer and its per-token
 outputs; later calls read them through :func:`~ps_mcore.attention.context.read_kept`, whose
@@ -198,8 +200,10 @@ class ScheduleRunner:
 
     def _run(self, index: int, own: KeptState | None, record: bool) -> dict[str, torch.Tensor]:
         call = self.plan.calls[index]
-        runtime = CallRuntime(self, [self.kept[c] for c in call.context], own, record)
-        return self.run_call(self.plan.call_plan(index).with_runtime(runtime))
+        plan = self.plan.call_plan(index)
+        if isinstance(plan, ContextPlan):  # else the whole forest in one call: a TreePlan
+            plan = plan.with_runtime(CallRuntime(self, [self.kept[c] for c in call.context], own, record))
+        return self.run_call(plan)
 
     def _run_kept(self, index: int) -> None:
         state = KeptState()

@@ -13,7 +13,7 @@ from forests import nasty_forests, random_forest
 from ps_mcore.attention import tree_attention
 from ps_mcore.attention.context import context_attention
 from ps_mcore.logprobs import token_logprobs
-from ps_mcore.minibatch import kept_kv_row_cost, plan_minibatch, schedule_tree
+from ps_mcore.minibatch import ContextPlan, kept_kv_row_cost, plan_minibatch, schedule_tree
 from ps_mcore.planner import plan_prefix_tree, plan_unshared
 from ps_mcore.schedule import ScheduleRunner
 
@@ -74,7 +74,10 @@ def check_plan(plan) -> None:
             assert plan.calls[k].kept and k < c.index
             assert released[k] >= c.step  # still alive when c runs
         cp = plan.call_plan(c.index)
-        assert cp.kv_index.max() < cp.num_context_rows + c.num_rows
+        if isinstance(cp, ContextPlan):
+            assert cp.kv_index.max() < cp.num_context_rows + c.num_rows
+        else:  # the one call of a forest that fits: the tree itself
+            assert plan.num_steps == 1 and cp is plan.tree
         # every reader of a kept call runs no later than its release step
     unpack = tree.unpack_index.numpy()
     lens = np.asarray(tree.seq_lens)
@@ -216,8 +219,11 @@ def unshared_reference(model, seqs, weights):
 
 def run_schedule(model, plan, weights, training=True):
     def run_call(cp):
-        logits = model(cp.input_ids, cp.position_ids,
-                       lambda q, k, v, i: context_attention(q, k, v, cp, i, backend="chunked"))
+        if isinstance(cp, ContextPlan):
+            attend = lambda q, k, v, i: context_attention(q, k, v, cp, i, backend="chunked")  # noqa: E731
+        else:  # a forest that fits: one call on the tree itself
+            attend = lambda q, k, v, i: tree_attention(q, k, v, cp, backend="chunked")  # noqa: E731
+        logits = model(cp.input_ids, cp.position_ids, attend)
         lp, ent = token_logprobs(logits.double(), cp, compute_entropy=True)
         return {"log_probs": lp, "entropy": ent}
 
