@@ -283,9 +283,8 @@ def sweep_level_chunking(plan, step, base_ms, ideal, args) -> list:
     from ps_mcore.attention import layout as layout_mod
 
     def forget_layouts():
-        for p in (plan, plan._cache.get("host", plan)):
-            for key in [k for k in p._cache if isinstance(k, tuple) and k[0] == "cascade_layout"]:
-                del p._cache[key]
+        for p in (plan, plan.host):
+            p.memo.cascade_layouts.clear()
 
     saved = (layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS)
     out = []

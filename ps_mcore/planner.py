@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +30,70 @@ def ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     seg_begin = np.cumsum(lengths) - lengths
     return np.repeat(starts - seg_begin, lengths) + np.arange(total, dtype=np.int64)
+
+
+@dataclass(eq=False)
+class PlanMemo:
+    """What is derived from one :class:`TreePlan` and kept with it (never part of its value).
+
+    Every layer of a micro-batch runs on the same plan, so what a kernel derives from it is
+    built once and kept here, one named field per thing. Layouts are built on the host copy
+    (``plan.host.memo``): a plan moved to the GPU by :meth:`TreePlan.to` keeps its CPU copy, so
+    building them costs no device-to-host sync; per-device copies sit on the moved plan's memo,
+    keyed by device. Owners (who reads and writes each field) are named with it.
+
+    Attributes:
+        host: the CPU copy a plan moved by :meth:`TreePlan.to` keeps (None: the plan is its
+            own host copy, or it was built on a device).
+        moved: ``TreePlan.to``: the plan on each other device, so per-layer calls copy once.
+        max_token_id: ``TreePlan.max_token_id`` (host memo): the vocabulary bound log-prob
+            kernels check, read without a device sync.
+        fingerprint: ``layer_specs.parallel.pipeline.plan_fingerprint`` (host memo): the hash
+            every model-parallel rank compares before a step.
+        cascade_layouts: ``attention.layout.cascade_layout`` per device (the CPU entry on the
+            host memo is the one build): the varlen calls of the cascade.
+        kv_copies_csr: ``attention.scatter.copies_csr`` per device: ``(row_ptr [T+1],
+            copies [C])``, the row -> context copies index of the fused dK/dV scatter-add.
+        kernel_choice_shape: ``attention.kernel_choice.plan_shape`` (host memo): the plan's
+            shape numbers ``(pairs, rows, contexts, segments, levels, cascade)``.
+        flex_block_masks: ``attention.flex.block_mask`` per device: FlexAttention's
+            ``BlockMask`` of the plan.
+        recurrent_trees: ``recurrent.tree.recurrent_tree`` per row count (``T_pad``): the
+            chains and levels every recurrent layer of the micro-batch scans.
+    """
+
+    host: "TreePlan | None" = None
+    moved: dict[torch.device, "TreePlan"] = field(default_factory=dict)
+    max_token_id: int | None = None
+    fingerprint: int | None = None
+    cascade_layouts: dict[torch.device, Any] = field(default_factory=dict)
+    kv_copies_csr: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kernel_choice_shape: tuple | None = None
+    flex_block_masks: dict[torch.device, Any] = field(default_factory=dict)
+    recurrent_trees: dict[int, Any] = field(default_factory=dict)
+
+
+_CPU = torch.device("cpu")
+
+
+def host_built(
+    plan: "TreePlan",
+    entries: Callable[[PlanMemo], dict],
+    device: torch.device | str,
+    build: Callable[["TreePlan"], Any],
+    move: Callable[[Any, torch.device], Any],
+) -> Any:
+    """``entries(plan.memo)[device]``, one per-device field of the memo: built once by
+    ``build(plan.host)`` (kept as the host memo's CPU entry), then copied to ``device`` by
+    ``move``; so every device's copy comes from one host build, without a device sync."""
+    device = torch.device(device)
+    mine = entries(plan.memo)
+    if device not in mine:
+        on_host = entries(plan.host.memo)
+        if _CPU not in on_host:
+            on_host[_CPU] = build(plan.host)
+        mine[device] = on_host[_CPU] if device.type == "cpu" else move(on_host[_CPU], device)
+    return mine[device]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,8 +138,11 @@ class TreePlan:
     next_token_mask: torch.Tensor
     node_parent: torch.Tensor
     multiplicity: torch.Tensor
-    # Per-device copies and kernel-side caches (block masks); not part of the plan's value.
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # What kernels derive from the plan, kept with it (a fresh one for every copy or replace).
+    memo: PlanMemo = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memo", PlanMemo())
 
     @property
     def num_tokens(self) -> int:
@@ -99,13 +166,10 @@ class TreePlan:
     def max_token_id(self) -> int:
         """Largest id in ``input_ids``, computed once per plan on its host copy where it has
         one (a plan moved by :meth:`to` keeps it), so a GPU plan costs no device sync."""
-        if "max_token_id" not in self._cache:
-            host = self._cache.get("host")
-            if host is not None and host is not self:
-                self._cache["max_token_id"] = host.max_token_id
-            else:
-                self._cache["max_token_id"] = int(self.input_ids.max()) if self.num_tokens else -1
-        return self._cache["max_token_id"]
+        memo = self.host.memo
+        if memo.max_token_id is None:
+            memo.max_token_id = int(self.host.input_ids.max()) if self.num_tokens else -1
+        return memo.max_token_id
 
     @property
     def device(self) -> torch.device:
@@ -115,7 +179,7 @@ class TreePlan:
     def host(self) -> "TreePlan":
         """The plan's CPU copy (a plan moved by :meth:`to` keeps it), else the plan itself:
         host-side layouts read it, so a GPU plan costs them no device-to-host sync."""
-        return self._cache.get("host", self)
+        return self.memo.host or self
 
     @property
     def is_trivial(self) -> bool:
@@ -133,17 +197,17 @@ class TreePlan:
         device = torch.device(device)
         if device == self.device:
             return self
-        key = ("to", str(device))
-        if key not in self._cache:
-            moved = {
+        if device not in self.memo.moved:
+            tensors = {
                 f.name: getattr(self, f.name).to(device, non_blocking=True)
                 for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
+                if f.init and isinstance(getattr(self, f.name), torch.Tensor)
             }
+            moved = dataclasses.replace(self, **tensors)
             # Keep the host copy: layouts derived from the plan are built there (no D2H sync).
-            host = self._cache.get("host", self if self.device.type == "cpu" else None)
-            self._cache[key] = dataclasses.replace(self, _cache={} if host is None else {"host": host}, **moved)
-        return self._cache[key]
+            moved.memo.host = self.memo.host or (self if self.device.type == "cpu" else None)
+            self.memo.moved[device] = moved
+        return self.memo.moved[device]
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, ...] -> [N, ...]``; differentiable (backward is a scatter-add over shared rows)."""

@@ -40,7 +40,7 @@ def test_demo_fails_on_a_broken_plan(capsys, monkeypatch):
     def broken(w):
         plan = plan_prefix_tree(w.sequences)
         # Wrong RoPE positions for every packed token: log-probs must change.
-        return dataclasses.replace(plan, position_ids=plan.position_ids.flip(0), _cache={})
+        return dataclasses.replace(plan, position_ids=plan.position_ids.flip(0))
 
     monkeypatch.setattr(demo, "plan_fn", broken)
     assert demo.run_demo(_args()) == 1

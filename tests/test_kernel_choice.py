@@ -64,7 +64,7 @@ def test_plan_shape_is_cached_on_the_host_plan():
     plan = plan_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 5, 6]], min_prefix_len=1)
     s = plan_shape(plan, 4, 64)
     assert (s.rows, s.context_rows, s.segments) == (plan.num_tokens, plan.kv_index.numel(), plan.num_nodes)
-    assert "kernel_choice_shape" in plan._cache and plan_shape(plan, 4, 64) == s
+    assert plan.memo.kernel_choice_shape is not None and plan_shape(plan, 4, 64) == s
 
 
 def test_cudnn_refuses_clearly_off_cuda():

@@ -157,7 +157,21 @@ def test_layout_is_cached_and_built_from_the_host_copy():
     lay = cascade_layout(moved)
     assert lay is cascade_layout(moved)
     assert all(c.cu_q.device.type == "meta" for c in lay.calls)
-    assert plan._cache[("cascade_layout", "cpu")] is cascade_layout(plan)
+    assert plan.memo.cascade_layouts[torch.device("cpu")] is cascade_layout(plan)
+    assert moved.memo.host is plan and moved.host.memo is plan.memo  # one host build
+
+
+def test_a_replaced_plan_derives_afresh():
+    """``dataclasses.replace`` gives a new plan with an empty memo: nothing derived from the
+    old plan's rows (layouts, moved copies, token bound) is read for the new one."""
+    import dataclasses
+
+    plan = plan_prefix_tree([[1, 2, 3, 4], [1, 2, 5]], min_prefix_len=1)
+    cascade_layout(plan)
+    assert plan.max_token_id == 5 and plan.to("meta") is plan.to("meta")
+    other = dataclasses.replace(plan, input_ids=plan.input_ids + 10)
+    assert other.memo is not plan.memo and not other.memo.cascade_layouts and not other.memo.moved
+    assert other.max_token_id == 15
 
 
 def test_cascade_saves_no_per_call_output():

@@ -30,8 +30,9 @@ def block_mask(plan, device: torch.device):
     """The plan's BlockMask on ``device`` (cached on the plan)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = ("flex_block_mask", str(device))
-    if key not in plan._cache:
+    device = torch.device(device)
+    masks = plan.memo.flex_block_masks
+    if device not in masks:
         t, t_pad = plan.num_tokens, _bucket(plan.num_tokens)
         subtree_end = torch.arange(1, t_pad + 1, device=device)
         subtree_end[:t] = plan.subtree_end.to(device)
@@ -39,10 +40,10 @@ def block_mask(plan, device: torch.device):
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
 
-        plan._cache[key] = create_block_mask(
+        masks[device] = create_block_mask(
             mask_mod, B=None, H=None, Q_LEN=t_pad, KV_LEN=t_pad, device=device
         )
-    return plan._cache[key]
+    return masks[device]
 
 
 def flex_tree_attention(q, k, v, plan, softmax_scale: float) -> torch.Tensor:

@@ -79,12 +79,12 @@ def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
     from ps_mcore.attention.layout import auto_layout, cascade_layout
 
     host = plan.host
-    if "kernel_choice_shape" not in host._cache:
+    if host.memo.kernel_choice_shape is None:
         cu_q, cu_k = host.cu_seqlens_q.cpu().numpy(), host.cu_seqlens_kv.cpu().numpy()
         layout = cascade_layout(host)
-        host._cache["kernel_choice_shape"] = (
+        host.memo.kernel_choice_shape = (
             tree_pairs(cu_q, cu_k), host.num_tokens, int(cu_k[-1]), int(cu_q.size - 1),
             layout.num_levels, auto_layout(host, layout) == "cascade",
         )
-    pairs, rows, ctx, segs, levels, cascade = host._cache["kernel_choice_shape"]
+    pairs, rows, ctx, segs, levels, cascade = host.memo.kernel_choice_shape
     return PlanShape(pairs, rows, ctx, segs, levels, cascade, heads, head_dim)

@@ -16,21 +16,23 @@ import warnings
 import numpy as np
 import torch
 
+from ps_mcore.planner import host_built
+
 
 def copies_csr(plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_ptr [T+1], copies [C])`` int64: the context positions holding each packed row."""
-    key = ("kv_copies_csr", str(device))
-    if key not in plan._cache:
-        host = plan.host
-        hkey = ("kv_copies_csr", "cpu")
-        if hkey not in host._cache:
-            index = host.kv_index.cpu().numpy()
-            order = np.argsort(index, kind="stable")
-            ptr = np.concatenate([[0], np.cumsum(np.bincount(index, minlength=host.num_tokens))])
-            host._cache[hkey] = (torch.from_numpy(ptr.astype(np.int64)), torch.from_numpy(order.astype(np.int64)))
-        ptr, order = host._cache[hkey]
-        plan._cache[key] = (ptr.to(device, non_blocking=True), order.to(device, non_blocking=True))
-    return plan._cache[key]
+    return host_built(plan, lambda memo: memo.kv_copies_csr, device, _build_copies_csr, _move_csr)
+
+
+def _build_copies_csr(host) -> tuple[torch.Tensor, torch.Tensor]:
+    index = host.kv_index.cpu().numpy()
+    order = np.argsort(index, kind="stable")
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(index, minlength=host.num_tokens))])
+    return torch.from_numpy(ptr.astype(np.int64)), torch.from_numpy(order.astype(np.int64))
+
+
+def _move_csr(csr, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(x.to(device, non_blocking=True) for x in csr)
 
 
 @functools.lru_cache(maxsize=None)
