@@ -107,10 +107,10 @@ def prefix_grouper_step(w, hq, hkv, d, dtype):
     return fwd_bwd(lambda q, k, v: pg.forward(attn, q, k, v), (q, k, v), grad)
 
 
-def kernel_reason(unavailable_reason, hq: int, d: int, dtype) -> str | None:
+def kernel_refusal(refusal_of, hq: int, d: int, dtype) -> str | None:
     """Why a kernel's columns cannot run here (None: they can): its backend's
-    ``*_unavailable_reason`` asked about a ``[1, hq, d]`` query of ``dtype``."""
-    return unavailable_reason(torch.zeros(1, hq, d, device=DEVICE, dtype=dtype))
+    ``*_refusal`` asked about a ``[1, hq, d]`` query of ``dtype``."""
+    return refusal_of(torch.zeros(1, hq, d, device=DEVICE, dtype=dtype))
 
 
 def tree_fns(plan, scale, use_cudnn: bool, flex: bool, fa4: bool = False) -> dict:
@@ -314,14 +314,14 @@ def profile(step, title: str) -> None:
 
 def run(args) -> str:
     torch._dynamo.config.cache_size_limit = 64
-    from ps_mcore.attention.cudnn import cudnn_unavailable_reason
-    from ps_mcore.attention.fa4 import fa4_unavailable_reason
+    from ps_mcore.attention.cudnn import cudnn_refusal
+    from ps_mcore.attention.fa4 import fa4_refusal
 
-    reason = kernel_reason(cudnn_unavailable_reason, args.heads, args.head_dim, torch.bfloat16)
+    reason = kernel_refusal(cudnn_refusal, args.heads, args.head_dim, torch.bfloat16)
     use_cudnn = reason is None
     if not use_cudnn:
         log(f"cuDNN columns print '-': {reason}")
-    fa4 = kernel_reason(fa4_unavailable_reason, args.heads, args.head_dim, torch.bfloat16)
+    fa4 = kernel_refusal(fa4_refusal, args.heads, args.head_dim, torch.bfloat16)
     args.fa4 = fa4 is None
     if fa4:
         log(f"FA4 columns print '-': {fa4}")

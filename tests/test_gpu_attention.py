@@ -29,28 +29,28 @@ def check(plan, backend, hq, hkv, d, dtype, seed=0, tol=1e-2):
         assert rel(a, b) < 2 * tol, f"d{name} rel err {rel(a, b)}"
 
 
-def _te_reason() -> str | None:
+def _te_refusal() -> str | None:
     """Why the cuDNN backend cannot run on this machine (None: TE and CUDA are there)."""
     if not torch.cuda.is_available():
         return "needs CUDA"
-    from ps_mcore.attention.cudnn import static_unavailable_reason
+    from ps_mcore.attention.cudnn import cudnn_static_refusal
 
-    return static_unavailable_reason("cuda", torch.bfloat16, 128)
-
-
-needs_te = pytest.mark.skipif(_te_reason() is not None, reason=f"cuDNN backend: {_te_reason()}")
+    return cudnn_static_refusal("cuda", torch.bfloat16, 128)
 
 
-def _fa4_reason() -> str | None:
+needs_te = pytest.mark.skipif(_te_refusal() is not None, reason=f"cuDNN backend: {_te_refusal()}")
+
+
+def _fa4_refusal() -> str | None:
     """Why the fa4 backend cannot run on this machine (None: the package and an SM90+ GPU are there)."""
     if not torch.cuda.is_available():
         return "needs CUDA"
-    from ps_mcore.attention.fa4 import fa4_unavailable_reason
+    from ps_mcore.attention.fa4 import fa4_refusal
 
-    return fa4_unavailable_reason(torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16))
+    return fa4_refusal(torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16))
 
 
-needs_fa4 = pytest.mark.skipif(_fa4_reason() is not None, reason=f"fa4 backend: {_fa4_reason()}")
+needs_fa4 = pytest.mark.skipif(_fa4_refusal() is not None, reason=f"fa4 backend: {_fa4_refusal()}")
 # The fused kernels beside torch flash: cuDNN through TE, FlashAttention-4 (each skips without its package).
 FUSED = [pytest.param("cudnn", marks=needs_te), pytest.param("fa4", marks=needs_fa4)]
 ALL = ["varlen", "flex", *FUSED]
@@ -162,10 +162,10 @@ def test_cudnn_other_head_dims_exact_or_refused_clearly(d):
     """cuDNN's head-dim support depends on its version: every multiple of 8 up to 128 either
     runs exactly or is refused by the backend's check with cuDNN's reason (never a crash
     inside the step)."""
-    from ps_mcore.attention.cudnn import cudnn_unavailable_reason
+    from ps_mcore.attention.cudnn import cudnn_refusal
 
     q = torch.zeros(8, 4, d, device="cuda", dtype=torch.bfloat16)
-    reason = cudnn_unavailable_reason(q)
+    reason = cudnn_refusal(q)
     plan = plan_prefix_tree(nasty_forests()["grpo"], min_prefix_len=1)
     if reason is None:
         check(plan, "cudnn", 4, 2, d, torch.bfloat16)
@@ -184,7 +184,7 @@ def test_cudnn_refuses_head_dims_cudnn_cannot_take():
         resolve_backend("cudnn", torch.zeros(8, 4, 64, device="cuda"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or _te_reason() is None, reason="needs CUDA without TE")
+@pytest.mark.skipif(not torch.cuda.is_available() or _te_refusal() is None, reason="needs CUDA without TE")
 def test_cudnn_without_te_is_refused_and_auto_stays_flash():
     from ps_mcore.workloads import make_workload
 

@@ -89,21 +89,21 @@ def test_fa4_refuses_head_dims_whose_gradients_it_got_wrong(d):
     q, k, v = random_qkv(plan, 4, 2, d, torch.bfloat16)
     with pytest.raises(ValueError, match=f"runs head dims 64, 96, 128, 160, 192, 256 \\(got {d}"):
         tree_attention(q, k, v, plan, backend="fa4")
-    assert fa4.fa4_unavailable_reason(q.float()).startswith("it needs fp16 or bf16")
+    assert fa4.fa4_refusal(q.float()).startswith("it needs fp16 or bf16")
 
 
-def test_static_reasons_name_the_problem(monkeypatch):
+def test_static_refusals_name_the_problem(monkeypatch):
     bf16 = torch.bfloat16
-    assert "fp16 or bf16" in cudnn.static_unavailable_reason("cuda", torch.float32, 128)
-    assert "multiple of 8" in cudnn.static_unavailable_reason("cuda", bf16, 100)
-    assert "at most 128" in cudnn.static_unavailable_reason("cuda", bf16, 192)
+    assert "fp16 or bf16" in cudnn.cudnn_static_refusal("cuda", torch.float32, 128)
+    assert "multiple of 8" in cudnn.cudnn_static_refusal("cuda", bf16, 100)
+    assert "at most 128" in cudnn.cudnn_static_refusal("cuda", bf16, 192)
     monkeypatch.setattr(cudnn, "_te_fused_attn", lambda: "transformer_engine's fused attention is not importable (X)")
-    assert "transformer_engine" in cudnn.static_unavailable_reason("cuda", bf16, 128)
+    assert "transformer_engine" in cudnn.cudnn_static_refusal("cuda", bf16, 128)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE installed")
-def test_without_te_the_reason_says_so():
-    assert "transformer_engine" in cudnn.static_unavailable_reason("cuda", torch.bfloat16, 128)
+def test_without_te_the_refusal_says_so():
+    assert "transformer_engine" in cudnn.cudnn_static_refusal("cuda", torch.bfloat16, 128)
     with pytest.raises(RuntimeError, match="cuDNN tree attention: transformer_engine"):
         cudnn._te()
 

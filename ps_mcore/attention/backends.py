@@ -207,9 +207,9 @@ def _auto_prefers_cudnn(q: torch.Tensor, plan: TreePlan) -> bool:
     # The shape rule first (host numbers, cached): the cuDNN probe only runs for plans it picks.
     if not prefers_cudnn(plan_shape(plan, q.size(1), q.size(2))):
         return False
-    from ps_mcore.attention.cudnn import cudnn_unavailable_reason
+    from ps_mcore.attention.cudnn import cudnn_refusal
 
-    return cudnn_unavailable_reason(q) is None
+    return cudnn_refusal(q) is None
 
 
 def auto_choice(q: torch.Tensor, plan: TreePlan) -> tuple[str, str]:

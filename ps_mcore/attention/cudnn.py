@@ -17,7 +17,7 @@ cuDNN is *not* used for the cascade's level calls: those need the kernel's log-s
 ``[Hq, T]`` form for the merge and segments with no key (filler rows), neither of which this
 wrapper promises. The kernel handles GQA natively (query head i reads kv head
 ``i // (Hq // Hkv)``), fp16/bf16, any softmax scale; head dims as cuDNN supports them
-(:func:`cudnn_unavailable_reason` probes the exact ``(dtype, Hq, D)`` once per device).
+(:func:`cudnn_refusal` probes the exact ``(dtype, Hq, D)`` once per device).
 
 TE is imported lazily, only on CUDA; without it the backend's check says so.
 """
@@ -109,7 +109,7 @@ CUDNN_KERNEL = VarlenKernel("cudnn", _cudnn_forward, _cudnn_backward)
 # ----------------------------------------------------------------------------- availability
 
 
-def static_unavailable_reason(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+def cudnn_static_refusal(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
     """The checks that need no GPU: device, dtype, head dim, TE importable (None: all pass)."""
     if device_type != "cuda":
         return f"it needs a CUDA device (q is on {device_type})"
@@ -124,13 +124,13 @@ def static_unavailable_reason(device_type: str, dtype: torch.dtype, head_dim: in
     return found if isinstance(found, str) else None
 
 
-def cudnn_unavailable_reason(q: torch.Tensor) -> str | None:
+def cudnn_refusal(q: torch.Tensor) -> str | None:
     """Why cuDNN tree attention cannot run for ``q`` ``[T, Hq, D]`` (None: it can).
 
-    :func:`static_unavailable_reason` first; then, once per ``(device, dtype, Hq, D)``, a tiny
+    :func:`cudnn_static_refusal` first; then, once per ``(device, dtype, Hq, D)``, a tiny
     forward + backward through TE, so a cuDNN build that refuses the shape is found here and
     not in the middle of a training step."""
-    reason = static_unavailable_reason(q.device.type, q.dtype, q.size(-1))
+    reason = cudnn_static_refusal(q.device.type, q.dtype, q.size(-1))
     if reason is not None:
         return reason
     if torch.cuda.is_current_stream_capturing():
@@ -161,7 +161,7 @@ def _probe(device_index: int, dtype: torch.dtype, hq: int, d: int) -> str | None
 
 def require_cudnn(q: torch.Tensor) -> None:
     """Raise ``ValueError`` saying why backend ``"cudnn"`` cannot run for ``q``."""
-    reason = cudnn_unavailable_reason(q)
+    reason = cudnn_refusal(q)
     if reason is not None:
         raise unavailable_error("cudnn", "Transformer Engine's cuDNN fused attention", reason)
 

@@ -19,7 +19,7 @@ SM90 backward returned wrong gradients for head dims 72, 80 and 112 there (outpu
 96, 128, 160, 192 and 256 right): only :data:`FA4_HEAD_DIMS` are run, others are refused.
 Exact against the float64 unshared computation on those head dims (tests/test_gpu_attention.py).
 
-The package is imported lazily, only on CUDA; :func:`fa4_unavailable_reason` says why it
+The package is imported lazily, only on CUDA; :func:`fa4_refusal` says why it
 cannot run (not installed, GPU older than SM90, dtype, head dim). The first call of a shape
 JIT-compiles FA4's kernels (FA4 caches them).
 """
@@ -77,7 +77,7 @@ def _fa4_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, caus
 FA4_KERNEL = VarlenKernel("fa4", _fa4_forward, _fa4_backward)
 
 
-def fa4_unavailable_reason(q: torch.Tensor) -> str | None:
+def fa4_refusal(q: torch.Tensor) -> str | None:
     """Why FA4 tree attention cannot run for ``q`` ``[T, Hq, D]`` (None: it can): dtype, head
     dim, device, capability, the package importable. A shape FA4 itself refuses raises
     from its first call with FA4's own message."""
@@ -98,6 +98,6 @@ def fa4_unavailable_reason(q: torch.Tensor) -> str | None:
 
 def require_fa4(q: torch.Tensor) -> None:
     """Raise ``ValueError`` saying why backend ``"fa4"`` cannot run for ``q``."""
-    reason = fa4_unavailable_reason(q)
+    reason = fa4_refusal(q)
     if reason is not None:
         raise unavailable_error("fa4", "FlashAttention-4, the flash-attn-4 package", reason)

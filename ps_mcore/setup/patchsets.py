@@ -15,7 +15,7 @@ from ps_mcore.integrations.patching import Patcher
 from ps_mcore.setup.registry import Component, Patchset, register
 
 
-def verl080_reason() -> str | None:
+def verl080_refusal() -> str | None:
     """None when verl 0.8.0 is installed, else why not."""
     version = distribution_version("verl")
     if version is None:
@@ -25,7 +25,7 @@ def verl080_reason() -> str | None:
     return None
 
 
-def mcore016_reason() -> str | None:
+def mcore016_refusal() -> str | None:
     """None when megatron-core 0.16.x is installed, else why not."""
     mcore = distribution_version("megatron-core", "megatron_core")
     if mcore is None and not module_importable("megatron.core"):
@@ -35,7 +35,7 @@ def mcore016_reason() -> str | None:
     return None
 
 
-def mindspeed016_reason() -> str | None:
+def mindspeed016_refusal() -> str | None:
     """None when MindSpeed is absent (GPU) or 0.16 (Ascend), else why not."""
     mindspeed = distribution_version("mindspeed")
     if mindspeed is not None and not mindspeed.startswith("0.16"):
@@ -43,11 +43,11 @@ def mindspeed016_reason() -> str | None:
     return None
 
 
-def transformers_reason() -> str | None:
+def transformers_refusal() -> str | None:
     return "transformers is not installed" if distribution_version("transformers") is None else None
 
 
-def first_reason(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
+def first_refusal(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
     """A ``detect`` function: the first check's reason, None when every check passes."""
 
     def detect() -> str | None:
@@ -84,7 +84,7 @@ VERL080_MCORE = register(
     Patchset(
         name="verl080_mcore0161_ms0160",
         description="verl 0.8.0 Megatron engine, megatron-core 0.16.x, MindSpeed 0.16.0 (optional)",
-        detect=first_reason(verl080_reason, mcore016_reason, mindspeed016_reason),
+        detect=first_refusal(verl080_refusal, mcore016_refusal, mindspeed016_refusal),
         install=_install_verl080_megatron,
         components=(VERL080_COMMON,),
     )
@@ -94,7 +94,7 @@ VERL080_FSDP = register(
     Patchset(
         name="verl080_fsdp",
         description="verl 0.8.0 FSDP / FSDP2 engines with Hugging Face transformers",
-        detect=first_reason(verl080_reason, transformers_reason),
+        detect=first_refusal(verl080_refusal, transformers_refusal),
         install=_install_verl080_fsdp,
         components=(VERL080_COMMON,),
     )

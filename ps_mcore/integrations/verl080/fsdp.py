@@ -42,7 +42,7 @@ import torch
 
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
-    lm_head_batch_reason,
+    lm_head_batch_refusal,
     nested_like,
     sequence_lengths,
     uniform_temperature,
@@ -59,7 +59,7 @@ from ps_mcore.integrations.verl080.engine import (
 PLAN_KEY = "ps_mcore_tree_plan"
 TEMPERATURE_KEY = "ps_mcore_temperature"
 _SEAMS = ("forward_step", "prepare_model_inputs", "prepare_model_outputs")
-_SP_REASON = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+_SP_REFUSAL = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
 
 
 def _impl():
@@ -71,13 +71,13 @@ def _impl():
 # ----------------------------------------------------------------------------- checks
 
 
-def batch_fallback_reason(batch) -> str | None:
+def batch_flags_refusal(batch) -> str | None:
     """Why every micro-batch of ``batch`` takes verl's stock path, judged from the batch's
     own flags (so micro-batching can stay stock too); None if nothing rules it out."""
     from verl.utils import tensordict_utils as tu
 
     if tu.get_non_tensor_data(batch, key="sp_size", default=1) > 1:
-        return _SP_REASON
+        return _SP_REFUSAL
     if batch_flag(batch, "use_fused_kernels"):
         return (
             "use_fused_kernels=True: verl's fused forward computes the log-probs itself (set "
@@ -117,7 +117,7 @@ def micro_batch_temperature(batch) -> float | None:
     return None if temperature is None else max(temperature, 1e-8)
 
 
-def fsdp_fallback_reason(engine, batch) -> str | None:
+def fsdp_batch_refusal(engine, batch) -> str | None:
     """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
@@ -125,8 +125,8 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
     if _overrides_seams(engine):
         return f"{type(engine).__name__} overrides the FSDP engine's model input/output methods"
     if getattr(engine, "use_ulysses_sp", False):
-        return _SP_REASON
-    reason = batch_fallback_reason(batch)
+        return _SP_REFUSAL
+    reason = batch_flags_refusal(batch)
     if reason is not None:
         return reason
     if tu.get_non_tensor_data(batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
@@ -136,13 +136,13 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        reason = lm_head_batch_reason(batch, micro_batch_temperature(batch))
+        reason = lm_head_batch_refusal(batch, micro_batch_temperature(batch))
         if reason is not None:
             return reason
-    return _model_reason(engine.module)
+    return _model_refusal(engine.module)
 
 
-def _model_reason(module) -> str | None:
+def _model_refusal(module) -> str | None:
     from ps_mcore.fsdp_bridge import unwrap_model
 
     if hasattr(module, "v_head"):
@@ -199,7 +199,7 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
-        reason = fsdp_fallback_reason(self, source)
+        reason = fsdp_batch_refusal(self, source)
         plan = plan_or_stock("FSDP", micro, setting, source, n, reason)
         if plan is None:
             return original(self, micro_batch)
@@ -270,7 +270,7 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
     aware = prefix_aware(stock)
 
     def prepare_micro_batches(data, *args, **kwargs):
-        if batch_fallback_reason(data) is not None:
+        if batch_flags_refusal(data) is not None:
             return stock(data, *args, **kwargs)
         return aware(data, *args, **kwargs)
 

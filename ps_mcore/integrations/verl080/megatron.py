@@ -45,7 +45,7 @@ from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
-    lm_head_batch_reason,
+    lm_head_batch_refusal,
     nested_like,
     plan_batch,
     uniform_temperature,
@@ -86,7 +86,7 @@ def _uniform_temperature(args: dict) -> float | None:
     return uniform_temperature((args.get("logits_processor_args") or {}).get("temperature"))
 
 
-def megatron_fallback_reason(model, args: dict, batch) -> str | None:
+def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
     from ps_mcore.mindspeed import mindspeed_refusal
 
@@ -103,13 +103,13 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
         return "fp8 (its THD padding rules) is not supported"
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
-    from ps_mcore.layer_specs.modules.moe_router import tree_unsupported_reason  # MoE options a tree cannot make exact
+    from ps_mcore.layer_specs.modules.moe_router import moe_refusal  # MoE options a tree cannot make exact
 
-    moe_reason = tree_unsupported_reason(_unwrap(model).config)
-    if moe_reason is not None:  # the tree router would raise inside the model
-        return f"MoE with {moe_reason} cannot be exact on a prefix tree"
+    refusal = moe_refusal(_unwrap(model).config)
+    if refusal is not None:  # the tree router would raise inside the model
+        return f"MoE with {refusal} cannot be exact on a prefix tree"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        return lm_head_batch_reason(batch, _uniform_temperature(args))
+        return lm_head_batch_refusal(batch, _uniform_temperature(args))
     return None
 
 
@@ -192,7 +192,7 @@ def tree_engine_forward(stock: Callable) -> Callable:
         args = dict(bound.arguments)
         model, input_ids = args["model"], args["input_ids"]
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
-        reason = megatron_fallback_reason(model, args, micro.batch)
+        reason = megatron_batch_refusal(model, args, micro.batch)
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
         if plan is None:
             return stock(*call_args, **call_kwargs)
