@@ -280,7 +280,7 @@ def megatron_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
-ROPE_FUSION_REASON = (
+ROPE_FUSION_REFUSAL = (
     "apply_rope_fusion forced to False under MindSpeed: its NPU RoPE kernels are not verified "
     "with the per-token tree positions prefix sharing needs (TE's fused THD RoPE is, and stays on)"
 )

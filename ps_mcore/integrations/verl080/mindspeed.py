@@ -66,16 +66,16 @@ def tree_spec_args(args: Any) -> Iterator[None]:
 
 def build_refusal(engine: Any, args: Any) -> str | None:
     """Why this engine's model must be built with stock specs (None: tree specs)."""
-    from ps_mcore.mindspeed.state import CONTEXT_PARALLEL_REASON, RESET_ATTENTION_MASK_REASON
+    from ps_mcore.mindspeed.state import CONTEXT_PARALLEL_REFUSAL, RESET_ATTENTION_MASK_REFUSAL
     from ps_mcore.integrations.verl080.megatron import tree_build_refusal
 
     refusal = tree_build_refusal(engine)
     if refusal is not None:
         return f"{refusal} is not supported by tree attention"
     if getattr(engine.engine_config, "context_parallel_size", 1) > 1:
-        return CONTEXT_PARALLEL_REASON  # the Megatron engine shares under CP; MindSpeed's CP does not
+        return CONTEXT_PARALLEL_REFUSAL  # the Megatron engine shares under CP; MindSpeed's CP does not
     if getattr(args, "reset_attention_mask", False):
-        return RESET_ATTENTION_MASK_REASON
+        return RESET_ATTENTION_MASK_REFUSAL
     return None
 
 
@@ -86,10 +86,10 @@ def _mindspeed_refusal(engine) -> str | None:
 
 
 def _mindspeed_tree_build(engine, original: Callable):
-    from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REASON
+    from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REFUSAL
     from ps_mcore.mindspeed.spec import megatron_args
 
-    info_once("rope-fusion", ROPE_FUSION_REASON)
+    info_once("rope-fusion", ROPE_FUSION_REFUSAL)
     with tree_spec_args(megatron_args()):
         return original(engine)
 
