@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 import ps_mcore
+from ps_mcore import analyze, demo
+from ps_mcore.analyze import AnalyzeError
 
 SUITES = ("planner", "attention", "model", "hf")
 # Suites that need CUDA; "model" and "hf" also have a --tiny CPU smoke run.
@@ -93,27 +95,14 @@ def plain_text(doc: str) -> str:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="every standard workload through a tiny Megatron GPT, "
-                       "shared vs. unshared, with a parity check")
-    try:
-        from ps_mcore.demo import add_demo_arguments, run_demo
-    except ImportError as e:  # the demo module itself, not megatron (that is imported later)
-        reason = str(e)
-
-        def unavailable(_args) -> int:
-            print(f"ps-mcore demo: not available ({reason})", file=sys.stderr)
-            return 1
-
-        p.set_defaults(func=unavailable, parser=p)
-        return
-    p.description = plain_text(sys.modules["ps_mcore.demo"].__doc__)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_demo_arguments(p)
-    p.set_defaults(func=run_demo, parser=p)
+                       "shared vs. unshared, with a parity check",
+                       description=plain_text(demo.__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_demo_arguments(p)  # megatron-core is imported when the demo runs
+    p.set_defaults(func=demo.run_demo, parser=p)
 
 
 def _add_analyze(sub) -> None:
-    from ps_mcore import analyze
-
     p = sub.add_parser("analyze", help="how much prefix sharing would save on your rollouts",
                        description=plain_text(analyze.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,8 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ps-mcore`` console script; returns the exit status."""
-    from ps_mcore.analyze import AnalyzeError
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from ps_mcore.flops import DecoderShape
+from ps_mcore.logprobs import token_logprobs
 from ps_mcore.planner import TreePlan, plan_prefix_tree, plan_unshared
+from ps_mcore.table import format_cell, format_table
 from ps_mcore.workloads import WORKLOADS, Workload, make_workload
 
 TINY = DecoderShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=1024)
@@ -70,7 +72,7 @@ def build_model(shape: DecoderShape, device: torch.device, seed: int = 0) -> tor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
+    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec  # imports megatron-core
 
     _init_megatron()
     torch.manual_seed(seed)
@@ -95,8 +97,7 @@ def make_step(model, plan: TreePlan, token_weight: torch.Tensor) -> Callable[...
     """One training step (forward + backward of a per-sample-weighted log-prob loss) on
     ``plan``; ``step(measure_memory=True)`` also records the activations saved for backward
     in ``step.saved`` (storage -> bytes). Returns the detached log-probs ``[N]``."""
-    from ps_mcore.layer_specs import TreePackedSeqParams
-    from ps_mcore.logprobs import token_logprobs
+    from ps_mcore.layer_specs import TreePackedSeqParams  # imports megatron-core
 
     psp = TreePackedSeqParams.from_plan(plan)
     saved: dict[int, int] = {}
@@ -246,8 +247,6 @@ def _third_party_warnings(show: bool):
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from ps_mcore.table import format_cell, format_table
-
     device = _resolve_device(args.device)
     if isinstance(device, str):
         print(f"ps-mcore demo: error: {device}", file=sys.stderr)

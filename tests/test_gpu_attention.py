@@ -4,6 +4,8 @@ run on the device: ``python -m pytest -q tests/test_gpu_attention.py``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -130,9 +132,9 @@ def test_cudnn_layouts_on_chains_and_deep_trees(monkeypatch, layout):
     (gather-KV with the fused scatter-add), against the float64 unshared computation."""
     from ps_mcore.attention import backends, cudnn
 
-    monkeypatch.setattr(backends, "_cudnn", lambda q, k, v, plan, s: cudnn.cudnn_tree_attention(q, k, v, plan, s, layout))
-    monkeypatch.setitem(backends.ATTENTION_BACKENDS, "cudnn", backends.AttentionBackend(
-        "cudnn", attend=backends._cudnn, gather_kv_kernel=backends._cudnn_kernel, check=backends._check_cudnn))
+    monkeypatch.setitem(backends.ATTENTION_BACKENDS, "cudnn", dataclasses.replace(
+        backends.ATTENTION_BACKENDS["cudnn"],
+        attend=lambda q, k, v, plan, s: cudnn.cudnn_tree_attention(q, k, v, plan, s, layout)))
     step_wise = [list(range(37 * (j + 1))) for j in range(6)]
     check(plan_prefix_tree(step_wise, min_prefix_len=1), "cudnn", 8, 2, 128, torch.bfloat16)
     deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]

@@ -5,6 +5,7 @@ wiring is checked here and only the kernel itself on the GPU (tests/test_gpu_att
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -14,7 +15,7 @@ from attention_oracle import random_qkv, unshared_attention
 from forests import nasty_forests, random_forest
 
 from ps_mcore import plan_prefix_tree, plan_unshared, tree_attention
-from ps_mcore.attention import auto_choice, cudnn, fa4, kernel_choice, resolve_backend
+from ps_mcore.attention import auto_choice, backends, cudnn, fa4, kernel_choice, resolve_backend
 from ps_mcore.attention.gather_kv import MATH_KERNEL
 from ps_mcore.attention.kernel_choice import CUDNN_MIN_WORK, PlanShape, plan_shape, prefers_cudnn
 from ps_mcore.planner import tree_pairs
@@ -144,7 +145,8 @@ def fake_te(monkeypatch):
                                 "dqkv_layout", "attn_bias_type", "attn_mask_type", "window_size",
                                 "cu_seqlens_q_padded", "cu_seqlens_kv_padded"})
     monkeypatch.setattr(cudnn, "_te_fused_attn", lambda: found)
-    monkeypatch.setattr(cudnn, "require_cudnn", lambda q: None)  # the check wants CUDA
+    cudnn_entry = backends.ATTENTION_BACKENDS["cudnn"]  # its check wants CUDA
+    monkeypatch.setitem(backends.ATTENTION_BACKENDS, "cudnn", dataclasses.replace(cudnn_entry, check=None))
     return found
 
 

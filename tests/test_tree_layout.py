@@ -126,7 +126,7 @@ def test_auto_layout_follows_cascade_pays(monkeypatch):
     assert not layout_mod.cascade_pays(plan, lay)
     calls = []
     monkeypatch.setattr(
-        "ps_mcore.attention.gather_kv.gather_kv_attention",
+        "ps_mcore.attention.cascade.gather_kv_attention",
         lambda *a, **k: calls.append(1) or torch.zeros_like(a[0]),
     )
     q, k, v = random_qkv(plan, 2, 1, 8, torch.float32)

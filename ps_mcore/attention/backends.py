@@ -15,7 +15,14 @@ from typing import Callable
 import torch
 
 from ps_mcore.attention.cascade import tree_varlen_attention
+from ps_mcore.attention.cudnn import CUDNN_KERNEL, cudnn_refusal, cudnn_tree_attention, require_cudnn
+from ps_mcore.attention.fa4 import FA4_KERNEL, require_fa4
+from ps_mcore.attention.flex import flex_tree_attention
 from ps_mcore.attention.gather_kv import MATH_KERNEL, VarlenKernel, flash_kernel_for, gather_kv_attention
+from ps_mcore.attention.kernel_choice import plan_shape, prefers_cudnn
+from ps_mcore.attention.layout import auto_layout, cascade_layout
+from ps_mcore.attention.npu import NPU_KERNEL, require_torch_npu
+from ps_mcore.attention.reference import reference_attention
 from ps_mcore.planner import TreePlan
 
 AUTO = "auto"
@@ -91,18 +98,6 @@ def check_backend_name(backend: str | None) -> None:
 # ----------------------------------------------------------------------------- built-ins
 
 
-def _reference(q, k, v, plan, scale):
-    from ps_mcore.attention.reference import reference_attention
-
-    return reference_attention(q, k, v, plan, scale)
-
-
-def _flex(q, k, v, plan, scale):
-    from ps_mcore.attention.flex import flex_tree_attention
-
-    return flex_tree_attention(q, k, v, plan, scale)
-
-
 def _check_flex(q: torch.Tensor) -> None:
     if not q.is_cuda and torch.is_grad_enabled() and q.requires_grad:
         raise ValueError(
@@ -121,58 +116,18 @@ def _check_varlen(q: torch.Tensor) -> None:
         raise ValueError(f"backend 'varlen' needs fp16 or bf16 inputs, got {q.dtype}")
 
 
-def _cudnn(q, k, v, plan, scale):
-    from ps_mcore.attention.cudnn import cudnn_tree_attention
-
-    return cudnn_tree_attention(q, k, v, plan, scale)
-
-
-def _cudnn_kernel(device: torch.device) -> VarlenKernel:
-    from ps_mcore.attention.cudnn import CUDNN_KERNEL
-
-    return CUDNN_KERNEL
-
-
-def _check_cudnn(q: torch.Tensor) -> None:
-    from ps_mcore.attention.cudnn import require_cudnn
-
-    require_cudnn(q)
-
-
-def _fa4_kernel(device: torch.device) -> VarlenKernel:
-    from ps_mcore.attention.fa4 import FA4_KERNEL
-
-    return FA4_KERNEL
-
-
-def _check_fa4(q: torch.Tensor) -> None:
-    from ps_mcore.attention.fa4 import require_fa4
-
-    require_fa4(q)
-
-
-def _npu_kernel(device: torch.device) -> VarlenKernel:
-    from ps_mcore.attention.npu import NPU_KERNEL
-
-    return NPU_KERNEL
-
-
-def _check_npu(q: torch.Tensor) -> None:
-    from ps_mcore.attention.npu import require_torch_npu
-
-    require_torch_npu()
-
-
-register_backend(AttentionBackend("reference", attend=_reference))
+register_backend(AttentionBackend("reference", attend=reference_attention))
 register_backend(AttentionBackend("chunked", gather_kv_kernel=lambda device: MATH_KERNEL, cascade=True))
 register_backend(AttentionBackend("varlen", gather_kv_kernel=flash_kernel_for, check=_check_varlen, cascade=True))
-register_backend(AttentionBackend("flex", attend=_flex, check=_check_flex))
+register_backend(AttentionBackend("flex", attend=flex_tree_attention, check=_check_flex))
 # cuDNN through Transformer Engine: gather-KV, or the chain self call on chain forests (cudnn.py);
 # its gather-KV kernel also serves context parallelism.
-register_backend(AttentionBackend("cudnn", attend=_cudnn, gather_kv_kernel=_cudnn_kernel, check=_check_cudnn))
-register_backend(AttentionBackend("npu", gather_kv_kernel=_npu_kernel, check=_check_npu))
+register_backend(AttentionBackend(
+    "cudnn", attend=cudnn_tree_attention, gather_kv_kernel=lambda device: CUDNN_KERNEL, check=require_cudnn))
+register_backend(AttentionBackend(
+    "npu", gather_kv_kernel=lambda device: NPU_KERNEL, check=lambda q: require_torch_npu()))
 # FlashAttention-4 (flash-attn-4, CuTe DSL, SM90+): both layouts, like varlen; explicit only (fa4.py).
-register_backend(AttentionBackend("fa4", gather_kv_kernel=_fa4_kernel, check=_check_fa4, cascade=True))
+register_backend(AttentionBackend("fa4", gather_kv_kernel=lambda device: FA4_KERNEL, check=require_fa4, cascade=True))
 
 
 # ----------------------------------------------------------------------------- resolution
@@ -200,23 +155,17 @@ def resolve_backend(backend: str, q: torch.Tensor, plan: TreePlan | None = None)
 
 
 def _auto_prefers_cudnn(q: torch.Tensor, plan: TreePlan) -> bool:
-    from ps_mcore.attention.kernel_choice import plan_shape, prefers_cudnn
-
     if "cudnn" not in ATTENTION_BACKENDS or not isinstance(plan, TreePlan):
         return False
     # The shape rule first (host numbers, cached): the cuDNN probe only runs for plans it picks.
     if not prefers_cudnn(plan_shape(plan, q.size(1), q.size(2))):
         return False
-    from ps_mcore.attention.cudnn import cudnn_refusal
-
     return cudnn_refusal(q) is None
 
 
 def auto_choice(q: torch.Tensor, plan: TreePlan) -> tuple[str, str]:
     """``(backend, layout)`` that ``tree_attention(..., backend="auto")`` runs for ``q`` and
     ``plan`` (layout "cascade" or "gather" for the varlen/cudnn kernels, else "-")."""
-    from ps_mcore.attention.layout import auto_layout, cascade_layout
-
     name = resolve_backend(AUTO, q, plan)
     if name not in ("varlen", "cudnn", "chunked"):
         return name, "-"

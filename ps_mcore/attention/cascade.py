@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ps_mcore.attention.gather_kv import VarlenKernel
-from ps_mcore.attention.layout import CascadeLayout
+from ps_mcore.attention.gather_kv import VarlenKernel, gather_kv_attention
+from ps_mcore.attention.layout import CascadeLayout, auto_layout, cascade_layout
 from ps_mcore.attention.merge import merge
 
 
@@ -96,9 +96,6 @@ def tree_varlen_attention(q, k, v, plan, softmax_scale: float, kernel: VarlenKer
     """Tree attention through a varlen ``kernel``: with ``layout="auto"`` the cascade layout
     (no copy) where it pays, else gather-KV (``layout.cascade_pays``); or the one named
     (``"cascade"``/``"gather"``)."""
-    from ps_mcore.attention.gather_kv import gather_kv_attention
-    from ps_mcore.attention.layout import auto_layout, cascade_layout
-
     if layout not in ("auto", "cascade", "gather"):
         raise ValueError(f"unknown tree attention layout {layout!r}; expected auto, cascade or gather")
     if layout == "gather":

@@ -29,7 +29,8 @@ import inspect
 
 import torch
 
-from ps_mcore.attention.gather_kv import VarlenKernel, unavailable_error
+from ps_mcore.attention.gather_kv import _GatherKVAttention, VarlenKernel, gather_kv_attention, unavailable_error
+from ps_mcore.attention.layout import auto_layout, cascade_layout
 
 CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 # cuDNN's F16 fused attention (sm80/sm90) takes head dims that are multiples of 8 up to 256, but
@@ -176,9 +177,6 @@ def cudnn_tree_attention(q, k, v, plan, softmax_scale: float, layout: str = "aut
     level call), else gather-KV; ``"gather"`` forces gather-KV; ``"cascade"`` is accepted only
     for a chain forest (cuDNN does not run the cascade's level calls, see the module
     docstring)."""
-    from ps_mcore.attention.gather_kv import _GatherKVAttention, gather_kv_attention
-    from ps_mcore.attention.layout import auto_layout, cascade_layout
-
     if layout not in ("auto", "cascade", "gather"):
         raise ValueError(f"unknown tree attention layout {layout!r}; expected auto, cascade or gather")
     if layout == "gather":

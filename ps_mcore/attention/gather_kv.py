@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ps_mcore.attention.scatter import copies_csr, scatter_sum_kv
 from ps_mcore.planner import TreePlan
 
 
@@ -197,8 +198,6 @@ class _GatherKVAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from ps_mcore.attention.scatter import scatter_sum_kv
-
         q, k, v, out, kv_index, cu_q, cu_k, *aux = ctx.saved_tensors
         max_q, max_k, scale, kernel, csr = ctx.meta
         kg = k if kv_index is None else k.index_select(0, kv_index)
@@ -221,8 +220,6 @@ def gather_kv_attention(q, k, v, plan, softmax_scale: float, kernel: VarlenKerne
     # The fused scatter-add's row -> copies index is cached on TreePlans (the context-parallel
     # layout passes its own plan-like object, whose K/V rows are the all-gathered ones).
     if kv_index is not None and q.is_cuda and isinstance(plan, TreePlan):
-        from ps_mcore.attention.scatter import copies_csr
-
         csr = copies_csr(plan, q.device)
     return _GatherKVAttention.apply(
         q, k, v, kv_index, plan.cu_seqlens_q, plan.cu_seqlens_kv,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ps_mcore.attention.layout import auto_layout, cascade_layout
 from ps_mcore.planner import tree_pairs
 
 # Smallest forward work (query-key pairs x query heads x head dim) at which cuDNN is chosen.
@@ -76,8 +77,6 @@ def prefers_cudnn(shape: PlanShape, min_work: float = CUDNN_MIN_WORK) -> bool:
 def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
     """The :class:`PlanShape` of ``plan`` for ``heads`` query heads of ``head_dim`` (host
     numbers cached on the plan's host copy: no device sync per layer)."""
-    from ps_mcore.attention.layout import auto_layout, cascade_layout
-
     host = plan.host
     if host.memo.kernel_choice_shape is None:
         cu_q, cu_k = host.cu_seqlens_q.cpu().numpy(), host.cu_seqlens_kv.cpu().numpy()

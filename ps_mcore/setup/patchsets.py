@@ -2,8 +2,8 @@
 which integration glue it installs; the glue itself lives in ``ps_mcore.integrations``.
 
 Supporting a new verl release: add ``ps_mcore/integrations/verl0XY/`` (a sibling of
-``verl080``) and one :class:`Patchset` entry here. Integrations are imported only inside
-``install``, so detecting a stack imports no verl / megatron-core.
+``verl080``) and one :class:`Patchset` entry here. The glue imports verl / megatron-core only
+inside ``install``, so detecting a stack imports neither.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ps_mcore.integrations.env import distribution_version, module_importable
-from ps_mcore.integrations.patching import Patcher
+from ps_mcore.integrations.verl080.install import install_common, install_fsdp_engines, install_megatron_engines
 from ps_mcore.setup.registry import Component, Patchset, register
 
 
@@ -60,32 +60,14 @@ def first_refusal(*checks: Callable[[], str | None]) -> Callable[[], str | None]
     return detect
 
 
-def _install_verl080_common(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.install import install_common
-
-    install_common(patcher)
-
-
-def _install_verl080_megatron(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.install import install_megatron_engines
-
-    install_megatron_engines(patcher)
-
-
-def _install_verl080_fsdp(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.install import install_fsdp_engines
-
-    install_fsdp_engines(patcher)
-
-
-VERL080_COMMON = Component(name="verl080_common", install=_install_verl080_common)
+VERL080_COMMON = Component(name="verl080_common", install=install_common)
 
 VERL080_MCORE = register(
     Patchset(
         name="verl080_mcore0161_ms0160",
         description="verl 0.8.0 Megatron engine, megatron-core 0.16.x, MindSpeed 0.16.0 (optional)",
         detect=first_refusal(verl080_refusal, mcore016_refusal, mindspeed016_refusal),
-        install=_install_verl080_megatron,
+        install=install_megatron_engines,
         components=(VERL080_COMMON,),
     )
 )
@@ -95,7 +77,7 @@ VERL080_FSDP = register(
         name="verl080_fsdp",
         description="verl 0.8.0 FSDP / FSDP2 engines with Hugging Face transformers",
         detect=first_refusal(verl080_refusal, transformers_refusal),
-        install=_install_verl080_fsdp,
+        install=install_fsdp_engines,
         components=(VERL080_COMMON,),
     )
 )

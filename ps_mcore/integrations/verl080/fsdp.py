@@ -40,6 +40,8 @@ from typing import Callable
 
 import torch
 
+from ps_mcore.fsdp_bridge import enable_tree_attention, unwrap_model
+from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     lm_head_batch_refusal,
@@ -50,10 +52,12 @@ from ps_mcore.integrations.verl080.batch import (
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
+    install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.logprobs import token_logprobs
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
 PLAN_KEY = "ps_mcore_tree_plan"
@@ -143,8 +147,6 @@ def fsdp_batch_refusal(engine, batch) -> str | None:
 
 
 def _model_refusal(module) -> str | None:
-    from ps_mcore.fsdp_bridge import unwrap_model
-
     if hasattr(module, "v_head"):
         return "trl value-head wrappers (AutoModelForCausalLMWithValueHead) are not supported"
     try:
@@ -163,9 +165,6 @@ def _model_refusal(module) -> str | None:
 def _switch_attention(module: torch.nn.Module, patcher) -> None:
     """``enable_tree_attention`` on the engine's model, recorded in the patchset's patcher
     so that uninstalling gives the model its own implementation back."""
-    from ps_mcore.fsdp_bridge import enable_tree_attention
-    from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
-
     for config in enable_tree_attention(module):
         config._attn_implementation_internal = base_implementation(config)
         patcher.set(config, "_attn_implementation_internal", ATTN_NAME)
@@ -211,8 +210,6 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
 
 def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
     """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``."""
-    from ps_mcore.logprobs import token_logprobs
-
     logprobs, entropy = token_logprobs(
         output.logits[0],
         output_args[PLAN_KEY],
@@ -282,8 +279,6 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
-    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
-
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
     patcher.wrap(lm, "forward_step", fsdp_forward_step)

@@ -12,19 +12,21 @@
 from __future__ import annotations
 
 from ps_mcore.integrations.patching import Patcher
+from ps_mcore.integrations.verl080.config import install_config_patches
+from ps_mcore.integrations.verl080.fsdp import install_verl_fsdp_patches
+from ps_mcore.integrations.verl080.megatron import install_megatron_patches
+from ps_mcore.integrations.verl080.mindspeed import engine_available, install_mindspeed_build_patch
+from ps_mcore.integrations.verl080.trainer import (
+    init_workers_following_actor,
+    ray_trainer_balance_batch,
+    reduce_metrics_with_prefix_sharing,
+    sync_trainer_balance_batch,
+)
 
 
 def install_common(patcher: Patcher) -> None:
     from verl.trainer import main_ppo_sync
     from verl.trainer.ppo import ray_trainer
-
-    from ps_mcore.integrations.verl080.config import install_config_patches
-    from ps_mcore.integrations.verl080.trainer import (
-        init_workers_following_actor,
-        ray_trainer_balance_batch,
-        reduce_metrics_with_prefix_sharing,
-        sync_trainer_balance_batch,
-    )
 
     install_config_patches(patcher)
     patcher.wrap(ray_trainer.RayPPOTrainer, "_balance_batch", ray_trainer_balance_batch)
@@ -36,9 +38,6 @@ def install_common(patcher: Patcher) -> None:
 
 
 def install_megatron_engines(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.megatron import install_megatron_patches
-    from ps_mcore.integrations.verl080.mindspeed import engine_available, install_mindspeed_build_patch
-
     install_megatron_patches(patcher)
     # verl's MindSpeed engine module imports without MindSpeed, so CPU tests cover the patch;
     # the patched class only ever runs on NPU.
@@ -47,6 +46,4 @@ def install_megatron_engines(patcher: Patcher) -> None:
 
 
 def install_fsdp_engines(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.fsdp import install_verl_fsdp_patches
-
     install_verl_fsdp_patches(patcher)

@@ -31,6 +31,10 @@ context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding, 
 temperatures, ``calculate_sum_pi_squared`` and distillation top-k. Fused kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
+
+``ps_mcore.layer_specs`` is imported where it is used, when an engine builds or runs its
+model: on NPUs its tree modules then subclass the megatron classes MindSpeed's ``repatch``
+(run by the engine before it builds the model) has bound, not those of install time.
 """
 
 from __future__ import annotations
@@ -55,10 +59,13 @@ from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
     current_step,
+    install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
+from ps_mcore.mindspeed.state import reset_attention_mask_active
 
 _HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -74,7 +81,7 @@ def _unwrap(model):
 
 def has_tree_attention(model) -> bool:
     """True when the (unwrapped) model's attention layers are ``TreeCoreAttention``."""
-    from ps_mcore.layer_specs import TreeCoreAttention
+    from ps_mcore.layer_specs import TreeCoreAttention  # after MindSpeed's repatch
 
     inner = _unwrap(model)
     if inner not in _HAS_TREE:
@@ -88,8 +95,6 @@ def _uniform_temperature(args: dict) -> float | None:
 
 def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
-    from ps_mcore.mindspeed import mindspeed_refusal
-
     reason = mindspeed_refusal()
     if reason is not None:
         return reason
@@ -103,7 +108,7 @@ def megatron_batch_refusal(model, args: dict, batch) -> str | None:
         return "fp8 (its THD padding rules) is not supported"
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
-    from ps_mcore.layer_specs.modules.moe_router import moe_refusal  # MoE options a tree cannot make exact
+    from ps_mcore.layer_specs.modules.moe_router import moe_refusal  # after MindSpeed's repatch
 
     refusal = moe_refusal(_unwrap(model).config)
     if refusal is not None:  # the tree router would raise inside the model
@@ -129,7 +134,7 @@ def tree_packed_params(plan):
     (a multiple of TP, of ``2*cp*tp`` under context parallelism), this CP rank's layout."""
     from megatron.core import parallel_state as mpu
 
-    from ps_mcore.layer_specs import TreePackedSeqParams
+    from ps_mcore.layer_specs import TreePackedSeqParams  # after MindSpeed's repatch
 
     tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
     return TreePackedSeqParams.from_plan(
@@ -147,8 +152,7 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     head), this CP rank's rows; returned tensors are jagged ``[B, j]`` with ``input_ids``'s
     offsets, complete on every CP rank.
     """
-    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows
-    from ps_mcore.mindspeed import set_tree_sequence_state
+    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows  # after MindSpeed's repatch
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
@@ -221,7 +225,7 @@ def check_same_plans(step, micro_batches, config) -> None:
     """Plan every micro-batch not planned yet (kept in ``step.plans`` for the forward) and
     raise unless every TP / PP / CP rank holds the same plans (one all-reduce per group,
     before the schedule: stages run a micro-batch at different times)."""
-    from ps_mcore.layer_specs import assert_same_plan
+    from ps_mcore.layer_specs import assert_same_plan  # after MindSpeed's repatch
 
     groups = _plan_check_groups()
     if not groups or not micro_batches:
@@ -288,8 +292,6 @@ ROPE_FUSION_REFUSAL = (
 
 def tree_build_refusal(engine) -> str | None:
     """Why the engine's model must be built with stock specs (None: tree specs)."""
-    from ps_mcore.mindspeed.state import reset_attention_mask_active
-
     if reset_attention_mask_active():
         return "MindSpeed's reset-attention-mask"
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
@@ -354,7 +356,7 @@ def megatron_build_module(original: Callable) -> Callable:
 
 def _build_with_mbridge(engine, original: Callable):
     """mbridge: ``to_tree_spec`` on the spec its ``_get_transformer_layer_spec`` builds."""
-    from ps_mcore.layer_specs import to_tree_spec
+    from ps_mcore.layer_specs import to_tree_spec  # after MindSpeed's repatch
 
     bridge = engine.bridge
     stock_spec = bridge._get_transformer_layer_spec
@@ -371,7 +373,7 @@ def _build_with_mbridge(engine, original: Callable):
 
 def _build_with_bridge_provider(engine, original: Callable):
     """Megatron-Bridge: the provider's own spec (instance or class default), converted."""
-    from ps_mcore.layer_specs import tree_layer_spec_from
+    from ps_mcore.layer_specs import tree_layer_spec_from  # after MindSpeed's repatch
 
     provider = engine.provider
     stock_spec = provider.transformer_layer_spec
@@ -386,8 +388,6 @@ def install_megatron_patches(patcher) -> None:
     """Every Megatron-engine patch of the ``verl080_mcore0161_ms0160`` patchset."""
     import verl.models.mcore as mcore
     from verl.workers.engine.megatron import transformer_impl as impl
-
-    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)
