@@ -193,29 +193,31 @@ def compare(model, w: Workload, device, iters: int, seed: int) -> dict:
     }
 
 
-def _positive(kind: type) -> Callable[[str], float]:
+def _bounded(kind: type, allow_zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a positive (or, with ``allow_zero``, non-negative) finite ``kind``."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else 'positive'}, got {text}")
         return value
 
-    parse.__name__ = f"positive {kind.__name__}"
+    parse.__name__ = f"{'non-negative' if allow_zero else 'positive'} {kind.__name__}"
     return parse
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--scale", type=_positive(float), default=1 / 16,
+    parser.add_argument("--scale", type=_bounded(float), default=1 / 16,
                         help="length scale of the standard workloads (default 1/16)")
-    parser.add_argument("--iters", type=_positive(int), default=3,
+    parser.add_argument("--iters", type=_bounded(int), default=3,
                         help="timed steps per path, alternating; the median counts (default 3)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="auto (cuda if available, else cpu), cpu or cuda")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_bounded(int, allow_zero=True), default=0,
+                        help="seed of the workloads, the weights and the loss weights (default 0)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show third-party warnings (Megatron's missing TE/Apex notes), hidden by default")
 

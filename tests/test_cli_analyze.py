@@ -5,6 +5,7 @@ nothing else printed), the plot (a real, non-blank PNG) and the icicle layout.""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -347,6 +348,26 @@ def test_no_command_and_unknown_arguments(capsys):
     with pytest.raises(SystemExit) as e:
         main(["analyze", "x.jsonl", "--no-such-flag"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,status", [
+    (["analyze", "ROLLOUTS", "-q", "--per-batch"], {141}),
+    (["--help"], {0, 141}),  # argparse itself drops a failed help write
+    (["analyze", "--help"], {0, 141}),
+])
+def test_a_closed_output_pipe_ends_quietly(tmp_path, argv, status):
+    """``ps-mcore ... | head``: the reader is gone before the output is written; the command
+    stops (SIGPIPE's status where it noticed) and prints nothing, no BrokenPipeError."""
+    path = _write_jsonl(tmp_path / "r.jsonl", _rollouts())
+    argv = [str(path) if a == "ROLLOUTS" else a for a in argv]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "ps_mcore", *argv], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120, cwd=ROOT)
+    finally:
+        os.close(write_end)
+    assert out.returncode in status and out.stderr == "", (out.returncode, out.stderr[-2000:])
 
 
 def test_demo_is_wired(capsys):

@@ -75,10 +75,12 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch):
     (["--scale", "nan"], "argument --scale: must be positive, got nan"),
     (["--iters", "0"], "argument --iters: must be positive, got 0"),
     (["--iters", "2.5"], "argument --iters: expected a int, got '2.5'"),
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
 ])
 def test_bad_demo_arguments_are_usage_errors(argv, message, capsys):
     rc, err = _cli(["demo", *argv], capsys)
-    assert rc == 2 and message in err and "Traceback" not in err
+    assert rc == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"ps-mcore demo: error: {message}")  # usage, then one line
 
 
 def test_third_party_warnings_hidden_unless_verbose():
