@@ -4,33 +4,39 @@ with per-token log-probs, unshared batch vs. prefix tree, on every standard work
     python benchmarks/hf.py [--layers 4] [--out FILE]     # CUDA
     python benchmarks/hf.py --tiny                          # CPU smoke run, tiny dims
 
-Baselines (stock transformers, attn_implementation="sdpa"; no flash-attn on the box):
-  * padded:  one right-padded [B, Lmax] batch with its padding mask (SDPA then runs its
-    masked kernel; pad rows cost linear and LM-head FLOPs too);
-  * per-seq: one sequence per forward (no mask, so SDPA takes its causal flash path),
-    gradients accumulated over the sequences.
-The faster of the two per workload is the baseline. Both compute log-probs with the same
-``token_logprobs`` helper as the tree (no-sharing plan). Tree: ``forward_tree`` (backend
-auto -> gather-KV varlen flash). Ideal = FLOP-weighted speedup: (N * linear + unshared
-attention pairs * attention) / (T * linear + tree pairs * attention), LM head included.
+Baseline: what verl's FSDP engine runs with ``use_remove_padding`` (its default path): the
+same HF model on the unshared sequences packed back to back into one row (position ids
+restarting per sequence), attention through a varlen flash kernel with one causal segment per
+sequence, as transformers' ``flash_attention_2`` runs packed rows. It is registered here as
+the attention implementation ``packed_varlen`` over torch's own FlashAttention-2
+(``torch.nn.attention.varlen.varlen_attn``, so no flash-attn package is needed); the sequence
+bounds (``cu_seq_lens_q/k``, ``max_length_q/k``) are handed to the model once per step, where
+HF's flash path would derive them from the position ids in every layer. On the CPU (``--tiny``)
+the same function runs each segment through causal SDPA. Log-probs come from the same
+``token_logprobs`` as the tree's.
+
+Tree: ``forward_tree`` (attention backend ``auto``) on the prefix forest, same weights.
+Ideal = FLOP-weighted speedup (``ps_mcore.flops.DecoderShape``: linear FLOPs scale with
+tokens, attention FLOPs with (query, key) pairs; LM head included).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, peak_mib, time_ms, write_report  # noqa: E402
+from common import DECODER_HEADERS, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
 from ps_mcore.flops import DecoderShape  # noqa: E402
 from ps_mcore.fsdp_bridge import disable_tree_attention, forward_tree  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
-from ps_mcore.workloads import make_workload  # noqa: E402
 
 QWEN25_15B = dict(
     hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
@@ -41,12 +47,55 @@ TINY = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=True,
 )
+VARLEN_ATTN = "packed_varlen"  # no "flash" in the name: transformers would look for a flash-attn package
+
+
+def _torch_varlen(q, k, v, cu, max_len: int, scale: float):
+    """torch's varlen FlashAttention-2, causal (``window_size=(-1, 0)``, or ``is_causal`` in
+    older releases); GQA natively (``enable_gqa`` where the installed torch asks for it),
+    ``scale`` where it takes one (else the kernel's default 1/sqrt(D))."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = q.size(1) != k.size(1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif abs(scale - q.size(-1) ** -0.5) > 1e-12:
+        raise ValueError("this torch's varlen_attn takes no scale; the model's is not 1/sqrt(head_dim)")
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def _sdpa_segments(q, k, v, cu, scale: float):
+    """The same attention per segment through causal SDPA (CPU smoke runs)."""
+    bounds = cu.tolist()
+    out = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                          is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+           for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(out)
+
+
+def varlen_flash_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                           cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+    """HF attention function of the baseline: ``query`` ``[1, Hq, T, D]``, ``key``/``value``
+    ``[1, Hkv, T, D]`` (one packed row), segments ``cu_seq_lens_q`` ``[B+1]`` int32 -> ``[1, T, Hq, D]``."""
+    if cu_seq_lens_q is None or query.size(0) != 1 or dropout:
+        raise ValueError(f"{VARLEN_ATTN}: one packed row with cu_seq_lens_q/k, no dropout")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    scale = scaling if scaling is not None else q.size(-1) ** -0.5
+    if q.is_cuda:
+        out = _torch_varlen(q, k, v, cu_seq_lens_q, max_length_q, scale)
+    else:
+        out = _sdpa_segments(q, k, v, cu_seq_lens_q, scale)
+    return out[None], None
 
 
 def build_model(dims: dict, layers: int, device: str, dtype: torch.dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(num_hidden_layers=layers, attn_implementation="sdpa", **dims)
+    AttentionInterface.register(VARLEN_ATTN, varlen_flash_attention)
+    config = Qwen2Config(num_hidden_layers=layers, attn_implementation=VARLEN_ATTN, **dims)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
@@ -62,70 +111,45 @@ def decoder_shape(config) -> DecoderShape:
 
 
 class Steps:
-    """The three fwd+bwd steps of one workload (weights: one per sample, like advantages)."""
+    """The baseline and tree fwd+bwd steps of one workload (weights: one per sample, like
+    advantages)."""
 
     def __init__(self, model, sequences, device):
         self.model = model
-        self.device = device
-        self.seqs = [torch.as_tensor(s, device=device) for s in sequences]
         self.plan = plan_prefix_tree(sequences).to(device)  # planner defaults
-        self.flat_plan = plan_unshared(sequences).to(device)
-        self.seq_plans = [plan_prefix_tree([s]).to(device) for s in sequences]
+        self.flat_plan = plan_unshared(sequences).to(device)  # rows = the sequences back to back
+        lengths = [len(s) for s in sequences]
+        self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        self.varlen_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                                  max_length_k=max(lengths))
         gen = torch.Generator().manual_seed(1)
-        self.weights = torch.empty(len(sequences)).uniform_(-1, 1, generator=gen).tolist()
-        lens = torch.tensor([len(s) for s in sequences])
-        self.token_weights = torch.repeat_interleave(torch.tensor(self.weights), lens).to(device)
-        width = int(lens.max())
-        self.padded_ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
-        self.pad_mask = torch.zeros_like(self.padded_ids)
-        for i, s in enumerate(self.seqs):
-            self.padded_ids[i, : len(s)] = s
-            self.pad_mask[i, : len(s)] = 1
-        # rows of the flattened padded logits that hold real tokens, in batch order
-        self.valid_rows = torch.nonzero(self.pad_mask.reshape(-1))[:, 0]
+        weights = torch.empty(len(sequences)).uniform_(-1, 1, generator=gen)
+        self.token_weights = torch.repeat_interleave(weights, torch.tensor(lengths)).to(device)
 
-    def padded_logprobs(self):
-        logits = self.model(input_ids=self.padded_ids, attention_mask=self.pad_mask, use_cache=False).logits
-        rows = logits.reshape(-1, logits.size(-1)).index_select(0, self.valid_rows)
-        return token_logprobs(rows, self.flat_plan)[0]
-
-    def padded_step(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-        (self.padded_logprobs() * self.token_weights).sum().backward()
-
-    def seq_logprobs(self, i: int):
-        logits = self.model(input_ids=self.seqs[i][None], use_cache=False).logits[0]
-        return token_logprobs(logits, self.seq_plans[i])[0]
-
-    def per_seq_step(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-        for i, w in enumerate(self.weights):
-            (self.seq_logprobs(i).sum() * w).backward()
+    def base_logprobs(self):
+        disable_tree_attention(self.model)  # the stock model, as verl runs it
+        logits = self.model(input_ids=self.flat_plan.input_ids[None], position_ids=self.base_pos,
+                            use_cache=False, **self.varlen_kwargs).logits[0]
+        return token_logprobs(logits, self.flat_plan)[0]
 
     def tree_logprobs(self):
         return forward_tree(self.model, self.plan, return_logits=False, compute_logprobs=True).logprobs
 
-    def tree_step(self) -> None:
+    def _step(self, logprobs_fn) -> None:
         self.model.zero_grad(set_to_none=True)
-        (self.tree_logprobs() * self.token_weights).sum().backward()
+        (logprobs_fn() * self.token_weights).sum().backward()
+
+    def base_step(self) -> None:
+        self._step(self.base_logprobs)
+
+    def tree_step(self) -> None:
+        self._step(self.tree_logprobs)
 
     @torch.no_grad()
     def max_logprob_diff(self) -> float:
-        """Tree vs. per-sequence log-probs (a sanity check of the run, not a test)."""
-        ref = torch.cat([self.seq_logprobs(i) for i in range(len(self.seqs))])
-        return float((self.tree_logprobs() - ref).abs().max())
-
-
-def measure(steps: Steps, warmup: int, iters: int, queued: bool = False) -> dict:
-    model = steps.model
-    out = {}
-    disable_tree_attention(model)  # baselines run the untouched stock model
-    for name, fn in (("padded", steps.padded_step), ("per-seq", steps.per_seq_step)):
-        out[name] = (time_ms(fn, warmup, iters, queued), peak_mib(fn))
-    out["tree"] = (time_ms(steps.tree_step, warmup, iters, queued), peak_mib(steps.tree_step))
-    out["diff"] = steps.max_logprob_diff()
-    model.zero_grad(set_to_none=True)
-    return out
+        """Tree vs. baseline log-probs (a sanity check of the run, not a test)."""
+        return float((self.tree_logprobs() - self.base_logprobs()).abs().max())
 
 
 def run(args) -> str:
@@ -134,35 +158,21 @@ def run(args) -> str:
     dims = TINY if args.tiny else QWEN25_15B
     scale = 1 / 32 if args.tiny else 1.0
     model = build_model(dims, args.layers, device, dtype)
-    headers = ["workload", "N", "T", "dedup", "attn ratio", "ideal", "baseline", "padded ms",
-               "per-seq ms", "base ms", "tree ms", "speedup", "meas/ideal", "base MiB",
-               "tree MiB", "max |dlogp|"]
-    rows = []
-    for i, name in enumerate(args.workloads):
-        print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
-        w = make_workload(name, seed=args.seed, scale=scale, vocab=model.config.vocab_size)
-        steps = Steps(model, w.sequences, device)
-        stats = steps.plan.stats()
-        ideal = decoder_shape(model.config).ideal_speedup(stats)
-        m = measure(steps, args.warmup, args.iters, not args.synced)
-        base = min(("padded", "per-seq"), key=lambda k: m[k][0])
-        speedup = m[base][0] / m["tree"][0]
-        rows.append([name, stats["N"], stats["T"], stats["dedup"], stats["attn_flop_ratio"], ideal,
-                     base, m["padded"][0], m["per-seq"][0], m[base][0], m["tree"][0], speedup,
-                     speedup / ideal, m[base][1], m["tree"][1], m["diff"]])
-        del steps
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    shape = decoder_shape(model.config)
+    rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device), decoder_row, scale,
+                         reset=lambda: model.zero_grad(set_to_none=True))
     c = model.config
     backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
+    kernel = "torch varlen_attn (FlashAttention-2)" if device == "cuda" else "causal SDPA per segment"
     title = (
         f"HF Qwen2ForCausalLM ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: hidden {c.hidden_size}, "
         f"{c.num_attention_heads}/{c.num_key_value_heads} heads x {c.head_dim}, vocab {c.vocab_size}, "
         f"{c.num_hidden_layers} layers, random init, {str(dtype).split('.')[-1]}), fwd+bwd with "
-        "token log-probs; baseline = the faster of stock sdpa padded batch / per-sequence; "
-        f"tree = forward_tree (auto backend -> {backend}); MiB = peak allocated above the model"
+        "token log-probs; baseline = the unshared sequences packed into one row (verl's remove-padding "
+        f"layout), varlen attention per sequence ({kernel}); tree = forward_tree (auto backend -> "
+        f"{backend}, kernel per plan); MiB = peak allocated above the model"
     )
-    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+    return f"{title}\n\n{environment()}\n\n{markdown_table(DECODER_HEADERS, rows)}\n"
 
 
 def main() -> None:
