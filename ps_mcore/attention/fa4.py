@@ -10,7 +10,7 @@ FA4 runs both tree layouts (gather-KV and the cascade, whose level calls merge b
 logsumexp) inside our own autograd functions, like torch's flash kernel.
 
 Backend ``"fa4"``: explicit only, ``auto`` does not pick it. Measured on the H200
-(2026-12-03, flash-attn-4 4.0.0b40, ``benchmarks/device/prepare_fa4.sh``, docs/benchmarks.md):
+(2026-12-03, flash-attn-4 4.0.0b40, docs/benchmarks.md):
 its kernels are the fastest there (tree steps 2.58 ms vs torch flash 4.92 and cuDNN 3.53 on
 grpo-long-prompt), and the TE-spec model with it was the fastest tree model (queued steps,
 0.99-1.02 of the FLOP ideal against stock TE); but each call costs the host ~0.5 ms (its
