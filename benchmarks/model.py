@@ -137,9 +137,13 @@ def thd_params(lengths: list[int], device: str):
 
 
 class Steps:
-    """The baseline and tree fwd+bwd steps of one workload (one weight per sample)."""
+    """The baseline and tree fwd+bwd steps of one workload (one weight per sample).
 
-    def __init__(self, model, sequences, device, base_model=None):
+    The baseline runs ``base_model`` (default: ``model``) on the unshared batch: as standard
+    THD ``PackedSeqParams`` when ``stock_thd`` (default: when a separate stock model is given)
+    and CP=1, else as a plan without sharing through the tree path."""
+
+    def __init__(self, model, sequences, device, base_model=None, stock_thd: bool | None = None):
         from megatron.core import parallel_state as ps
 
         from ps_mcore.layer_specs import TreePackedSeqParams
@@ -158,11 +162,13 @@ class Steps:
         assert self.flat.is_trivial  # rows = the sequences back to back, as in thd_params
         lengths = [len(s) for s in sequences]
         self.tree_psp = packed(self.plan)
-        if base_model is not None:  # --spec te: stock THD packing, the stock model's own RoPE
+        if stock_thd is None:
+            stock_thd = base_model is not None
+        if stock_thd and cp == 1:  # standard THD packing, Megatron's own THD RoPE
             self.base_psp = thd_params(lengths, device)
             self.base_ids = self.flat.input_ids
             self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
-        else:  # the unshared plan through the same path as the tree (and the same CP path)
+        else:  # the unshared plan through the same path as the tree (and under CP, the same CP path)
             self.base_psp = packed(self.flat)
             self.base_ids = self.base_psp.cp_shard(self.flat.input_ids)
             self.base_pos = self.base_psp.cp_shard(self.base_psp.position_ids)
