@@ -1,6 +1,5 @@
 """GPU-only backends (varlen, flex; cudnn and fa4 where TE / flash-attn-4 are installed) vs.
-per-sequence causal attention. Skips without CUDA;
-run on the device: ``python -m pytest -q tests/test_gpu_attention.py``."""
+per-sequence causal attention. Skips without CUDA: ``python -m pytest -q tests/test_gpu_attention.py``."""
 
 from __future__ import annotations
 
@@ -197,7 +196,7 @@ def test_cudnn_without_te_is_refused_and_auto_stays_flash():
 
 @needs_te
 def test_auto_picks_cudnn_by_shape():
-    """The shape rule on the device: the long GRPO prompt and agent-tree run cuDNN gather-KV,
+    """The shape rule on the GPU: the long GRPO prompt and agent-tree run cuDNN gather-KV,
     step-wise the chain's one causal cuDNN call; grpo-wide keeps flash's cascade (memory) and
     no-sharing flash (host cost); without a plan (CP) auto means flash."""
     from ps_mcore.attention import auto_choice
