@@ -65,6 +65,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -672,39 +673,52 @@ def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batc
     for config in CONFIGS[engine]:
         if config not in args.configs:
             continue
-        print(f"[{engine}/{model}/{config}] building workers", flush=True)
-        t0 = time.perf_counter()
-        with patchsets(config), prefix_grouper_driving(config):
-            workers = Workers(engine, model_dir, config, settings, ref="ref" in args.phases)
-            print(f"[{engine}/{model}/{config}] built in {time.perf_counter() - t0:.0f} s", flush=True)
-            old = {}
-            for phase in [p for p in PHASES if p in args.phases]:  # all old log-probs before any update
-                for batch in batches:
-                    n, t, ideal = plans[batch.name]
-                    if phase == "old":
-                        fn = lambda b=batch: workers.old_log_prob(b)  # noqa: E731
-                    elif phase == "ref":
-                        fn = lambda b=batch: workers.ref_log_prob(b)  # noqa: E731
-                    else:
-                        lp = old.get(batch.name, (None,))[0]
-                        fn = lambda b=batch, lp=lp: workers.update(b, lp)  # noqa: E731
-                    seconds, peak, result = timed(fn, args.warmup, args.iters, settings.device)
-                    cell = Cell(model, batch.name, config, phase, n, t, seconds, peak, ideal)
-                    if phase == "old":
-                        old[batch.name] = result
-                        mask = response_mask(batch)
-                        if config == "stock":
-                            stock_lp[batch.name] = result[0]
-                        elif batch.name in stock_lp:
-                            cell.vs_stock = response_diff(result[0], stock_lp[batch.name], mask)
-                        ref = refs.get(batch.name)
-                        if ref is not None:
-                            s = ref.size(0)
-                            cell.vs_fp32 = response_diff(result[0][:s, : ref.size(1)], ref, mask[:s, : ref.size(1)])
-                    cells.append(cell)
-                    print(f"  {batch.name:>10} {config:>5} {PHASE_NAMES[phase]:>20}: {seconds:.3f} s "
-                          f"({n / seconds:,.0f} tok/s, peak {peak:.1f} GiB)", flush=True)
-            workers.close()
+        try:
+            cells += run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp)
+        except Exception:  # one failing configuration must not lose the others' figures
+            print(f"[{engine}/{model}/{config}] FAILED:\n{traceback.format_exc()}", flush=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return cells
+
+
+def run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp) -> list[Cell]:
+    """One configuration's workers through every phase of every batch."""
+    cells = []
+    print(f"[{engine}/{model}/{config}] building workers", flush=True)
+    t0 = time.perf_counter()
+    with patchsets(config), prefix_grouper_driving(config):
+        workers = Workers(engine, model_dir, config, settings, ref="ref" in args.phases)
+        print(f"[{engine}/{model}/{config}] built in {time.perf_counter() - t0:.0f} s", flush=True)
+        old = {}
+        for phase in [p for p in PHASES if p in args.phases]:  # all old log-probs before any update
+            for batch in batches:
+                n, t, ideal = plans[batch.name]
+                if phase == "old":
+                    fn = lambda b=batch: workers.old_log_prob(b)  # noqa: E731
+                elif phase == "ref":
+                    fn = lambda b=batch: workers.ref_log_prob(b)  # noqa: E731
+                else:
+                    lp = old.get(batch.name, (None,))[0]
+                    fn = lambda b=batch, lp=lp: workers.update(b, lp)  # noqa: E731
+                seconds, peak, result = timed(fn, args.warmup, args.iters, settings.device)
+                cell = Cell(model, batch.name, config, phase, n, t, seconds, peak, ideal)
+                if phase == "old":
+                    old[batch.name] = result
+                    mask = response_mask(batch)
+                    if config == "stock":
+                        stock_lp[batch.name] = result[0]
+                    elif batch.name in stock_lp:
+                        cell.vs_stock = response_diff(result[0], stock_lp[batch.name], mask)
+                    ref = refs.get(batch.name)
+                    if ref is not None:
+                        s = ref.size(0)
+                        cell.vs_fp32 = response_diff(result[0][:s, : ref.size(1)], ref, mask[:s, : ref.size(1)])
+                cells.append(cell)
+                print(f"  {batch.name:>10} {config:>5} {PHASE_NAMES[phase]:>20}: {seconds:.3f} s "
+                      f"({n / seconds:,.0f} tok/s, peak {peak:.1f} GiB)", flush=True)
+        workers.close()
     return cells
 
 
@@ -746,15 +760,18 @@ def benchmark(args) -> int:
         with megatron_seeded_init(is_moe(model)):
             for engine in engines:
                 by_engine[engine] += run_engine_model(engine, model, model_dir, batches, args, settings, refs)
-    for engine, cells in by_engine.items():
-        if cells:
-            report.append(f"\n### {engine}\n\n" + table(cells))
-    text = "\n".join(report)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+                write_report(report, by_engine, args.out)  # what is measured so far survives a later failure
+    print(write_report(report, by_engine, args.out))
     return 0
+
+
+def write_report(header: list[str], by_engine: dict[str, list[Cell]], path: str | None) -> str:
+    """The header and one table per engine, written to ``path`` (if given) and returned."""
+    text = "\n".join(header + [f"\n### {e}\n\n" + table(cells) for e, cells in by_engine.items() if cells])
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    return text
 
 
 # ----------------------------------------------------------------------------- curves
