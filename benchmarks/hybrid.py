@@ -84,7 +84,7 @@ def build_hybrid_model(shape: HybridShape, device: str, dtype: torch.dtype, gdn_
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ps_mcore.layer_specs import to_tree_spec
-    from ps_mcore.layer_specs.gdn import get_gdn_layer_local_tree_spec
+    from ps_mcore.layer_specs.modules.gdn import get_gdn_layer_local_tree_spec
 
     config = TransformerConfig(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,

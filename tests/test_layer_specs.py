@@ -359,7 +359,7 @@ def test_to_tree_spec_moe_pattern_untouched_except_attention_and_router():
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from ps_mcore.layer_specs.moe import TreeTopKRouter
+    from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter
 
     cfg = tiny_config("qwen2", num_layers=4, num_moe_experts=4, moe_layer_freq=[1, 0, 1, 0],
                       moe_router_topk=2)

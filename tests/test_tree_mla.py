@@ -26,7 +26,7 @@ enable_cpu_mla()
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
 from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec  # noqa: E402
-from ps_mcore.layer_specs.mla import TreeMLASelfAttention, mla_unsupported_reason  # noqa: E402
+from ps_mcore.layer_specs.modules.mla import TreeMLASelfAttention, mla_unsupported_reason  # noqa: E402
 from megatron.core.transformer import multi_latent_attention as mla_module  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def test_mla_nasty_shapes(name):
 def test_mla_tree_rope_matters():
     """Positions really reach the decoupled RoPE part: with plain packed positions (0..T-1,
     what the stock THD path would use for the packed rows) the tree run differs."""
-    import ps_mcore.layer_specs.mla as mla
+    import ps_mcore.layer_specs.modules.mla as mla
 
     cfg = mla_config()
     seqs = nasty_forests(0)["tree"]

@@ -24,7 +24,7 @@ from moe_cases import (  # noqa: E402
     MOE_CASES, sample_coefs, assert_same, build_moe_model, moe_config, run_tree, run_unshared,
 )
 
-from ps_mcore.layer_specs.moe import TreeTopKRouter, tree_unsupported_reason  # noqa: E402
+from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter, tree_unsupported_reason  # noqa: E402
 
 
 @pytest.mark.parametrize("case", sorted(MOE_CASES))

@@ -51,7 +51,7 @@ def impl():
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were given, so each test sees its own."""
-    from ps_mcore.setup import patching
+    from ps_mcore.integrations import patching
 
     monkeypatch.setattr(patching, "_WARNED", set())
 

@@ -347,7 +347,7 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were given, so the test sees its own."""
-    from ps_mcore.setup import patching
+    from ps_mcore.integrations import patching
 
     monkeypatch.setattr(patching, "_WARNED", set())
 

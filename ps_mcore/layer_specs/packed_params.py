@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ps_mcore.layer_specs.cp_layout import CPLayout, build_cp_layout
+from ps_mcore.layer_specs.parallel.cp_layout import CPLayout, build_cp_layout
 from ps_mcore.planner import TreePlan, plan_unshared
 
 

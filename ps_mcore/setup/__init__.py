@@ -18,20 +18,12 @@ module is patched when the program imports it).
 Pure wiring on top of ``ps_mcore.integrations``: ``registry`` (install machinery) and
 ``patchsets`` (detect + which glue to install). The patch utilities the glue uses are a leaf
 of the integrations floor (:mod:`ps_mcore.integrations.patching`,
-:mod:`ps_mcore.integrations.env`); their old names ``ps_mcore.setup.patching`` /
-``ps_mcore.setup.env`` are the same module objects.
+:mod:`ps_mcore.integrations.env`).
 """
 
-import sys
-
-from ps_mcore.integrations import env, patching
 from ps_mcore.integrations.env import ENABLE_VAR, PATCHSET_VAR, prefix_sharing_enabled, requested_patchsets
 from ps_mcore.setup import patchsets as _builtin_patchsets  # noqa: F401 (registers the built-ins)
 from ps_mcore.setup.registry import PATCHSETS, StackStatus, detect, install, installed, uninstall
-
-# old import paths of the patch utilities: the same module objects
-sys.modules[__name__ + ".env"] = env
-sys.modules[__name__ + ".patching"] = patching
 
 __all__ = [
     "ENABLE_VAR",

@@ -103,7 +103,7 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
         return "fp8 (its THD padding rules) is not supported"
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
-    from ps_mcore.layer_specs.moe import tree_unsupported_reason  # MoE options a tree cannot make exact
+    from ps_mcore.layer_specs.modules.moe_router import tree_unsupported_reason  # MoE options a tree cannot make exact
 
     moe_reason = tree_unsupported_reason(_unwrap(model).config)
     if moe_reason is not None:  # the tree router would raise inside the model

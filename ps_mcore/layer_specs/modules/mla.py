@@ -20,10 +20,10 @@ import inspect
 
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-from ps_mcore.layer_specs.self_attention import tree_rotary_table
-from ps_mcore.layer_specs.tree_context import set_current_tree_batch
+from ps_mcore.layer_specs.modules.self_attention import tree_rotary_table
+from ps_mcore.layer_specs.modules.tree_context import set_current_tree_batch
 
 _FORWARD_SIGNATURE = inspect.signature(MLASelfAttention.forward)
 

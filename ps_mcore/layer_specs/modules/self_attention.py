@@ -18,9 +18,9 @@ import inspect
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-from ps_mcore.layer_specs.tree_context import set_current_tree_batch
+from ps_mcore.layer_specs.modules.tree_context import set_current_tree_batch
 
 _FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
 _BOUND_ARGUMENTS = ("hidden_states", "rotary_pos_emb", "packed_seq_params")

@@ -1,0 +1,3 @@
+"""The tree modules a converted spec builds: ``core_attention``, ``self_attention``, ``mla``,
+``moe_router``, ``gdn``, ``mamba``, and ``tree_context`` (the batch the current layer runs on,
+for the MoE router, which never sees ``packed_seq_params``)."""
