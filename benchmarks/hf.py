@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DECODER_HEADERS, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
+from common import DECODER_HEADERS, PairedSteps, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
@@ -110,12 +110,13 @@ def decoder_shape(config) -> DecoderShape:
     )
 
 
-class Steps:
+class Steps(PairedSteps):
     """The baseline and tree fwd+bwd steps of one workload (weights: one per sample, like
     advantages)."""
 
     def __init__(self, model, sequences, device):
         self.model = model
+        self.models = (model,)
         self.plan = plan_prefix_tree(sequences).to(device)  # planner defaults
         self.flat_plan = plan_unshared(sequences).to(device)  # rows = the sequences back to back
         lengths = [len(s) for s in sequences]
@@ -135,21 +136,6 @@ class Steps:
 
     def tree_logprobs(self):
         return forward_tree(self.model, self.plan, return_logits=False, compute_logprobs=True).logprobs
-
-    def _step(self, logprobs_fn) -> None:
-        self.model.zero_grad(set_to_none=True)
-        (logprobs_fn() * self.token_weights).sum().backward()
-
-    def base_step(self) -> None:
-        self._step(self.base_logprobs)
-
-    def tree_step(self) -> None:
-        self._step(self.tree_logprobs)
-
-    @torch.no_grad()
-    def max_logprob_diff(self) -> float:
-        """Tree vs. baseline log-probs (a sanity check of the run, not a test)."""
-        return float((self.tree_logprobs() - self.base_logprobs()).abs().max())
 
 
 def run(args) -> str:

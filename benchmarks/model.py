@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DECODER_HEADERS, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
+from common import DECODER_HEADERS, PairedSteps, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
@@ -136,7 +136,7 @@ def thd_params(lengths: list[int], device: str):
                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
 
 
-class Steps:
+class Steps(PairedSteps):
     """The baseline and tree fwd+bwd steps of one workload (one weight per sample).
 
     The baseline runs ``base_model`` (default: ``model``) on the unshared batch: as standard
@@ -150,6 +150,7 @@ class Steps:
 
         self.model = model
         self.base_model = model if base_model is None else base_model  # --spec te: stock TE
+        self.models = (model,) if base_model is None else (model, base_model)
         self.tp_group, self.cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         pad = 2 * cp * ps.get_tensor_model_parallel_world_size() if cp > 1 else 1
@@ -193,22 +194,6 @@ class Steps:
 
     def tree_logprobs(self):
         return self._logprobs(self.plan, self.tree_ids, self.tree_pos, self.tree_psp)
-
-    def _step(self, logprobs_fn) -> None:
-        self.model.zero_grad(set_to_none=True)
-        self.base_model.zero_grad(set_to_none=True)
-        (logprobs_fn() * self.token_weights).sum().backward()
-
-    def base_step(self) -> None:
-        self._step(self.base_logprobs)
-
-    def tree_step(self) -> None:
-        self._step(self.tree_logprobs)
-
-    @torch.no_grad()
-    def max_logprob_diff(self) -> float:
-        """Tree vs. baseline log-probs (a sanity check of the run, not a test)."""
-        return float((self.tree_logprobs() - self.base_logprobs()).abs().max())
 
 
 def _dims(shape: DecoderShape) -> str:
