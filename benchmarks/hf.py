@@ -5,15 +5,13 @@ with per-token log-probs, unshared batch vs. prefix tree, on every standard work
     python benchmarks/hf.py --tiny                          # CPU smoke run, tiny dims
 
 Baseline: what verl's FSDP engine runs with ``use_remove_padding`` (its default path): the
-same HF model on the unshared sequences packed back to back into one row (position ids
-restarting per sequence), attention through a varlen flash kernel with one causal segment per
-sequence, as transformers' ``flash_attention_2`` runs packed rows. It is registered here as
-the attention implementation ``packed_varlen`` over torch's own FlashAttention-2
-(``torch.nn.attention.varlen.varlen_attn``, so no flash-attn package is needed); the sequence
-bounds (``cu_seq_lens_q/k``, ``max_length_q/k``) are handed to the model once per step, where
-HF's flash path would derive them from the position ids in every layer. On the CPU (``--tiny``)
-the same function runs each segment through causal SDPA. Log-probs come from the same
-``token_logprobs`` as the tree's.
+same HF model on the unshared sequences packed back to back into one row, position ids
+restarting per sequence, and FlashAttention-2's varlen contract (the row split at the
+position-id restarts, one causal segment per sequence), as transformers' ``flash_attention_2``
+runs packed rows. Without the flash-attn package the attention implementation is
+``varlen_fa2`` (``verl_flash_fallback.py``): the same contract on torch's own varlen flash
+kernel (the math kernel on a CPU). Log-probs come from the same ``token_logprobs`` as the
+tree's.
 
 Tree: ``forward_tree`` (attention backend ``auto``) on the prefix forest, same weights.
 Ideal = FLOP-weighted speedup (``ps_mcore.flops.DecoderShape``: linear FLOPs scale with
@@ -22,14 +20,13 @@ tokens, attention FLOPs with (query, key) pairs; LM head included).
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
+import verl_flash_fallback  # noqa: E402
 from common import DECODER_HEADERS, PairedSteps, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
@@ -47,55 +44,19 @@ TINY = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=True,
 )
-VARLEN_ATTN = "packed_varlen"  # no "flash" in the name: transformers would look for a flash-attn package
-
-
-def _torch_varlen(q, k, v, cu, max_len: int, scale: float):
-    """torch's varlen FlashAttention-2, causal (``window_size=(-1, 0)``, or ``is_causal`` in
-    older releases); GQA natively (``enable_gqa`` where the installed torch asks for it),
-    ``scale`` where it takes one (else the kernel's default 1/sqrt(D))."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = q.size(1) != k.size(1)
-    if "scale" in params:
-        kwargs["scale"] = scale
-    elif abs(scale - q.size(-1) ** -0.5) > 1e-12:
-        raise ValueError("this torch's varlen_attn takes no scale; the model's is not 1/sqrt(head_dim)")
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
-
-
-def _sdpa_segments(q, k, v, cu, scale: float):
-    """The same attention per segment through causal SDPA (CPU smoke runs)."""
-    bounds = cu.tolist()
-    out = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                          is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
-           for a, b in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(out)
-
-
-def varlen_flash_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                           cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
-    """HF attention function of the baseline: ``query`` ``[1, Hq, T, D]``, ``key``/``value``
-    ``[1, Hkv, T, D]`` (one packed row), segments ``cu_seq_lens_q`` ``[B+1]`` int32 -> ``[1, T, Hq, D]``."""
-    if cu_seq_lens_q is None or query.size(0) != 1 or dropout:
-        raise ValueError(f"{VARLEN_ATTN}: one packed row with cu_seq_lens_q/k, no dropout")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    scale = scaling if scaling is not None else q.size(-1) ** -0.5
-    if q.is_cuda:
-        out = _torch_varlen(q, k, v, cu_seq_lens_q, max_length_q, scale)
-    else:
-        out = _sdpa_segments(q, k, v, cu_seq_lens_q, scale)
-    return out[None], None
 
 
 def build_model(dims: dict, layers: int, device: str, dtype: torch.dtype):
-    from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
+    """The baseline's model: FlashAttention-2 where flash-attn is installed, else ``varlen_fa2``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import is_flash_attn_2_available
 
-    AttentionInterface.register(VARLEN_ATTN, varlen_flash_attention)
-    config = Qwen2Config(num_hidden_layers=layers, attn_implementation=VARLEN_ATTN, **dims)
+    if is_flash_attn_2_available() and device == "cuda":
+        attn = "flash_attention_2"
+    else:
+        verl_flash_fallback.register_attention()
+        attn = verl_flash_fallback.ATTN_NAME
+    config = Qwen2Config(num_hidden_layers=layers, attn_implementation=attn, **dims)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
@@ -121,9 +82,6 @@ class Steps(PairedSteps):
         self.flat_plan = plan_unshared(sequences).to(device)  # rows = the sequences back to back
         lengths = [len(s) for s in sequences]
         self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        self.varlen_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
-                                  max_length_k=max(lengths))
         gen = torch.Generator().manual_seed(1)
         weights = torch.empty(len(sequences)).uniform_(-1, 1, generator=gen)
         self.token_weights = torch.repeat_interleave(weights, torch.tensor(lengths)).to(device)
@@ -131,7 +89,7 @@ class Steps(PairedSteps):
     def base_logprobs(self):
         disable_tree_attention(self.model)  # the stock model, as verl runs it
         logits = self.model(input_ids=self.flat_plan.input_ids[None], position_ids=self.base_pos,
-                            use_cache=False, **self.varlen_kwargs).logits[0]
+                            use_cache=False).logits[0]
         return token_logprobs(logits, self.flat_plan)[0]
 
     def tree_logprobs(self):
@@ -149,7 +107,7 @@ def run(args) -> str:
                          reset=lambda: model.zero_grad(set_to_none=True))
     c = model.config
     backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
-    kernel = "torch varlen_attn (FlashAttention-2)" if device == "cuda" else "causal SDPA per segment"
+    kernel = c._attn_implementation
     title = (
         f"HF Qwen2ForCausalLM ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: hidden {c.hidden_size}, "
         f"{c.num_attention_heads}/{c.num_key_value_heads} heads x {c.head_dim}, vocab {c.vocab_size}, "
