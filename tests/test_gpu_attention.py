@@ -351,3 +351,19 @@ def test_auto_runs_softcap_where_the_flash_kernel_has_none():
     want = "flex" if ATTENTION_BACKENDS["varlen"].variant_refusal(q, capped) else "varlen"
     assert resolve_backend("auto", q, None, capped) == want
     assert resolve_backend("auto", q, None, attention_variant(q, window=8, sinks=0.0)) == "varlen"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_qkv_as_sdpa_does(dtype):
+    """fp32 q/k (RoPE under autocast) and a 16-bit v: cast to the autocast dtype, the flash
+    path runs, and the result is the one of the cast inputs outside autocast."""
+    from attention_oracle import random_qkv
+
+    from ps_mcore import tree_attention
+
+    plan = plan_prefix_tree(nasty_forests()["tree"], min_prefix_len=1).to("cuda")
+    q, k, v = random_qkv(plan, 8, 2, 64, torch.float32, "cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        got = tree_attention(q, k, v.to(dtype), plan, window=5, sinks=0.0)
+    want = tree_attention(q.to(dtype), k.to(dtype), v.to(dtype), plan, window=5, sinks=0.0)
+    assert got.dtype == dtype and torch.equal(got, want)
