@@ -120,7 +120,7 @@ def measure(steps, shape, warmup: int, iters: int, reset: Callable[[], object] |
     tree plan, ``shape.ideal_speedup(stats)`` the FLOP-weighted ideal. ``reset`` (e.g. the
     model's ``zero_grad``) runs after the timing and after the memory runs, so gradients left
     by one phase are not counted in the next. ``queued``: steps back to back (:func:`time_ms`)."""
-    stats = steps.plan.stats()
+    stats = steps.plan.stats(window=shape.window)  # windowed layers count windowed pairs
     base_ms = time_ms(steps.base_step, warmup, iters, queued)
     tree_ms = time_ms(steps.tree_step, warmup, iters, queued)
     if reset is not None:

@@ -153,18 +153,23 @@ class TreePlan:
             )
         return x.index_select(0, self.unpack_index.to(x.device))
 
-    def stats(self) -> dict[str, Any]:
-        """N, T, token dedup N/T, attention-FLOP ratio (unshared / tree), nodes, depth."""
+    def stats(self, window: int | None = None) -> dict[str, Any]:
+        """N, T, token dedup N/T, attention-FLOP ratio (unshared / tree), nodes, depth.
+
+        With ``window`` (a sliding window of W positions, see :func:`causal_pairs`) the
+        pairs of a windowed layer are added as ``attn_pairs_unshared_window``,
+        ``attn_pairs_tree_window`` and ``attn_flop_ratio_window``."""
         n, t = self.num_input_tokens, self.num_tokens
-        pairs = tree_pairs(self.cu_seqlens_q.cpu().numpy(), self.cu_seqlens_kv.cpu().numpy())
+        cu_q, cu_k = self.cu_seqlens_q.cpu().numpy(), self.cu_seqlens_kv.cpu().numpy()
+        pairs = tree_pairs(cu_q, cu_k)
         lens = np.asarray(self.seq_lens, dtype=np.float64)
-        unshared_pairs = float(np.sum(lens * (lens + 1) / 2))
+        unshared_pairs = float(np.sum(causal_pairs(lens, lens)))
         parent = self.node_parent.cpu().numpy()
         depth = np.ones(len(parent), dtype=np.int64)
         for v in range(len(parent)):  # parents precede children in pre-order
             if parent[v] >= 0:
                 depth[v] = depth[parent[v]] + 1
-        return {
+        out = {
             "sequences": self.num_sequences,
             "N": n,
             "T": t,
@@ -175,14 +180,40 @@ class TreePlan:
             "nodes": self.num_nodes,
             "depth": int(depth.max()) if len(depth) else 0,
         }
+        if window is not None:
+            unshared_w = float(np.sum(causal_pairs(lens, lens, window)))
+            tree_w = tree_pairs(cu_q, cu_k, window)
+            out.update(window=int(window), attn_pairs_unshared_window=unshared_w,
+                       attn_pairs_tree_window=tree_w, attn_flop_ratio_window=unshared_w / tree_w)
+        return out
 
 
-def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray) -> float:
+def causal_pairs(context_end, rows, window: int | None = None) -> np.ndarray:
+    """Query-key pairs (per head) of ``rows`` query rows at positions
+    ``[context_end - rows, context_end)`` of one sample, each attending causally to the
+    positions before it and itself; with a sliding ``window`` W, only to the last W of them
+    (keys at position > p - W: the Hugging Face / FlashAttention convention). Elementwise
+    over numpy arrays; float64."""
+    end = np.asarray(context_end, dtype=np.float64)
+    start = end - np.asarray(rows, dtype=np.float64)
+    return _pairs_before(end, window) - _pairs_before(start, window)
+
+
+def _pairs_before(m: np.ndarray, window: int | None) -> np.ndarray:
+    """Pairs of the first ``m`` positions of a sample: sum over p < m of min(p + 1, W)."""
+    if window is None:
+        return m * (m + 1) / 2
+    w = float(window)
+    return np.where(m <= w, m * (m + 1) / 2, w * (w + 1) / 2 + (m - w) * w)
+
+
+def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray, window: int | None = None) -> float:
     """Query-key pairs a tree attends (per head): per node with ``q`` own rows after a context
-    of ``k`` rows (itself included), ``q * k - q * (q - 1) / 2`` (causal pairs counted once)."""
+    of ``k`` rows (itself included), ``q * k - q * (q - 1) / 2`` (causal pairs counted once);
+    with a sliding ``window``, the pairs inside it (:func:`causal_pairs`)."""
     q = np.diff(np.asarray(cu_q, dtype=np.float64))
     k = np.diff(np.asarray(cu_k, dtype=np.float64))
-    return float(np.sum(q * k - q * (q - 1) / 2))
+    return float(np.sum(causal_pairs(k, q, window)))
 
 
 # ----------------------------------------------------------------------------- validation

@@ -56,25 +56,36 @@ def _interface():
     return found
 
 
-def _fa4_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
+def _fa4_variant(window: int | None, softcap: float | None) -> dict:
+    """FA4's sliding window (bottom-right ``(W - 1, 0)``, which with ``causal`` it runs as its
+    local mask) and softcap (both in forward and backward since 4.0.0b27)."""
+    kw = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+    if softcap is not None:
+        kw["softcap"] = softcap
+    return kw
+
+
+def _fa4_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True, window=None, softcap=None):
     fwd, _ = _interface()
     out, lse, *_ = fwd(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
-        softmax_scale=scale, causal=causal, return_lse=True,
+        softmax_scale=scale, causal=causal, return_lse=True, **_fa4_variant(window, softcap),
     )
     return out, (lse,)
 
 
-def _fa4_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
+def _fa4_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True, window=None, softcap=None):
     _, bwd = _interface()
     dq, dk, dv = bwd(
         q, k, v, out, dout, aux[0], scale, causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
+        max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), **_fa4_variant(window, softcap),
     )[:3]
     return dq, dk, dv
 
 
-FA4_KERNEL = VarlenKernel("fa4", _fa4_forward, _fa4_backward)
+# Sinks from the returned logsumexp (FA4's own learnable_sink is not used: one sink path for
+# every kernel, and the cascade needs the sink once after its merge).
+FA4_KERNEL = VarlenKernel("fa4", _fa4_forward, _fa4_backward, frozenset({"window", "softcap", "sinks"}))
 
 
 def fa4_unavailable_reason(q: torch.Tensor) -> str | None:

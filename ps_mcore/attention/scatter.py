@@ -24,13 +24,17 @@ def copies_csr(plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         host = plan.host
         hkey = ("kv_copies_csr", "cpu")
         if hkey not in host._cache:
-            index = host.kv_index.cpu().numpy()
-            order = np.argsort(index, kind="stable")
-            ptr = np.concatenate([[0], np.cumsum(np.bincount(index, minlength=host.num_tokens))])
-            host._cache[hkey] = (torch.from_numpy(ptr.astype(np.int64)), torch.from_numpy(order.astype(np.int64)))
+            host._cache[hkey] = build_copies_csr(host.kv_index.cpu().numpy(), host.num_tokens)
         ptr, order = host._cache[hkey]
         plan._cache[key] = (ptr.to(device, non_blocking=True), order.to(device, non_blocking=True))
     return plan._cache[key]
+
+
+def build_copies_csr(index: np.ndarray, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_ptr [num_rows+1], copies [C])`` int64 on the CPU for a gather ``index`` ``[C]``."""
+    order = np.argsort(index, kind="stable")
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(index, minlength=num_rows))])
+    return torch.from_numpy(ptr.astype(np.int64)), torch.from_numpy(order.astype(np.int64))
 
 
 @functools.lru_cache(maxsize=None)
