@@ -5,7 +5,8 @@
     ps-mcore bench [--suite NAME] ...  the benchmarks/ suites (GPU), extra args passed through
 
 Exit codes: 0 ok; 1 a check or benchmark failed (demo parity, a suite's own error, a GPU
-suite without CUDA); 2 bad usage or bad input (analyze names the file and line / column).
+suite without CUDA); 2 bad usage or bad input (one line naming the option, or the file and
+line / column); 141 the reader closed the output pipe (e.g. ``| head``), as other Unix tools.
 """
 
 from __future__ import annotations
@@ -136,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ps-mcore`` console script; returns the exit status."""
+    try:
+        try:
+            status = _dispatch(argv)
+        except SystemExit:  # argparse: --help, --version, usage errors
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
@@ -152,6 +166,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+SIGPIPE_STATUS = 128 + 13
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``ps-mcore analyze ... | head``): stop quietly. Python
+    flushes stdout again at exit (a second error): point it at /dev/null first."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_STATUS
 
 
 if __name__ == "__main__":

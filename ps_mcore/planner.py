@@ -42,7 +42,14 @@ class PlanMemo:
     building them costs no device-to-host sync; per-device copies sit on the moved plan's memo,
     keyed by device. Owners (who reads and writes each field) are named with it.
 
+    A memo belongs to the plan values it was derived from (``source``): ``dataclasses.replace``
+    hands it on when they are the same objects (torch's input casting, e.g. FSDP2's, rebuilds
+    dataclass inputs that way, and the layouts must survive it) and a plan with other values
+    starts a fresh one.
+
     Attributes:
+        source: the plan's field values the memo was derived from (tensors held and compared
+            by identity, the rest by equality); None until a plan takes the memo.
         host: the CPU copy a plan moved by :meth:`TreePlan.to` keeps (None: the plan is its
             own host copy, or it was built on a device).
         moved: ``TreePlan.to``: the plan on each other device, so per-layer calls copy once.
@@ -54,10 +61,12 @@ class PlanMemo:
             host memo is the one build): the varlen calls of the cascade.
         kv_copies_csr: ``attention.scatter.copies_csr`` per device: ``(row_ptr [T+1],
             copies [C])``, the row -> context copies index of the fused dK/dV scatter-add.
+        windowed_contexts: ``attention.gather_kv.gather_context`` per ``(window, device)``:
+            each node's gather-KV context cut to a sliding window (with its CSR).
         kernel_choice_shape: ``attention.kernel_choice.plan_shape`` (host memo): the plan's
             shape numbers ``(pairs, rows, contexts, segments, levels, cascade)``.
-        flex_block_masks: ``attention.flex.block_mask`` per device: FlexAttention's
-            ``BlockMask`` of the plan.
+        flex_block_masks: ``attention.flex.block_mask`` per ``(device, window)``:
+            FlexAttention's ``BlockMask`` of the plan.
         recurrent_trees: ``recurrent.tree.recurrent_tree`` per row count (``T_pad``): the
             chains and levels every recurrent layer of the micro-batch scans.
     """
@@ -68,9 +77,20 @@ class PlanMemo:
     fingerprint: int | None = None
     cascade_layouts: dict[torch.device, Any] = field(default_factory=dict)
     kv_copies_csr: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    windowed_contexts: dict[tuple[int, torch.device], Any] = field(default_factory=dict)
     kernel_choice_shape: tuple | None = None
-    flex_block_masks: dict[torch.device, Any] = field(default_factory=dict)
+    flex_block_masks: dict[tuple[torch.device, int | None], Any] = field(default_factory=dict)
     recurrent_trees: dict[int, Any] = field(default_factory=dict)
+    source: tuple | None = None
+
+    def belongs_to(self, values: tuple) -> bool:
+        """Whether ``values`` (a plan's field values) are those this memo was derived from."""
+        if self.source is None:
+            return True
+        return len(values) == len(self.source) and all(
+            a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
+            for a, b in zip(values, self.source)
+        )
 
 
 _CPU = torch.device("cpu")
@@ -138,11 +158,14 @@ class TreePlan:
     next_token_mask: torch.Tensor
     node_parent: torch.Tensor
     multiplicity: torch.Tensor
-    # What kernels derive from the plan, kept with it (a fresh one for every copy or replace).
-    memo: PlanMemo = field(init=False, repr=False, compare=False)
+    # What kernels derive from the plan, kept with it (PlanMemo says when a copy shares it).
+    memo: PlanMemo = field(default_factory=PlanMemo, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memo", PlanMemo())
+        values = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "memo")
+        if not self.memo.belongs_to(values):
+            object.__setattr__(self, "memo", PlanMemo())
+        self.memo.source = values
 
     @property
     def num_tokens(self) -> int:
@@ -201,9 +224,9 @@ class TreePlan:
             tensors = {
                 f.name: getattr(self, f.name).to(device, non_blocking=True)
                 for f in dataclasses.fields(self)
-                if f.init and isinstance(getattr(self, f.name), torch.Tensor)
+                if isinstance(getattr(self, f.name), torch.Tensor)
             }
-            moved = dataclasses.replace(self, **tensors)
+            moved = dataclasses.replace(self, memo=PlanMemo(), **tensors)
             # Keep the host copy: layouts derived from the plan are built there (no D2H sync).
             moved.memo.host = self.memo.host or (self if self.device.type == "cpu" else None)
             self.memo.moved[device] = moved
@@ -217,18 +240,23 @@ class TreePlan:
             )
         return x.index_select(0, self.unpack_index.to(x.device))
 
-    def stats(self) -> dict[str, Any]:
-        """N, T, token dedup N/T, attention-FLOP ratio (unshared / tree), nodes, depth."""
+    def stats(self, window: int | None = None) -> dict[str, Any]:
+        """N, T, token dedup N/T, attention-FLOP ratio (unshared / tree), nodes, depth.
+
+        With ``window`` (a sliding window of W positions, see :func:`causal_pairs`) the
+        pairs of a windowed layer are added as ``attn_pairs_unshared_window``,
+        ``attn_pairs_tree_window`` and ``attn_flop_ratio_window``."""
         n, t = self.num_input_tokens, self.num_tokens
-        pairs = tree_pairs(self.cu_seqlens_q.cpu().numpy(), self.cu_seqlens_kv.cpu().numpy())
+        cu_q, cu_k = self.cu_seqlens_q.cpu().numpy(), self.cu_seqlens_kv.cpu().numpy()
+        pairs = tree_pairs(cu_q, cu_k)
         lens = np.asarray(self.seq_lens, dtype=np.float64)
-        unshared_pairs = float(np.sum(lens * (lens + 1) / 2))
+        unshared_pairs = float(np.sum(causal_pairs(lens, lens)))
         parent = self.node_parent.cpu().numpy()
         depth = np.ones(len(parent), dtype=np.int64)
         for v in range(len(parent)):  # parents precede children in pre-order
             if parent[v] >= 0:
                 depth[v] = depth[parent[v]] + 1
-        return {
+        out = {
             "sequences": self.num_sequences,
             "N": n,
             "T": t,
@@ -239,14 +267,40 @@ class TreePlan:
             "nodes": self.num_nodes,
             "depth": int(depth.max()) if len(depth) else 0,
         }
+        if window is not None:
+            unshared_w = float(np.sum(causal_pairs(lens, lens, window)))
+            tree_w = tree_pairs(cu_q, cu_k, window)
+            out.update(window=int(window), attn_pairs_unshared_window=unshared_w,
+                       attn_pairs_tree_window=tree_w, attn_flop_ratio_window=unshared_w / tree_w)
+        return out
 
 
-def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray) -> float:
+def causal_pairs(context_end, rows, window: int | None = None) -> np.ndarray:
+    """Query-key pairs (per head) of ``rows`` query rows at positions
+    ``[context_end - rows, context_end)`` of one sample, each attending causally to the
+    positions before it and itself; with a sliding ``window`` W, only to the last W of them
+    (keys at position > p - W: the Hugging Face / FlashAttention convention). Elementwise
+    over numpy arrays; float64."""
+    end = np.asarray(context_end, dtype=np.float64)
+    start = end - np.asarray(rows, dtype=np.float64)
+    return _pairs_before(end, window) - _pairs_before(start, window)
+
+
+def _pairs_before(m: np.ndarray, window: int | None) -> np.ndarray:
+    """Pairs of the first ``m`` positions of a sample: sum over p < m of min(p + 1, W)."""
+    if window is None:
+        return m * (m + 1) / 2
+    w = float(window)
+    return np.where(m <= w, m * (m + 1) / 2, w * (w + 1) / 2 + (m - w) * w)
+
+
+def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray, window: int | None = None) -> float:
     """Query-key pairs a tree attends (per head): per node with ``q`` own rows after a context
-    of ``k`` rows (itself included), ``q * k - q * (q - 1) / 2`` (causal pairs counted once)."""
+    of ``k`` rows (itself included), ``q * k - q * (q - 1) / 2`` (causal pairs counted once);
+    with a sliding ``window``, the pairs inside it (:func:`causal_pairs`)."""
     q = np.diff(np.asarray(cu_q, dtype=np.float64))
     k = np.diff(np.asarray(cu_k, dtype=np.float64))
-    return float(np.sum(q * k - q * (q - 1) / 2))
+    return float(np.sum(causal_pairs(k, q, window)))
 
 
 # ----------------------------------------------------------------------------- validation

@@ -161,14 +161,16 @@ def test_layout_is_cached_and_built_from_the_host_copy():
     assert moved.memo.host is plan and moved.host.memo is plan.memo  # one host build
 
 
-def test_a_replaced_plan_derives_afresh():
-    """``dataclasses.replace`` gives a new plan with an empty memo: nothing derived from the
-    old plan's rows (layouts, moved copies, token bound) is read for the new one."""
+def test_a_replaced_plan_shares_its_memo_only_with_the_same_values():
+    """``dataclasses.replace`` with the same values (torch's input casting rebuilds dataclass
+    inputs so) keeps what was derived; with other values the new plan derives afresh."""
     import dataclasses
 
     plan = plan_prefix_tree([[1, 2, 3, 4], [1, 2, 5]], min_prefix_len=1)
-    cascade_layout(plan)
+    lay = cascade_layout(plan)
     assert plan.max_token_id == 5 and plan.to("meta") is plan.to("meta")
+    same = dataclasses.replace(plan, seq_lens=tuple(plan.seq_lens))  # equal, not the same object
+    assert same.memo is plan.memo and cascade_layout(same) is lay
     other = dataclasses.replace(plan, input_ids=plan.input_ids + 10)
     assert other.memo is not plan.memo and not other.memo.cascade_layouts and not other.memo.moved
     assert other.max_token_id == 15

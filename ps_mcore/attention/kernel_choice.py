@@ -3,7 +3,7 @@
 Both compute the same attention exactly (each tested against the unshared float64
 computation); they differ in speed by shape, and in host cost. Measured on one H200 (bf16,
 Hq=16, Hkv=2, D=128, fwd+bwd, TE 2.20 fused attention, 2026-12-03; ``benchmarks/attention.py``
-and ``benchmarks/model.py``, docs/benchmarks.md, issue 15):
+and ``benchmarks/model.py``, docs/benchmarks.md):
 
 * GPU time: cuDNN's kernels are faster on the tree of every standard workload (ms per
   step, cuDNN vs flash, each in its layout below): grpo-long-prompt 3.53 vs 4.92, grpo-wide 1.88 vs 2.52,

@@ -21,18 +21,20 @@ from ps_mcore.planner import host_built
 
 def copies_csr(plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_ptr [T+1], copies [C])`` int64: the context positions holding each packed row."""
-    return host_built(plan, lambda memo: memo.kv_copies_csr, device, _build_copies_csr, _move_csr)
+    return host_built(plan, lambda memo: memo.kv_copies_csr, device,
+                      lambda host: build_copies_csr(host.kv_index.cpu().numpy(), host.num_tokens), move_csr)
 
 
-def _build_copies_csr(host) -> tuple[torch.Tensor, torch.Tensor]:
-    index = host.kv_index.cpu().numpy()
-    order = np.argsort(index, kind="stable")
-    ptr = np.concatenate([[0], np.cumsum(np.bincount(index, minlength=host.num_tokens))])
-    return torch.from_numpy(ptr.astype(np.int64)), torch.from_numpy(order.astype(np.int64))
-
-
-def _move_csr(csr, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def move_csr(csr, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host CSR on ``device`` (asynchronous copies)."""
     return tuple(x.to(device, non_blocking=True) for x in csr)
+
+
+def build_copies_csr(index: np.ndarray, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_ptr [num_rows+1], copies [C])`` int64 on the CPU for a gather ``index`` ``[C]``."""
+    order = np.argsort(index, kind="stable")
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(index, minlength=num_rows))])
+    return torch.from_numpy(ptr.astype(np.int64)), torch.from_numpy(order.astype(np.int64))
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,19 +33,25 @@ class TreePackedSeqParams(PackedSeqParams):
             ``local_multiplicity()`` is this CP rank's share, sharded like the rows.
 
     Megatron hands this one object to every layer of the micro-batch, so what the layers
-    derive from it is kept on it (never copied by ``dataclasses.replace``): the host-bounds
-    twin of :meth:`for_unfused_rope`, :meth:`local_multiplicity`, and the per-row rotary
-    table of ``modules.self_attention.tree_rotary_table`` (with the table it indexed).
+    derive from it is kept on it, in three attributes set by ``__post_init__`` (not dataclass
+    fields: a copy made by ``dataclasses.replace``, as torch's input casting makes, derives
+    them again): ``host_bounds_twin`` (:meth:`for_unfused_rope`), ``local_multiplicity_rows``
+    (:meth:`local_multiplicity`) and ``rotary_tables`` (``(table, table[positions])`` of
+    ``modules.self_attention.tree_rotary_table``).
     """
 
     plan: TreePlan | None = None
     position_ids: torch.Tensor | None = None
     cp_layout: CPLayout | None = None
     multiplicity: torch.Tensor | None = None
-    host_bounds_twin: TreePackedSeqParams | None = field(default=None, init=False, repr=False, compare=False)
-    local_multiplicity_rows: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = field(
-        default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        stock = getattr(super(), "__post_init__", None)
+        if stock is not None:  # megatron-core 0.19 derives seq_idx there
+            stock()
+        self.host_bounds_twin: TreePackedSeqParams | None = None
+        self.local_multiplicity_rows: torch.Tensor | None = None
+        self.rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_plan(

@@ -384,12 +384,18 @@ def _build_with_bridge_provider(engine, original: Callable):
         provider.transformer_layer_spec = stock_spec
 
 
-def install_megatron_patches(patcher) -> None:
-    """Every Megatron-engine patch of the ``verl080_mcore0161_ms0160`` patchset."""
+def install_forward_fn_patch(patcher) -> None:
+    """The forward function verl's Megatron engine looks up per step (``verl.models.mcore``)."""
     import verl.models.mcore as mcore
-    from verl.workers.engine.megatron import transformer_impl as impl
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
+
+
+def install_megatron_patches(patcher) -> None:
+    """The Megatron-engine class patches of the ``verl080_mcore0161_ms0160`` patchset (with
+    :func:`install_forward_fn_patch`, all of them)."""
+    from verl.workers.engine.megatron import transformer_impl as impl
+
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)
     patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", megatron_forward_step)
     patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", megatron_forward_step)
