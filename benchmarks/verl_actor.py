@@ -37,8 +37,10 @@ configurations; no fp32 reference).
 
 Harness settings that differ from verl's defaults, the same for every configuration:
 ``attn_implementation=varlen_fa2`` (FSDP; the machine has no flash-attn, see
-``verl_flash_fallback.py``) and TE ``attention_backend=auto`` (Megatron; verl's ``flash``
-needs flash-attn inside TE).
+``verl_flash_fallback.py``), TE ``attention_backend=auto`` (Megatron; verl's ``flash``
+needs flash-attn inside TE), and ``USE_HUB_KERNELS=0`` (transformers >= 5.2x swaps layers for
+kernels fetched from the Hugging Face hub when the ``kernels`` package is installed; offline
+that fails at ``model.train()``, and online it would change the model under both sides).
 
     python benchmarks/verl_actor.py --quick --engines fsdp          # GPU
     python benchmarks/verl_actor.py --quick --engines megatron
@@ -70,6 +72,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+os.environ.setdefault("USE_HUB_KERNELS", "0")  # module docstring: same model, no hub access
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
