@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ps_mcore.planner import TreePlan, plan_prefix_tree, ragged_arange, tensor_fields_on
+from ps_mcore.planner import PlanMemo, TreePlan, claim_memo, plan_on, plan_prefix_tree, ragged_arange
 
 # A kept K/V row costs this many budget tokens by default: K and V of every layer (plus
 # their fp32 gradient accumulators in training) against one token's activations. A cautious
@@ -63,6 +63,10 @@ MIN_ROOM_FRACTIONS = (0.0, 0.125, 0.25, 0.5)
 # of forward + backward (512 rows at a 32k budget): what one more step must save to pay for
 # itself.
 STEP_OVERHEAD_FRACTION = 1 / 64
+
+
+class BudgetTooSmall(ValueError):
+    """``max_tokens`` cannot hold the kept context of some row (the message names both knobs)."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,20 @@ class Step:
     charge: float
 
 
+@dataclass(eq=False)
+class MiniBatchMemo:
+    """What is derived from one :class:`MiniBatchPlan` on first use and kept with it.
+
+    Attributes:
+        call_plans: :meth:`MiniBatchPlan.call_plan` per call index (every step of every pass
+            runs the same calls).
+        step_sources: :meth:`MiniBatchPlan.step_sources` per step index.
+    """
+
+    call_plans: dict[int, "ContextPlan"] = field(default_factory=dict)
+    step_sources: dict[int, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, eq=False)
 class MiniBatchPlan:
     """A prefix forest cut into model calls and steps under a token budget.
@@ -127,6 +145,9 @@ class MiniBatchPlan:
         max_tokens: the budget (tokens per step, kept state included).
         kv_row_cost: budget tokens charged per kept K/V-only row.
         training: planned for forward + backward (False: forward only, nothing recomputed).
+        range_ends: where the walk's ranges end (packed rows, ascending): the cuts a re-walk
+            keeps when a step must be split (``min_steps``).
+        memo: call plans and step sources, built on first use (:class:`MiniBatchMemo`).
     """
 
     tree: TreePlan
@@ -135,7 +156,8 @@ class MiniBatchPlan:
     max_tokens: int
     kv_row_cost: float
     training: bool
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    range_ends: tuple[int, ...] = ()
+    memo: MiniBatchMemo = field(default_factory=MiniBatchMemo, repr=False, compare=False)
 
     @property
     def num_steps(self) -> int:
@@ -157,10 +179,10 @@ class MiniBatchPlan:
         call = self.calls[index]
         if not call.context and not call.kept and call.num_rows == self.tree.num_tokens:
             return self.tree
-        key = ("call", index)
-        if key not in self._cache:
-            self._cache[key] = _context_plan(self, call)
-        return self._cache[key]
+        plans = self.memo.call_plans
+        if index not in plans:
+            plans[index] = _context_plan(self, call)
+        return plans[index]
 
     def step_sources(self, index: int) -> tuple[tuple[int, ...], torch.Tensor]:
         """Where the per-token outputs of step ``index``'s samples come from.
@@ -168,10 +190,10 @@ class MiniBatchPlan:
         Returns ``(calls, gather)``: the concatenation of those calls' per-token outputs
         (each in its ``tokens`` order), indexed by ``gather`` ``[N_step]``, is the step's
         samples' tokens in sample order (each sample's tokens in sequence order)."""
-        key = ("sources", index)
-        if key not in self._cache:
-            self._cache[key] = _step_sources(self, self.steps[index])
-        return self._cache[key]
+        sources = self.memo.step_sources
+        if index not in sources:
+            sources[index] = _step_sources(self, self.steps[index])
+        return sources[index]
 
     def sample_tokens(self, samples: Sequence[int]) -> np.ndarray:
         """Global token indices of ``samples``' tokens, sample after sample."""
@@ -256,7 +278,7 @@ class _Walk:
             room = self.budget - self.charge()
         if room < 1:
             path = int(self.depth[a])
-            raise ValueError(
+            raise BudgetTooSmall(
                 f"max_tokens={int(self.budget)} cannot hold the context of packed row {a}: its "
                 f"{path} ancestor rows are kept at kv_row_cost={self.rho:g} tokens each "
                 f"({self.charge():.0f} tokens); raise max_tokens (or lower kv_row_cost)"
@@ -350,7 +372,7 @@ def schedule_tree(
                 f"cannot make {min_steps} steps from this mini-batch: it has {plan.num_steps} and "
                 "no step holds two samples ending at different rows"
             )
-        cuts = frozenset(_range_ends(plan)) | {cut}
+        cuts = frozenset(plan.range_ends) | {cut}
         plan = _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, room)
     return plan
 
@@ -386,10 +408,6 @@ def _check_budget(max_tokens, kv_row_cost) -> None:
     cost = float(kv_row_cost)
     if not 0 < cost <= 1:
         raise ValueError(f"kv_row_cost must be in (0, 1] budget tokens per kept row, got {kv_row_cost!r}")
-
-
-def _range_ends(plan: MiniBatchPlan) -> list[int]:
-    return plan._cache["range_ends"]
 
 
 def _extra_cut(plan: MiniBatchPlan) -> int | None:
@@ -463,9 +481,8 @@ def _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, min_room) -> 
             samples=tuple(s for i in members for s in sorted(samples_per_range[i])),
             releases=releases, charge=max(walk.ranges[i].charge for i in members),
         ))
-    plan = MiniBatchPlan(tree, tuple(calls), tuple(steps), int(max_tokens), float(kv_row_cost), training)
-    plan._cache["range_ends"] = [r.end for r in walk.ranges]
-    return plan
+    return MiniBatchPlan(tree, tuple(calls), tuple(steps), int(max_tokens), float(kv_row_cost), training,
+                         range_ends=tuple(r.end for r in walk.ranges))
 
 
 # ----------------------------------------------------------------------------- call plans
@@ -493,6 +510,8 @@ class ContextPlan:
         call: the call's index in its :class:`MiniBatchPlan`.
         runtime: the schedule's run-time state for this call (set by the schedule runner;
             not part of the plan's value): where the attention reads kept K/V.
+        memo: the host copy, moved copies and ``max_token_id`` (:class:`~ps_mcore.planner.
+            PlanMemo`; a copy with another runtime shares it).
     """
 
     input_ids: torch.Tensor
@@ -510,7 +529,10 @@ class ContextPlan:
     next_token_mask: torch.Tensor
     call: int
     runtime: Any = field(default=None, compare=False)
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    memo: PlanMemo = field(default_factory=PlanMemo, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        claim_memo(self, ignore=("runtime",))
 
     @property
     def num_tokens(self) -> int:
@@ -530,27 +552,27 @@ class ContextPlan:
         return self.input_ids.device
 
     @property
+    def host(self) -> "ContextPlan":
+        """The plan's CPU copy (a plan moved by :meth:`to` keeps it), else the plan itself."""
+        return self.memo.host or self
+
+    @property
     def max_token_id(self) -> int:
-        if "max_token_id" not in self._cache:
-            ids = self._cache.get("host", self).next_token_ids
-            self._cache["max_token_id"] = int(ids.max()) if ids.numel() else -1
-        return self._cache["max_token_id"]
+        """Largest label id (on the host copy: no device sync), computed once per plan."""
+        memo = self.host.memo
+        if memo.max_token_id is None:
+            ids = self.host.next_token_ids
+            memo.max_token_id = int(ids.max()) if ids.numel() else -1
+        return memo.max_token_id
 
     def to(self, device) -> "ContextPlan":
-        """The plan on ``device`` (cached; the runtime travels with it)."""
-        device = torch.device(device)
-        if device == self.device:
-            return self
-        key = ("to", str(device))
-        if key not in self._cache:
-            moved = tensor_fields_on(self, device)
-            self._cache[key] = dataclasses.replace(self, _cache={"host": self._cache.get("host", self)}, **moved)
-        moved = self._cache[key]
+        """The plan on ``device`` (copied once per device; the runtime travels with it)."""
+        moved = plan_on(self, device)
         return moved if moved.runtime is self.runtime else dataclasses.replace(moved, runtime=self.runtime)
 
     def with_runtime(self, runtime) -> "ContextPlan":
-        """This plan carrying ``runtime`` (same tensors, shared caches)."""
-        return dataclasses.replace(self, runtime=runtime, _cache=self._cache)
+        """This plan carrying ``runtime`` (same tensors, the same memo)."""
+        return dataclasses.replace(self, runtime=runtime)
 
 
 def _context_plan(plan: MiniBatchPlan, call: Call) -> ContextPlan:

@@ -320,6 +320,23 @@ def test_tree_model_on_standard_thd_batches_matches_stock(models, pad_each):
         torch.testing.assert_close(got, torch.cat(_stock_logits(stock, seqs)), **TOL)
 
 
+def test_thd_batch_memo_follows_the_bounds_tensor():
+    """An ordinary THD batch's segment plan is derived once per params object (every layer
+    reads the same one) and derived again when its bounds tensor is replaced: the memo holds
+    the tensor it was derived from, so no later tensor (not even one at a recycled ``id``) is
+    mistaken for it."""
+    from ps_mcore.layer_specs.packed_params import plan_for_thd
+
+    psp = PackedSeqParams(qkv_format="thd", max_seqlen_q=8, max_seqlen_kv=8)
+    for bounds in ([0, 3, 7], [0, 5, 8], [0, 1, 2, 8], [0, 3, 7]):
+        psp.cu_seqlens_q = psp.cu_seqlens_kv = None  # the old tensor is freed first
+        psp.cu_seqlens_q = psp.cu_seqlens_kv = torch.tensor(bounds, dtype=torch.int32)
+        plan = plan_for_thd(psp, 8, torch.device("cpu"))
+        lengths = [b - a for a, b in zip(bounds, bounds[1:] + [8]) if b > a]
+        assert list(plan.seq_lens) == lengths
+        assert plan_for_thd(psp, 8, torch.device("cpu")) is plan  # once per micro-batch
+
+
 # ----------------------------------------------------------------------------- spec conversion
 
 

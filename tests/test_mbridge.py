@@ -2,7 +2,7 @@
 ``_model_provider`` / ``_get_transformer_layer_spec``; the verl glue converts that spec with
 ``to_tree_spec``. Only TE is shimmed: mbridge hard-codes ``use_transformer_engine=True``, so its
 ``get_gpt_decoder_block_spec`` call is redirected to the local layers (TE needs CUDA; the GPU
-run with TE and HF weight loading is in the device notes of docs/megatron.md).
+run with TE and HF weight loading: docs/verl.md, "Which Megatron-Bridge").
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ enable_cpu_mla()
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
 from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec  # noqa: E402
-from ps_mcore.layer_specs.modules.mla import TreeMLASelfAttention, mla_unsupported_reason  # noqa: E402
+from ps_mcore.layer_specs.modules.mla import TreeMLASelfAttention, mla_refusal  # noqa: E402
 from megatron.core.transformer import multi_latent_attention as mla_module  # noqa: E402
 
 
@@ -150,7 +150,7 @@ def test_mla_tree_rope_matters():
 def test_mla_unsupported_refused(option, value, word):
     cfg = mla_config()
     setattr(cfg, option, value)  # set after validation: the config check may need TE for some
-    assert word in mla_unsupported_reason(cfg)
+    assert word in mla_refusal(cfg)
     with pytest.raises(NotImplementedError, match=word):
         TreeMLASelfAttention(cfg, submodules=None, layer_number=1)
 

@@ -397,7 +397,7 @@ def _snapshot(impl):
 
 def test_install_and_uninstall_restore_exactly(impl):
     setup.uninstall()
-    assert setup.detect()[PATCHSET] is None
+    assert setup.detect()[PATCHSET].available
     before = _snapshot(impl)
     assert PATCHSET in setup.install([PATCHSET])
     after = _snapshot(impl)

@@ -424,9 +424,9 @@ def test_fallback_moe_token_dropping(env, fresh_warnings):
     (dict(), None),  # exact MoE options: the tree path runs it
 ])
 def test_moe_fallback_decision(env, options, word):
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason
+    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal
 
-    reason = megatron_fallback_reason(_moe_model(**options), {}, None)
+    reason = megatron_batch_refusal(_moe_model(**options), {}, None)
     assert reason is None if word is None else word in reason, reason
 
 
@@ -502,7 +502,7 @@ def test_parallel_layout_refusals_name_the_feature(env):
     its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
     from types import SimpleNamespace
 
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason, tree_build_refusal
+    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal, tree_build_refusal
 
     impl, model = env
     engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))
@@ -511,6 +511,6 @@ def test_parallel_layout_refusals_name_the_feature(env):
     assert tree_build_refusal(engine) == "dynamic context parallelism"
     rng = np.random.default_rng(10)
     batch = make_batch(WORKLOADS["grpo"](rng), rng)
-    reason = megatron_fallback_reason(model, {"local_cp_size": 2}, batch)
+    reason = megatron_batch_refusal(model, {"local_cp_size": 2}, batch)
     assert reason is not None and "dynamic context parallelism (local_cp_size)" in reason
-    assert megatron_fallback_reason(model, {"logits_processor": None}, batch) is None
+    assert megatron_batch_refusal(model, {"logits_processor": None}, batch) is None

@@ -20,8 +20,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ps_mcore.attention import _autocast_inputs, _no_autocast
 from ps_mcore.attention.backends import cp_kernel
-from ps_mcore.attention.gather_kv import _GatherKVAttention
+from ps_mcore.attention.gather_kv import GatherContext, varlen_attention
+from ps_mcore.attention.variants import attention_variant
 
 
 class _ReadKept(torch.autograd.Function):
@@ -80,6 +82,10 @@ def context_attention(
     layer_key,
     backend: str = "auto",
     softmax_scale: float | None = None,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a :class:`~ps_mcore.minibatch.ContextPlan` call.
 
@@ -89,6 +95,12 @@ def context_attention(
         plan: the call's ContextPlan with its schedule runtime attached.
         layer_key: identifies the layer (kept K/V are stored and read per key).
         backend: a gather-KV tree attention backend (``auto``: flash on CUDA, exact math on CPU).
+        window, sinks, softcap: the variants of :func:`~ps_mcore.attention.tree_attention`.
+            Every query segment's context is its whole root path up to its last row, so the
+            kernel's bottom-right window is the window along the sample's path.
+
+    Inside ``torch.autocast`` q/k/v are cast to the autocast dtype, as ``tree_attention``
+    casts them.
 
     Returns:
         ``[R, Hq, Dv]``: each own row's attention over its ancestors (kept or own) and itself.
@@ -107,6 +119,8 @@ def context_attention(
         )
     if q.size(1) % k.size(1):
         raise ValueError(f"GQA needs Hq % Hkv == 0; got Hq={q.size(1)}, Hkv={k.size(1)}")
+    q, k, v = _autocast_inputs(q, k, v)
+    variant = attention_variant(q, window, sinks, softcap)
     scale = q.size(-1) ** -0.5 if softmax_scale is None else float(softmax_scale)
     k, v = runtime.own_kv(layer_key, k, v)
     context = runtime.context_kv(layer_key)
@@ -118,9 +132,8 @@ def context_attention(
         width = max(dv, q.size(-1))
         q, k, v = (F.pad(x, (0, width - x.size(-1))) for x in (q, k, v))
     plan = plan.to(q.device)
-    kernel = cp_kernel(backend, q, purpose="against kept context K/V")
-    out = _GatherKVAttention.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), plan.kv_index, plan.cu_seqlens_q,
-        plan.cu_seqlens_kv, plan.max_seqlen_q, plan.max_seqlen_kv, scale, kernel, None,
-    )
+    kernel = cp_kernel(backend, q, purpose="against kept context K/V", variant=variant)
+    keys = GatherContext(plan.kv_index, plan.cu_seqlens_kv, plan.max_seqlen_kv)
+    with _no_autocast(q.device.type):
+        out = varlen_attention(q, k, v, plan.cu_seqlens_q, plan.max_seqlen_q, keys, scale, kernel, variant)
     return out[..., :dv]

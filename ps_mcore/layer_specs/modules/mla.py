@@ -28,7 +28,7 @@ from ps_mcore.layer_specs.modules.tree_context import set_current_tree_batch
 _FORWARD_SIGNATURE = inspect.signature(MLASelfAttention.forward)
 
 
-def mla_unsupported_reason(config) -> str | None:
+def mla_refusal(config) -> str | None:
     """Why an MLA layer with this config cannot run tree batches, or None."""
     if getattr(config, "apply_rope_fusion", False):
         return "apply_rope_fusion=True (the fused MLA RoPE kernels take no per-token positions)"
@@ -68,7 +68,7 @@ class TreeMLASelfAttention(MLASelfAttention):
     """
 
     def __init__(self, config, *args, **kwargs):
-        reason = mla_unsupported_reason(config)
+        reason = mla_refusal(config)
         if reason is not None:
             raise NotImplementedError(f"multi-latent attention on tree batches does not support {reason}")
         super().__init__(config, *args, **kwargs)

@@ -43,8 +43,8 @@ def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Te
     """``[S, 1, 1, d] -> [T_pad, 1, 1, d]``: the table row of every packed token's position.
 
     Every layer receives the same table from GPTModel: it is indexed once per micro-batch
-    (cached on the packed params, keyed by the table object itself)."""
-    cached = psp.__dict__.get("_tree_rope")
+    (kept on the packed params with the table object itself, ``psp.rotary_tables``)."""
+    cached = psp.rotary_tables
     if cached is not None and cached[0] is table:
         return cached[1]
     if table.size(0) < psp.plan.max_seqlen_kv:
@@ -53,7 +53,7 @@ def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Te
             f"{psp.plan.max_seqlen_kv - 1}; build packed params with TreePackedSeqParams.from_plan"
         )
     out = table.index_select(0, psp.position_ids.to(table.device))
-    psp.__dict__["_tree_rope"] = (table, out)
+    psp.rotary_tables = (table, out)
     return out
 
 
