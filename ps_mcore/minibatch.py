@@ -307,7 +307,12 @@ class _Walk:
 
     def add_call(self, rows: np.ndarray, kept: bool) -> int:
         index = len(self.calls)
-        self.calls.append(dict(rows=rows, context=tuple(k.call for k in self.kept), kept=kept))
+        # The kept calls alive at the range start are the ancestors of its first row; a range
+        # may run past the end of some of their subtrees. A kept call reads only its own
+        # ancestors (it may run again at its release, after those others are gone); the
+        # closed call reads them all (its rows may lie in any of their subtrees).
+        context = tuple(k.call for k in self.kept if not kept or k.end > rows[0])
+        self.calls.append(dict(rows=rows, context=context, kept=kept))
         if kept:
             entry = _Kept(index, rows, int(self.subtree_end[rows[0]]), graph=self.training)
             self.all_kept[index] = entry

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from test_fsdp_bridge import VOCAB, _nasty, assert_tree_matches  # noqa: E402
+from test_fsdp_bridge import (  # noqa: E402
+    VOCAB, _nasty, _sample_weights, assert_grads_close, assert_tree_matches, per_sequence_reference, schedule_run,
+)
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.fsdp_bridge import forward_tree, prefix_tree_attention  # noqa: E402
@@ -132,6 +134,22 @@ def test_sink_gradients_reach_the_parameters():
     forward_tree(model, plan, compute_logprobs=True).logprobs.sum().backward()
     grads = [layer.self_attn.sinks.grad for layer in model.model.layers]
     assert all(g is not None and torch.all(g != 0) for g in grads)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "gemma2-softcap"])
+def test_cross_micro_batch_schedule_on_the_variants(name):
+    """A mini-batch plan's calls read kept K/V with their layer's variant: windows counted along
+    each sample's path across calls (contexts several windows long, budgets cutting inside
+    nodes), per-head sinks, softcapping; every row once, equal to each sequence alone."""
+    model = make_variant_model(name)
+    seqs = window_forest(7, CONFIGS[name][1])
+    weights = _sample_weights(seqs)
+    _, ref_lp, ref_ent, ref_grads = per_sequence_reference(copy.deepcopy(model), seqs, weights)
+    lp, ent, grads = schedule_run(model, seqs, weights, budget=9, kv_row_cost=0.2)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.double(), rtol=1e-5, atol=1e-5)
+    assert len(grads) == len(list(model.parameters()))
+    assert_grads_close(grads, ref_grads)
 
 
 # ----------------------------------------------------------------------------- refusals

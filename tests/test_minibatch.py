@@ -37,7 +37,19 @@ def branching_forest(rng, roots=2, depth=3, fanout=3, node_len=(2, 9), vocab=50)
     return seqs
 
 
+def offshoot_forest(rng, num_seqs=6, root_len=17, branch_len=(1, 12), vocab=50):
+    """A root sequence, then sequences branching off earlier ones at random depths: ranges cut
+    by a small budget start inside one subtree and run on past its end into the next."""
+    seqs = [[int(x) for x in rng.integers(0, vocab, root_len)]]
+    while len(seqs) < num_seqs:
+        base = seqs[int(rng.integers(len(seqs)))]
+        cut = int(rng.integers(1, len(base) + 1))
+        seqs.append(base[:cut] + [int(x) for x in rng.integers(0, vocab, int(rng.integers(*branch_len)))])
+    return seqs
+
+
 FOREST_CASES = [
+    ("offshoot", lambda rng: offshoot_forest(rng)),
     ("branching", lambda rng: branching_forest(rng)),
     ("random", lambda rng: random_forest(rng, max_seqs=10, max_len=30)),
     ("long-prefix", lambda rng: [[1] * 40 + [int(x) for x in rng.integers(0, 50, int(rng.integers(1, 8)))]
@@ -69,10 +81,15 @@ def check_plan(plan) -> None:
             released[c] = step.index
         assert step.charge <= plan.max_tokens + 1e-9
     assert set(released) == {c.index for c in plan.calls if c.kept}
+    subtree_end = tree.subtree_end.numpy()
     for c in plan.calls:
         for k in c.context:
             assert plan.calls[k].kept and k < c.index
             assert released[k] >= c.step  # still alive when c runs
+            if c.kept:  # its release runs it again or back-propagates into k: k is its ancestor,
+                # released after it (same step: descendants first)
+                assert subtree_end[plan.calls[k].rows[0]] > c.rows[0]
+                assert released[k] >= released[c.index]
         cp = plan.call_plan(c.index)
         if isinstance(cp, ContextPlan):
             assert cp.kv_index.max() < cp.num_context_rows + c.num_rows
