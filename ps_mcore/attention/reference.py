@@ -1,4 +1,4 @@
-"""The oracle: dense tree mask from the plan, float32 math, any device."""
+"""The oracle: dense tree mask from the plan, float32 math (float64 for float64 inputs), any device."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ def reference_attention(
 ) -> torch.Tensor:
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]`` (q's dtype), via a dense mask."""
     group = q.size(1) // k.size(1)
-    qf = q.float().transpose(0, 1)  # [Hq, T, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64
+    qf = q.to(acc).transpose(0, 1)  # [Hq, T, D]
+    kf = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * softmax_scale
     scores = scores.masked_fill(~tree_mask(plan)[None], float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), vf)
