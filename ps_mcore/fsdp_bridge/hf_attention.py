@@ -226,6 +226,13 @@ def prefix_tree_attention(
         return _stock_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    return _tree_call(module, query, key, value, attention_mask, scaling, dropout, tree_plan, tree_backend, kwargs)
+
+
+# Under torch.compile the tree call runs eagerly between compiled graphs: its plan checks and
+# host-side layouts (numpy) are no graph material, and the graphs stay free of plan constants.
+@torch.compiler.disable
+def _tree_call(module, query, key, value, attention_mask, scaling, dropout, tree_plan, tree_backend, kwargs):
     _check_tree_call(module, query, key, attention_mask, dropout, tree_plan, kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     out = tree_attention(q, k, v, tree_plan, backend=tree_backend, softmax_scale=scaling)
