@@ -31,12 +31,18 @@ class PrefixGrouperConfig(Mapping):
         min_saved_fraction: a micro-batch whose plan saves less than this fraction of its
             tokens (1 - T/N) runs verl's stock forward instead (default 0.05: below ~5% the
             gather and plan overhead eats the gain).
+        shared_dropout: run a training model's dropouts (Megatron ``hidden_dropout``, HF
+            residual / classifier dropouts, ``lora_dropout``) on the packed rows, one mask
+            per shared row common to the samples holding it (each sample's own mask
+            distribution is unchanged). False (default): micro-batches of such a model run
+            verl's stock forward, with one warning naming the dropouts and their keys.
     """
 
     mode: str = "prompt_only"
     min_prefix_len: int = 8
     min_group_size: int = 2
     min_saved_fraction: float = 0.05
+    shared_dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -49,6 +55,11 @@ class PrefixGrouperConfig(Mapping):
                 raise ValueError(
                     f"actor_rollout_ref.actor.prefix_grouper.{name}={value!r}: must be a positive integer"
                 )
+        if not isinstance(self.shared_dropout, bool):
+            raise ValueError(
+                f"actor_rollout_ref.actor.prefix_grouper.shared_dropout={self.shared_dropout!r}: "
+                "must be true or false"
+            )
         frac = self.min_saved_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac < 1.0:
             raise ValueError(

@@ -291,6 +291,51 @@ def test_fallback_per_sample_temperature_warns(impl):
     _fallback_case(impl, make_model(), data, _setting("prompt_only"), "per-sample temperatures")
 
 
+def _dropout_model(seed: int = 0) -> torch.nn.Module:
+    """Tiny Phi-3 in training mode with residual dropout (``resid_pdrop``)."""
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        resid_pdrop=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=2, attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def _seeded(engine):
+    torch.manual_seed(11)  # both runs draw the same dropout masks
+
+
+def test_fallback_active_dropout_names_the_keys(impl):
+    """A training model with residual dropout runs verl's stock forward (same masks, same
+    numbers), with one warning naming the dropouts, their key and the opt-in key."""
+    from ps_mcore.setup import patching
+
+    data = _batch("tree", 8, **FIXED_MBS)
+    _fallback_case(impl, _dropout_model(), data, _setting("arbitrary_prefix"), "config key resid_pdrop", engine_setup=_seeded)
+    patching._WARNED.clear()
+    with pytest.warns(UserWarning, match="resid_attn_dropout") as record:
+        _run(impl, _dropout_model(), data, _setting("arbitrary_prefix"), True, engine_setup=_seeded)
+    assert "actor_rollout_ref.actor.prefix_grouper.shared_dropout=true" in str(record[0].message)
+
+
+def test_shared_dropout_opt_in_runs_the_tree(impl, recwarn):
+    """prefix_grouper.shared_dropout=true: the tree path runs the dropouts on the packed rows
+    (reproducible under a seed, different from eval), no warning."""
+    data = _batch("tree", 8, **FIXED_MBS)
+    setting = _setting("arbitrary_prefix", shared_dropout=True)
+    model = _dropout_model()
+    first, _ = _run(impl, model, data, setting, True, engine_setup=_seeded)
+    again, _ = _run(impl, model, data, setting, True, engine_setup=_seeded)
+    assert not [w for w in recwarn if "stock forward" in str(w.message)]
+    tokens_in, tokens_packed = step_tokens(first)
+    assert tokens_packed < tokens_in
+    _bit_identical(first, again)
+    model.eval()
+    without, _ = _run(impl, model, data, setting, True)
+    assert not torch.equal(first["model_output"]["log_probs"].values(), without["model_output"]["log_probs"].values())
+
+
 def test_fallback_engine_subclass_overriding_seams(impl):
     class Subclass(impl.FSDPEngineWithLMHead):  # as VeOmni's engine: post-processes verl's inputs
         def prepare_model_inputs(self, micro_batch):

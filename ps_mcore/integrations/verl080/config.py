@@ -24,6 +24,8 @@ from ps_mcore.config import PrefixGrouperConfig
 
 ENGINE_ATTR = "ps_mcore_prefix_sharing"
 CONFIG_ATTR = "prefix_grouper"
+# How a verl user opts in to dropout masks shared on shared rows (named in fallback warnings).
+SHARED_DROPOUT_OPT_IN = "actor_rollout_ref.actor.prefix_grouper.shared_dropout=true"
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ Per micro-batch, verl's stock code runs instead (warning once per reason) when t
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
 rule) and for what the tree path does not support: Ulysses sequence parallelism, fused
 kernels, VLM inputs, per-sample temperatures, ``calculate_sum_pi_squared``, distillation
-top-k, position ids other than ``0..len-1``, attention dropout, trl value-head wrappers and
-engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
+top-k, position ids other than ``0..len-1``, active dropout of a training model (attention
+dropout always; residual / classifier / LoRA dropouts unless ``prefix_grouper.shared_dropout``),
+trl value-head wrappers and engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
 back (SP, fused kernels, VLM), micro-batching stays verl's, so the stock forward keeps the
 raw-token budget it was sized for.
 """
@@ -47,6 +48,7 @@ from ps_mcore.integrations.verl080.batch import (
     sequence_lengths,
     uniform_temperature,
 )
+from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
@@ -139,22 +141,21 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
         reason = lm_head_batch_reason(batch, micro_batch_temperature(batch))
         if reason is not None:
             return reason
-    return _model_reason(engine.module)
+    setting = active_setting(engine)
+    return _model_reason(engine.module, setting is not None and setting.config.shared_dropout)
 
 
-def _model_reason(module) -> str | None:
+def _model_reason(module, shared_dropout: bool = False) -> str | None:
     from ps_mcore.fsdp_bridge import unwrap_model
+    from ps_mcore.fsdp_bridge.dropout import hf_dropout_refusal
 
     if hasattr(module, "v_head"):
         return "trl value-head wrappers (AutoModelForCausalLMWithValueHead) are not supported"
     try:
-        inner = unwrap_model(module)
+        unwrap_model(module)
     except ValueError as err:
         return str(err)
-    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-    if inner.training and getattr(config, "attention_dropout", 0.0):
-        return "attention dropout is not supported by prefix-tree attention"
-    return None
+    return hf_dropout_refusal(module, shared_dropout, SHARED_DROPOUT_OPT_IN)
 
 
 # ----------------------------------------------------------------------------- tree path
