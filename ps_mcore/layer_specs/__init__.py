@@ -31,6 +31,7 @@ from ps_mcore.layer_specs.context_parallel import gather_cp_rows
 from ps_mcore.layer_specs.cp_layout import CPLayout, cp_chunk_rows
 from ps_mcore.layer_specs.cp_logprobs import cp_token_logprobs
 from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
+from ps_mcore.layer_specs.dropout import megatron_dropout_refusal
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.pipeline import assert_same_plan, plan_fingerprint
 from ps_mcore.layer_specs.self_attention import TreeSelfAttention
@@ -57,6 +58,7 @@ __all__ = [
     "get_gpt_decoder_block_tree_spec",
     "get_gpt_layer_local_tree_spec",
     "get_gpt_layer_with_tree_attention_spec",
+    "megatron_dropout_refusal",
     "plan_fingerprint",
     "to_tree_spec",
     "token_logprobs",

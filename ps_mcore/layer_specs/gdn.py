@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core.ssm import gated_delta_net as stock_gdn
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
+from ps_mcore.layer_specs.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd
 from ps_mcore.recurrent import l2norm, recurrent_tree, tree_causal_conv1d, tree_gated_delta_rule
 
@@ -52,6 +53,9 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             )
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+        dropout = tree_batch_dropout_refusal(self, packed_seq_params) if tree_batch else None
+        if dropout is not None:
+            raise ValueError(dropout)
 
         qkvzba, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
         qkvzba = qkvzba[:, 0]

@@ -31,16 +31,22 @@ class TreePackedSeqParams(PackedSeqParams):
         cp_layout: this context-parallel rank's share of the rows (None without CP).
         multiplicity: ``[T_pad]`` int64, samples sharing each packed row (padding rows: 0);
             ``local_multiplicity()`` is this CP rank's share, sharded like the rows.
+        shared_dropout: a training model's ``hidden_dropout`` runs on the packed rows, one
+            mask per shared row common to the samples holding it (each sample's own mask
+            distribution is unchanged). False: the tree layers refuse it
+            (:mod:`ps_mcore.layer_specs.dropout`).
     """
 
     plan: TreePlan | None = None
     position_ids: torch.Tensor | None = None
     cp_layout: CPLayout | None = None
     multiplicity: torch.Tensor | None = None
+    shared_dropout: bool = False
 
     @classmethod
     def from_plan(
-        cls, plan: TreePlan, pad_to_multiple_of: int = 1, cp_size: int = 1, cp_rank: int = 0
+        cls, plan: TreePlan, pad_to_multiple_of: int = 1, cp_size: int = 1, cp_rank: int = 0,
+        shared_dropout: bool = False,
     ) -> "TreePackedSeqParams":
         """Parameters for ``plan`` (tensors on the plan's device).
 
@@ -54,6 +60,7 @@ class TreePackedSeqParams(PackedSeqParams):
             cp_size, cp_rank: the context-parallel group size and this rank. With CP the
                 T_pad rows are one THD sequence in Megatron's ``2*cp`` chunk layout: feed the
                 model ``cp_shard(plan.input_ids)``.
+            shared_dropout: opt in to dropout masks shared on shared rows (see the class).
         """
         if not isinstance(plan, TreePlan):
             raise TypeError(f"from_plan expects a TreePlan, got {type(plan).__name__}")
@@ -93,6 +100,7 @@ class TreePackedSeqParams(PackedSeqParams):
             position_ids=positions,
             cp_layout=layout,
             multiplicity=multiplicity,
+            shared_dropout=bool(shared_dropout),
         )
 
     def for_unfused_rope(self, device: torch.device) -> "TreePackedSeqParams":
