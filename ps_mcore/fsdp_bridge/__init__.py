@@ -9,6 +9,7 @@
   logits / hidden states and per-token log-probs / entropy.
 """
 
+from ps_mcore.fsdp_bridge.dropout import hf_dropout_refusal
 from ps_mcore.fsdp_bridge.forward import TreeForwardOutput, forward_tree
 from ps_mcore.fsdp_bridge.hf_attention import (
     ATTN_NAME,
@@ -29,6 +30,7 @@ __all__ = [
     "disable_tree_attention",
     "enable_tree_attention",
     "forward_tree",
+    "hf_dropout_refusal",
     "prefix_tree_attention",
     "register_attention",
     "unwrap_model",
