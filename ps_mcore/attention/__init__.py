@@ -73,6 +73,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeP
         raise ValueError(f"q/k/v are on different devices: {q.device}, {k.device}, {v.device}")
 
 
+# Under torch.compile tree attention runs eagerly between the compiled graphs: the plan's
+# host-side layouts (numpy) and per-plan sizes are no graph material.
+@torch.compiler.disable
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
