@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation, enable_tree_attention
+from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, attention_configs, enable_tree_attention
 
 # Attributes holding a checkpoint function called as ``fn(run, *args, **kwargs)``: Hugging
 # Face layers (``GradientCheckpointingLayer``, older decoder loops) and torch's
@@ -85,6 +85,7 @@ def tree_attention_scope(model: torch.nn.Module) -> Iterator[None]:
     its checkpoint functions are its own again; recomputation of this scope's checkpointed
     layers still runs tree attention. A model already switched by
     :func:`~ps_mcore.fsdp_bridge.enable_tree_attention` stays switched."""
+    saved = [(c, c._attn_implementation_internal) for c in attention_configs(model)]
     switched = enable_tree_attention(model)
     restore = _route_recompute(model, switched) if switched else []
     try:
@@ -92,5 +93,6 @@ def tree_attention_scope(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, attr, original in restore:
             setattr(module, attr, original)
-        for config in switched:
-            config._attn_implementation_internal = base_implementation(config)
+        for config, implementation in saved:
+            if any(config is c for c in switched):
+                config._attn_implementation_internal = implementation  # exactly, None included
