@@ -210,20 +210,6 @@ def test_hypothesis_forests_match_per_sequence(seqs, min_prefix_len):
     assert_tree_matches(make_model("qwen2-gqa2-d24"), seqs, min_prefix_len=min_prefix_len)
 
 
-def test_reference_backend_and_gradient_checkpointing():
-    """Checkpointed layers recompute in backward: they must still see prefix_tree."""
-    model = make_model("llama-gqa3-d16")
-    reference_model = copy.deepcopy(model)
-    seqs = random_forest(11)
-    weights = _sample_weights(seqs)
-    _, ref_lp, _, ref_grads = per_sequence_reference(reference_model, seqs, weights)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    out, grads = tree_run(model, plan, weights, backend="reference")
-    torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
-    assert_grads_close(grads, ref_grads)
-
-
 def test_sliding_window_wider_than_every_context_is_exact():
     seqs = _nasty("grpo")
     model = make_model("qwen2-gqa2-d24", use_sliding_window=True, sliding_window=64, max_window_layers=0)
@@ -468,20 +454,24 @@ def test_attn_implementation_is_restored_also_on_errors(attn):
     assert "prefix_tree" not in model.config.to_json_string()
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpointed_layers_recompute_with_tree_attention_after_the_switch_back(reentrant):
+@pytest.mark.parametrize("model_name, attn, backend, reentrant", [
+    ("qwen2-gqa2-d24", "sdpa", "auto", False),
+    ("qwen2-gqa2-d24", "sdpa", "auto", True),
+    ("llama-gqa3-d16", "eager", "reference", False),
+])
+def test_checkpointed_layers_recompute_with_tree_attention_after_the_switch_back(model_name, attn, backend, reentrant):
     """Backward runs after forward_tree gave the model its own implementation back; the
     recomputed layers must still run tree attention (sdpa would see a tree mask it cannot
     apply). Gradients equal the unshared run's."""
-    model = make_model("qwen2-gqa2-d24", attn="sdpa")
+    model = make_model(model_name, attn=attn)
     reference_model = copy.deepcopy(model)
     seqs = random_forest(12)
     weights = _sample_weights(seqs)
     _, ref_lp, _, ref_grads = per_sequence_reference(reference_model, seqs, weights)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    out = forward_tree(model, plan, compute_logprobs=True, compute_entropy=True)
-    assert model.config._attn_implementation == "sdpa"
+    out = forward_tree(model, plan, compute_logprobs=True, compute_entropy=True, backend=backend)
+    assert model.config._attn_implementation == attn
     w = torch.repeat_interleave(torch.tensor(weights, dtype=torch.float64), torch.tensor(plan.seq_lens))
     (w * (out.logprobs.double() + 0.3 * out.entropy.double())).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
