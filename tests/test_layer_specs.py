@@ -180,6 +180,34 @@ def test_tree_forward_backward_matches_unshared(models, forest):
     assert_grads_close(_grads(tree), ref_grads)
 
 
+@pytest.mark.parametrize("forest", ["random0", "prefix_of_another", "deep_chain"])
+def test_float64_model_at_float64_precision(forest):
+    """A float64 GPTModel (softmax in fp64 too): logits, log-probs and every gradient of a
+    per-sample-weighted loss equal the stock per-sequence runs to float64 precision; the tree
+    kernels compute fp64 inputs in fp64."""
+    cfg = tiny_config("qwen2", params_dtype=torch.float64, attention_softmax_in_fp32=False)
+    stock = build_gpt(cfg, stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg))).double()
+    randomize_(stock, seed=9)
+    tree = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))).double()
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    seqs = FORESTS[forest]
+    plan = _plan(seqs)
+    w_tok = _weights(seqs, seed=4)[1].double()
+    ref_logits = _stock_logits(stock, seqs)
+    ref_lp = _ref_logprobs(ref_logits, seqs)
+    (w_tok * ref_lp).sum().backward()
+    logits = _tree_logits(tree, plan)
+    lp, _ = token_logprobs(logits, plan)
+    (w_tok * lp).sum().backward()
+    assert logits.dtype == lp.dtype == torch.float64
+    fp64 = dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(plan.unpack(logits), torch.cat(ref_logits), **fp64)
+    torch.testing.assert_close(lp, ref_lp, **fp64)
+    ref_grads, grads = _grads(stock), _grads(tree)
+    for name, r in ref_grads.items():
+        torch.testing.assert_close(grads[name], r, rtol=1e-10, atol=1e-10 * float(r.abs().max()), msg=name)
+
+
 def test_dissolved_short_prefixes_match(models):
     """With the default min_prefix_len short shared runs are duplicated, long ones shared."""
     _, stock, tree = models
