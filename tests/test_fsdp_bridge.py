@@ -561,16 +561,20 @@ def test_direct_model_calls_with_a_plan_are_checked(small):
 # ----------------------------------------------------------------------------- torch.compile
 
 
-def test_compiled_model_matches_eager_without_recompiling_per_plan():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_model_matches_eager_without_recompiling_per_plan(checkpointing):
     """torch.compile(model) then forward_tree: the tree attention runs between the compiled
     graphs (its host-side layouts never enter one), outputs and gradients equal the eager
-    tree run, and plans of other lengths and shapes reuse the compiled graphs. (aot_eager:
-    Dynamo and AOTAutograd as inductor sees them, without CPU code generation.)"""
+    tree run, and plans of other lengths and shapes reuse the compiled graphs; also with
+    activation checkpointing. (aot_eager: Dynamo and AOTAutograd as inductor sees them,
+    without CPU code generation.)"""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     model = make_model("llama-gqa3-d16", attn="sdpa", num_hidden_layers=1)
     eager = copy.deepcopy(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = torch.compile(model, backend="aot_eager", dynamic=True)
     forests = [random_forest(5), _nasty("grpo"), _nasty("deep-chain")]
     graphs = []
