@@ -85,7 +85,7 @@ class TokenRows(Protocol):
     """What :func:`token_logprobs` reads: which packed row each original token reads.
 
     A :class:`~ps_mcore.planner.TreePlan` is one; so is one CP rank's share of a plan
-    (:class:`ps_mcore.layer_specs.cp_logprobs.LocalTokenRows`).
+    (:class:`ps_mcore.layer_specs.parallel.cp_logprobs.LocalTokenRows`).
 
     Attributes:
         num_tokens: T, the packed rows the logits hold (at least).

@@ -1,7 +1,20 @@
-"""The standard benchmark workloads (DESIGN.md section 6), as seeded generators.
+"""The standard benchmark workloads, as seeded generators.
 
-Every benchmark, the demo and many tests use these names. Lengths vary +-25% around the
-stated mean; ``scale`` shrinks every length (the CPU demo runs them at 1/16).
+Every benchmark, the demo and many tests use these names; each is one micro-batch:
+
+==================  ===========================================================================
+grpo-long-prompt    1 prompt of 4096 tokens, G = 8 responses of ~1024
+grpo-wide           1 prompt of 2048, G = 16 responses of ~512
+grpo-math           4 prompts of 256, G = 8 responses of ~768 each
+agent-tree          a prompt of 1024, 3 turns, each turn branching in 2 (response ~256 + tool
+                    output ~128): 8 root-to-leaf samples
+step-wise           one 8-step trajectory, steps of ~512 tokens (observation ~128 + action
+                    ~384); sample k = steps 1..k, each sample a prefix of the next
+no-sharing          8 unrelated sequences of ~1024
+==================  ===========================================================================
+
+Lengths marked ~ vary +-25% around the stated mean (prompts are exact); ``scale`` shrinks
+every length (the CPU demo runs them at 1/16).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def gdn_layer_spec(config, layer_spec):
 
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    from ps_mcore.layer_specs.gdn import get_gdn_layer_local_tree_spec
+    from ps_mcore.layer_specs.modules.gdn import get_gdn_layer_local_tree_spec
 
     spec = get_gdn_layer_local_tree_spec(layer_spec, conv_bias=True)
     mixer = dataclasses.replace(spec.submodules.self_attention, module=GatedDeltaNet)

@@ -23,7 +23,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     from ps_mcore.layer_specs import to_tree_spec
-    from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet
+    from ps_mcore.layer_specs.modules.gdn import TreeGatedDeltaNet
 
     rank = ps.get_tensor_model_parallel_rank()
     cfg = tiny_config("qwen2", num_layers=3, **gdn_config_overrides())

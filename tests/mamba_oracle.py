@@ -17,7 +17,7 @@ from megatron_shims import randomize_, tiny_config
 
 from ps_mcore import plan_prefix_tree
 from ps_mcore.layer_specs import TreePackedSeqParams
-from ps_mcore.layer_specs.mamba import TreeMambaMixer
+from ps_mcore.layer_specs.modules.mamba import TreeMambaMixer
 
 # (ngroups, heads, headdim, d_state, D_has_hdim): groups > 1 with an odd head dim, and D per channel
 SHAPES = {"g1": (1, 2, 8, 4, False), "g2-odd-headdim": (2, 4, 5, 6, True)}

@@ -12,7 +12,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron_shims import build_gpt, randomize_, tiny_config
 from ps_mcore import plan_prefix_tree
 from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_decoder_block_tree_spec
-from ps_mcore.layer_specs.moe import TreeTopKRouter
+from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter
 from ps_mcore.logprobs import token_logprobs
 from ps_mcore.planner import plan_unshared
 

@@ -5,6 +5,7 @@ nothing else printed), the plot (a real, non-blank PNG) and the icicle layout.""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -349,6 +350,26 @@ def test_no_command_and_unknown_arguments(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("argv,status", [
+    (["analyze", "ROLLOUTS", "-q", "--per-batch"], {141}),
+    (["--help"], {0, 141}),  # argparse itself drops a failed help write
+    (["analyze", "--help"], {0, 141}),
+])
+def test_a_closed_output_pipe_ends_quietly(tmp_path, argv, status):
+    """``ps-mcore ... | head``: the reader is gone before the output is written; the command
+    stops (SIGPIPE's status where it noticed) and prints nothing, no BrokenPipeError."""
+    path = _write_jsonl(tmp_path / "r.jsonl", _rollouts())
+    argv = [str(path) if a == "ROLLOUTS" else a for a in argv]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "ps_mcore", *argv], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120, cwd=ROOT)
+    finally:
+        os.close(write_end)
+    assert out.returncode in status and out.stderr == "", (out.returncode, out.stderr[-2000:])
+
+
 def test_demo_is_wired(capsys):
     pytest.importorskip("ps_mcore.demo")
     with pytest.raises(SystemExit) as e:
@@ -601,3 +622,36 @@ def test_the_readme_analyze_line_runs(tmp_path, capsys, monkeypatch):
     rc, out, err = _run(capsys, *argv)
     assert rc == 0, err
     assert "2 file(s), 8 sequences" in out and (tmp_path / "tree.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize("window", [1, 16])
+def test_window_counts_the_pairs_of_a_sliding_window_layer(tmp_path, capsys, window):
+    """``--window W``: one more column, the attention-FLOP ratio of a layer with a sliding
+    window of W, equal to the planner's windowed pairs summed over the micro-batches; the
+    trie sweep counts them at every threshold as planning would."""
+    rows = _rollouts()
+    path = _write_jsonl(tmp_path / "r.jsonl", [{"prompt_ids": r["prompt"], "response_ids": r["response"],
+                                                 "uid": r["uid"]} for r in rows])
+    rc, out, err = _run(capsys, "analyze", path, "--micro-batch-size", 4, "--window", window)
+    assert rc == 0, err
+    assert f"attn-FLOP ratio (window {window})" in out
+    first = {}
+    for i, r in enumerate(rows):
+        first.setdefault(r["uid"], i)
+    order = sorted(range(len(rows)), key=lambda i: (first[rows[i]["uid"]], i))
+    pu = pt = 0.0
+    for a in range(0, len(order), 4):
+        seqs = [rows[i]["prompt"] + rows[i]["response"] for i in order[a : a + 4]]
+        st = plan_prefix_tree(seqs, min_prefix_len=8, min_group_size=2).stats(window=window)
+        pu, pt = pu + st["attn_pairs_unshared_window"], pt + st["attn_pairs_tree_window"]
+    row = [r for r in _table_rows(out, "arbitrary_prefix") if len(r) == 9]
+    assert len(row) == 1 and _close(row[0][6], pu / pt), row
+    rng = np.random.default_rng(window)
+    micro = [(Rollouts("x", [np.asarray(s) for s in random_forest(rng, 8, 60)], None, None, "test"), list(range(8)))]
+    micro = [(r, list(range(len(r.sequences)))) for r, _ in micro]
+    tries = ModeTries.build(micro, "arbitrary_prefix", window=window)
+    for mpl, g in [(1, 2), (4, 2), (2, 3)]:
+        got = tries.evaluate(mpl, g)
+        st = plan_prefix_tree(micro[0][0].sequences, min_prefix_len=mpl, min_group_size=g).stats(window=window)
+        assert got.pairs_tree_window[0] == st["attn_pairs_tree_window"]
+        assert got.pairs_unshared_window[0] == st["attn_pairs_unshared_window"]

@@ -695,30 +695,13 @@ def test_training_attention_dropout_is_refused():
     assert forward_tree(model, plan).logits.shape == (plan.num_tokens, VOCAB)
 
 
-def test_narrow_sliding_window_is_refused():
-    model = make_model(use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        forward_tree(model, plan_prefix_tree(_nasty("grpo")))
-
-
-def test_softcapping_is_refused():
-    config = transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=512,
-        attn_logit_softcapping=50.0, attn_implementation="eager",
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(NotImplementedError, match="softcapping"):
-        forward_tree(model, plan_prefix_tree(_nasty("grpo")))
-
-
 def test_unsupported_attention_features_are_refused(small):
     model, _, plan = small
     attn = model.model.layers[0].self_attn
     q = torch.zeros(1, 4, plan.num_tokens, 24)
     kv = torch.zeros(1, 2, plan.num_tokens, 24)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="position bias"):
+        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, position_bias=torch.zeros(1, 4, 1, 1))
     with pytest.raises(ValueError, match="prepared attention mask"):
         prefix_tree_attention(attn, q, kv, kv, torch.zeros(1, 1, plan.num_tokens, plan.num_tokens), tree_plan=plan)
     with pytest.raises(ValueError, match="KV cache"):

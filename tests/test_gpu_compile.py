@@ -13,6 +13,7 @@ from attention_oracle import compare_with_unshared, random_qkv
 from forests import nasty_forests, random_forest
 
 from ps_mcore import plan_prefix_tree, tree_attention
+from ps_mcore.attention import layout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -22,8 +23,6 @@ FORESTS = ("tree", "grpo", "deep-chain")
 @pytest.mark.parametrize("layout_levels", ["cascade", "gather"])
 def test_float64_chunked_on_cuda_at_float64_precision(monkeypatch, layout_levels):
     """The cascade's merges and gather-KV's shared-row sums run in fp64 on CUDA too."""
-    from ps_mcore.attention import layout
-
     monkeypatch.setattr(layout, "cascade_pays", lambda plan, lay: layout_levels == "cascade")
     for name in FORESTS:
         plan = plan_prefix_tree(nasty_forests()[name], min_prefix_len=1)

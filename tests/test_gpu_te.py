@@ -32,7 +32,7 @@ from ps_mcore.layer_specs import (  # noqa: E402
     TreePackedSeqParams, TreeSelfAttention, get_gpt_decoder_block_tree_spec,
     get_gpt_layer_with_tree_attention_spec, to_tree_spec,
 )
-from ps_mcore.layer_specs.core_attention import TreeCoreAttentionTEState  # noqa: E402
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttentionTEState  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
 
 if not stock_specs.HAVE_TE:

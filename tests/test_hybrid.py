@@ -37,9 +37,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec,
 )
-from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
-from ps_mcore.layer_specs.moe import TreeTopKRouter  # noqa: E402
-from ps_mcore.layer_specs.recurrent_specs import refuse_tree_batch, tree_recurrent_spec  # noqa: E402
+from ps_mcore.layer_specs.modules.gdn import TreeGatedDeltaNet  # noqa: E402
+from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter  # noqa: E402
+from ps_mcore.layer_specs.conversion.recurrent import tree_recurrent_spec  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 FORESTS = small_nasty_forests()
@@ -152,8 +152,6 @@ def test_refusals(models):
             gdn(hidden[: plan.num_tokens], None, packed_seq_params=TreePackedSeqParams.from_plan(plan))
     finally:
         gdn.config.hidden_dropout = 0.0
-    with pytest.raises(NotImplementedError, match="SomeMixer.*prefix-tree batch.*not implemented"):
-        refuse_tree_batch("SomeMixer", "not implemented")
 
 
 # ------------------------------------------------------------- megatron-core 0.16's MambaStack
@@ -196,7 +194,7 @@ def test_mamba_stack_mamba_mixer_becomes_the_tree_mixer():
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from ps_mcore.layer_specs.mamba import TreeMambaMixer
+    from ps_mcore.layer_specs.modules.mamba import TreeMambaMixer
 
     mixer = ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
         in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))

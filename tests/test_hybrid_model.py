@@ -44,9 +44,9 @@ from megatron.core.transformer.transformer_layer import (  # noqa: E402
 from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec,
 )
-from ps_mcore.layer_specs.gdn import TreeGatedDeltaNet  # noqa: E402
-from ps_mcore.layer_specs.moe import TreeTopKRouter  # noqa: E402
-from ps_mcore.layer_specs.spec_class import spec_class  # noqa: E402
+from ps_mcore.layer_specs.modules.gdn import TreeGatedDeltaNet  # noqa: E402
+from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter  # noqa: E402
+from ps_mcore.layer_specs.conversion.spec_class import spec_class  # noqa: E402
 
 PATTERN = "*-*-"
 
@@ -184,7 +184,7 @@ def mamba_models():
 def test_mamba_hybrid_model_tree_matches_each_sequence(mamba_models, forest):
     """0.19 HybridModel ``M*M-`` with the stock MambaMixer swapped by to_tree_spec: logits,
     log-probs and every gradient, tree vs each sequence alone through the stock model (fp32)."""
-    from ps_mcore.layer_specs.mamba import TreeMambaMixer
+    from ps_mcore.layer_specs.modules.mamba import TreeMambaMixer
 
     stock, tree = mamba_models
     assert [type(layer.mixer) for layer in tree.decoder.layers[::2]] == [TreeMambaMixer] * 2
@@ -199,7 +199,7 @@ def test_stock_hybrid_stack_spec_converts_gdn_and_mamba_mixers():
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
     from megatron.core.ssm.mamba_layer import MambaLayer
 
-    from ps_mcore.layer_specs.mamba import TreeMambaMixer
+    from ps_mcore.layer_specs.modules.mamba import TreeMambaMixer
 
     tree = to_tree_spec(hybrid_stack_spec).submodules
     stock = hybrid_stack_spec.submodules

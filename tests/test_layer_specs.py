@@ -34,8 +34,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, get_gpt_decoder_block_tree_spec,
-    get_gpt_layer_local_tree_spec, get_gpt_layer_with_tree_attention_spec, to_tree_spec,
-    tree_layer_spec, tree_layer_spec_from,
+    get_gpt_layer_local_tree_spec, get_gpt_layer_with_tree_attention_spec, megatron_dropout_refusal,
+    to_tree_spec, tree_layer_spec, tree_layer_spec_from,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -348,6 +348,23 @@ def test_tree_model_on_standard_thd_batches_matches_stock(models, pad_each):
         torch.testing.assert_close(got, torch.cat(_stock_logits(stock, seqs)), **TOL)
 
 
+def test_thd_batch_memo_follows_the_bounds_tensor():
+    """An ordinary THD batch's segment plan is derived once per params object (every layer
+    reads the same one) and derived again when its bounds tensor is replaced: the memo holds
+    the tensor it was derived from, so no later tensor (not even one at a recycled ``id``) is
+    mistaken for it."""
+    from ps_mcore.layer_specs.packed_params import plan_for_thd
+
+    psp = PackedSeqParams(qkv_format="thd", max_seqlen_q=8, max_seqlen_kv=8)
+    for bounds in ([0, 3, 7], [0, 5, 8], [0, 1, 2, 8], [0, 3, 7]):
+        psp.cu_seqlens_q = psp.cu_seqlens_kv = None  # the old tensor is freed first
+        psp.cu_seqlens_q = psp.cu_seqlens_kv = torch.tensor(bounds, dtype=torch.int32)
+        plan = plan_for_thd(psp, 8, torch.device("cpu"))
+        lengths = [b - a for a, b in zip(bounds, bounds[1:] + [8]) if b > a]
+        assert list(plan.seq_lens) == lengths
+        assert plan_for_thd(psp, 8, torch.device("cpu")) is plan  # once per micro-batch
+
+
 # ----------------------------------------------------------------------------- spec conversion
 
 
@@ -387,7 +404,7 @@ def test_to_tree_spec_moe_pattern_untouched_except_attention_and_router():
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from ps_mcore.layer_specs.moe import TreeTopKRouter
+    from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter
 
     cfg = tiny_config("qwen2", num_layers=4, num_moe_experts=4, moe_layer_freq=[1, 0, 1, 0],
                       moe_router_topk=2)
@@ -510,8 +527,6 @@ def test_megatron_default_hidden_dropout_is_refused_naming_the_key():
     """megatron-core's hidden_dropout default (0.1) drops the embeddings and every layer's
     attention and MLP outputs on the packed rows: refused in training, with the key and the
     opt-in; the whole-model check names each site, attention dropout apart."""
-    from ps_mcore.layer_specs import megatron_dropout_refusal
-
     _, tree = _dropout_model()
     assert tree.config.hidden_dropout == 0.1
     plan = _plan(FORESTS["random1"])

@@ -1,4 +1,4 @@
-"""The package layout (#11): old import paths still work, and the floors import one way."""
+"""The package layout: the floors import one way."""
 
 from __future__ import annotations
 
@@ -14,37 +14,20 @@ def _imported_after(code: str) -> set[str]:
 
 
 def test_lower_floors_import_no_framework():
-    """Core, ``mindspeed`` and ``setup`` (detecting stacks) import no training framework."""
+    """Core, ``mindspeed``, ``setup`` (detecting stacks) and ``analyze`` (which reads the verl
+    glue's config defaults) import no training framework."""
     code = (
-        "import ps_mcore, ps_mcore.config, ps_mcore.attention, ps_mcore.logprobs, ps_mcore.flops\n"
-        "import ps_mcore.mindspeed, ps_mcore.setup\n"
+        "import ps_mcore, ps_mcore.attention, ps_mcore.logprobs, ps_mcore.flops, ps_mcore.recurrent\n"
+        "import ps_mcore.mindspeed, ps_mcore.setup, ps_mcore.analyze\n"
         "ps_mcore.setup.detect()"
     )
     frameworks = {"verl", "megatron", "transformers", "mindspeed", "torch_npu", "transformer_engine"}
     assert not _imported_after(code) & frameworks
 
 
-def test_old_import_paths_are_the_same_modules():
-    import ps_mcore.integrations.env as env
-    import ps_mcore.integrations.patching as patching
-    import ps_mcore.integrations.verl080 as verl080
-    import ps_mcore.setup.env as old_env
-    import ps_mcore.setup.patching as old_patching
-    import ps_mcore.verl as old_verl
-    import ps_mcore.verl.engine as old_engine
-    from ps_mcore.integrations.verl080 import engine
-
-    assert old_env is env and old_patching is patching and old_engine is engine
-    assert old_verl.CONFIG_DIR == verl080.CONFIG_DIR
-    from ps_mcore.config import PrefixGrouperConfig
-    from ps_mcore.verl.config import PrefixGrouperConfig as old_config
-
-    assert old_config is PrefixGrouperConfig
-
-
 def test_one_backend_table_serves_every_caller():
     from ps_mcore.attention import BACKENDS, backends
-    from ps_mcore.layer_specs.context_parallel import CP_BACKENDS
+    from ps_mcore.layer_specs.parallel.context_parallel import CP_BACKENDS
 
     assert BACKENDS == ("auto", *backends.ATTENTION_BACKENDS)
     assert CP_BACKENDS == ("auto", *(n for n, b in backends.ATTENTION_BACKENDS.items() if b.supports_cp))

@@ -35,8 +35,8 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp  # 
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 from ps_mcore.layer_specs import TreePackedSeqParams, to_tree_spec  # noqa: E402
-from ps_mcore.layer_specs.mamba import TreeMambaMixer  # noqa: E402
-from ps_mcore.layer_specs.recurrent_specs import tree_recurrent_spec  # noqa: E402
+from ps_mcore.layer_specs.modules.mamba import TreeMambaMixer  # noqa: E402
+from ps_mcore.layer_specs.conversion.recurrent import tree_recurrent_spec  # noqa: E402
 from mamba_oracle import (  # noqa: E402
     SHAPES, assert_close_scaled, grads_of, mamba_config, mixer_pair, sharpen_mamba_, thd_params, tree_vs_stock,
 )

@@ -35,8 +35,8 @@ from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, to_tree_spec, tree_layer_spec,
     tree_layer_spec_from,
 )
-from ps_mcore.layer_specs import self_attention as tree_self_attention  # noqa: E402
-from ps_mcore.layer_specs.core_attention import TreeCoreAttentionTEState  # noqa: E402
+from ps_mcore.layer_specs.modules import self_attention as tree_self_attention  # noqa: E402
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttentionTEState  # noqa: E402
 
 EXTRA = "decoder.layers.{}.self_attention.core_attention._extra_state"
 

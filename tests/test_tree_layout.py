@@ -135,7 +135,7 @@ def test_auto_layout_follows_cascade_pays(monkeypatch):
     assert not layout_mod.cascade_pays(plan, lay)
     calls = []
     monkeypatch.setattr(
-        "ps_mcore.attention.gather_kv.gather_kv_attention",
+        "ps_mcore.attention.cascade.gather_kv_attention",
         lambda *a, **k: calls.append(1) or torch.zeros_like(a[0]),
     )
     q, k, v = random_qkv(plan, 2, 1, 8, torch.float32)
@@ -166,7 +166,23 @@ def test_layout_is_cached_and_built_from_the_host_copy():
     lay = cascade_layout(moved)
     assert lay is cascade_layout(moved)
     assert all(c.cu_q.device.type == "meta" for c in lay.calls)
-    assert plan._cache[("cascade_layout", "cpu")] is cascade_layout(plan)
+    assert plan.memo.cascade_layouts[torch.device("cpu")] is cascade_layout(plan)
+    assert moved.memo.host is plan and moved.host.memo is plan.memo  # one host build
+
+
+def test_a_replaced_plan_shares_its_memo_only_with_the_same_values():
+    """``dataclasses.replace`` with the same values (torch's input casting rebuilds dataclass
+    inputs so) keeps what was derived; with other values the new plan derives afresh."""
+    import dataclasses
+
+    plan = plan_prefix_tree([[1, 2, 3, 4], [1, 2, 5]], min_prefix_len=1)
+    lay = cascade_layout(plan)
+    assert plan.max_token_id == 5 and plan.to("meta") is plan.to("meta")
+    same = dataclasses.replace(plan, seq_lens=tuple(plan.seq_lens))  # equal, not the same object
+    assert same.memo is plan.memo and cascade_layout(same) is lay
+    other = dataclasses.replace(plan, input_ids=plan.input_ids + 10)
+    assert other.memo is not plan.memo and not other.memo.cascade_layouts and not other.memo.moved
+    assert other.max_token_id == 15
 
 
 def test_cascade_saves_no_per_call_output():

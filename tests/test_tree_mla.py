@@ -25,8 +25,8 @@ enable_cpu_mla()
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
-from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec  # noqa: E402
-from ps_mcore.layer_specs.mla import TreeMLASelfAttention, mla_unsupported_reason  # noqa: E402
+from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec, megatron_dropout_refusal  # noqa: E402
+from ps_mcore.layer_specs.modules.mla import TreeMLASelfAttention, mla_refusal  # noqa: E402
 from megatron.core.transformer import multi_latent_attention as mla_module  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def test_mla_nasty_shapes(name):
 def test_mla_tree_rope_matters():
     """Positions really reach the decoupled RoPE part: with plain packed positions (0..T-1,
     what the stock THD path would use for the packed rows) the tree run differs."""
-    import ps_mcore.layer_specs.mla as mla
+    import ps_mcore.layer_specs.modules.mla as mla
 
     cfg = mla_config()
     seqs = nasty_forests(0)["tree"]
@@ -145,8 +145,6 @@ def test_mla_tree_rope_matters():
 def test_mla_hidden_dropout_refused_unless_shared():
     """hidden_dropout drops each MLA layer's output on the packed rows: refused in training
     naming the key, run with shared_dropout=True, exact in eval."""
-    from ps_mcore.layer_specs import megatron_dropout_refusal
-
     model = build_mla(mla_config(hidden_dropout=0.1)).train()
     seqs = nasty_forests(0)["tree"]
     plan = plan_prefix_tree(seqs, min_prefix_len=1)
@@ -174,7 +172,7 @@ def test_mla_hidden_dropout_refused_unless_shared():
 def test_mla_unsupported_refused(option, value, word):
     cfg = mla_config()
     setattr(cfg, option, value)  # set after validation: the config check may need TE for some
-    assert word in mla_unsupported_reason(cfg)
+    assert word in mla_refusal(cfg)
     with pytest.raises(NotImplementedError, match=word):
         TreeMLASelfAttention(cfg, submodules=None, layer_number=1)
 

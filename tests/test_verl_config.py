@@ -66,7 +66,7 @@ def test_shipped_config_composes_validates_and_instantiates(name, installed_patc
     follow_actor_setting(cfg)  # what the patched trainer init_workers does
     reset_actor_setting()  # a worker process: nothing instantiated yet
     actor, ref = _instantiate_worker_side(cfg)
-    expected = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=16)  # the seed's demo mode
+    expected = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=16)  # the GSM8K demo's mode
     assert actor.use_prefix_grouper is True and actor.prefix_grouper == expected
     setting = getattr(actor.engine, ENGINE_ATTR)
     assert setting.enabled is True and setting.config == expected

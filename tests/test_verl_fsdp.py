@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 from verl_batches import RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
+from ps_mcore.integrations import patching  # noqa: E402
 from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 
@@ -51,8 +52,6 @@ def impl():
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were given, so each test sees its own."""
-    from ps_mcore.setup import patching
-
     monkeypatch.setattr(patching, "_WARNED", set())
 
 
@@ -309,8 +308,6 @@ def _seeded(engine):
 def test_fallback_active_dropout_names_the_keys(impl):
     """A training model with residual dropout runs verl's stock forward (same masks, same
     numbers), with one warning naming the dropouts, their key and the opt-in key."""
-    from ps_mcore.setup import patching
-
     data = _batch("tree", 8, **FIXED_MBS)
     _fallback_case(impl, _dropout_model(), data, _setting("arbitrary_prefix"), "config key resid_pdrop", engine_setup=_seeded)
     patching._WARNED.clear()
@@ -443,7 +440,7 @@ def _snapshot(impl):
 
 def test_install_and_uninstall_restore_exactly(impl):
     setup.uninstall()
-    assert setup.detect()[PATCHSET] is None
+    assert setup.detect()[PATCHSET].available
     before = _snapshot(impl)
     assert PATCHSET in setup.install([PATCHSET])
     after = _snapshot(impl)

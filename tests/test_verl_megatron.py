@@ -25,6 +25,7 @@ from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, random
 from verl_batches import RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
+from ps_mcore.integrations import patching  # noqa: E402
 from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 from ps_mcore.integrations.verl080.trainer import TOKENS_IN  # noqa: E402
 
@@ -347,8 +348,6 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were given, so the test sees its own."""
-    from ps_mcore.setup import patching
-
     monkeypatch.setattr(patching, "_WARNED", set())
 
 
@@ -403,8 +402,6 @@ def _seeded(engine):
 def test_fallback_hidden_dropout_names_verl_keys(env, fresh_warnings):
     """hidden_dropout > 0 in training: verl's stock forward (same masks, same numbers), one
     warning naming the override key that turns it off and the opt-in key."""
-    from ps_mcore.setup import patching
-
     impl, _ = env
     model = _dropout_model()
     key = "+actor_rollout_ref.actor.megatron.override_transformer_config.hidden_dropout to 0"
@@ -492,9 +489,9 @@ def test_fallback_moe_token_dropping(env, fresh_warnings):
     (dict(), None),  # exact MoE options: the tree path runs it
 ])
 def test_moe_fallback_decision(env, options, word):
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason
+    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal
 
-    reason = megatron_fallback_reason(_moe_model(**options), {}, None)
+    reason = megatron_batch_refusal(_moe_model(**options), {}, None)
     assert reason is None if word is None else word in reason, reason
 
 
@@ -570,7 +567,7 @@ def test_parallel_layout_refusals_name_the_feature(env):
     its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
     from types import SimpleNamespace
 
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason, tree_build_refusal
+    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal, tree_build_refusal
 
     impl, model = env
     engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))
@@ -579,6 +576,6 @@ def test_parallel_layout_refusals_name_the_feature(env):
     assert tree_build_refusal(engine) == "dynamic context parallelism"
     rng = np.random.default_rng(10)
     batch = make_batch(WORKLOADS["grpo"](rng), rng)
-    reason = megatron_fallback_reason(model, {"local_cp_size": 2}, batch)
+    reason = megatron_batch_refusal(model, {"local_cp_size": 2}, batch)
     assert reason is not None and "dynamic context parallelism (local_cp_size)" in reason
-    assert megatron_fallback_reason(model, {"logits_processor": None}, batch) is None
+    assert megatron_batch_refusal(model, {"logits_processor": None}, batch) is None

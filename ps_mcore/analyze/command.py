@@ -51,6 +51,9 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="L,L,...", help="min_prefix_len values of the threshold table")
     parser.add_argument("--sweep-group-sizes", type=_int_list, default=[2, 4, 8],
                         metavar="G,G,...", help="min_group_size values of the threshold table")
+    parser.add_argument("--window", type=_positive, metavar="W",
+                        help="also count the attention pairs of a sliding-window layer of W positions "
+                        "(Gemma 3 local, GPT-OSS, Mistral layers): one more attn-FLOP ratio column")
     parser.add_argument("--per-batch", action="store_true", help="also print one row per micro-batch")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="write a PNG of the sharing structure of one micro-batch (the name "
@@ -86,7 +89,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     files = [read_rollouts(p, args.column, args.uid_column, args.tokenizer, progress)
              for p in expand_paths(args.files)]
     batches = [(r, idx) for r in files for idx in report.micro_batches(r, args.micro_batch_size)]
-    tries = report.build_tries(batches, progress)
+    tries = report.build_tries(batches, progress, getattr(args, "window", None))
     plot_job = _plot_job(args, batches, tries) if args.plot else None  # validate before printing
     out = [
         report._header(files, batches, args.micro_batch_size),

@@ -29,12 +29,13 @@ from ps_mcore.planner import TreePlan
 
 ATTN_NAME = "prefix_tree"
 # Keyword arguments of features the tree kernels do not implement; a plan with any of
-# them set is refused rather than silently ignored.
+# them set is refused rather than silently ignored. (Per-head sinks arrive as ``s_aux``, the
+# sliding window as ``sliding_window``, softcapping as ``softcap``: those run on the tree.)
 _UNSUPPORTED_KWARGS = {
-    "softcap": "attention logit softcapping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-    "position_bias": "an additive position bias",
+    "sinks": "per-token attention sinks (sinks=, a logit per head and token; per-head sinks "
+             "come as s_aux= and are supported)",
+    "position_bias": "an additive position bias (a dense [H, T, T] term has no tree form "
+                     "the kernels take)",
 }
 # Packing metadata of HF's own varlen path; it contradicts a tree layout.
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
@@ -163,13 +164,6 @@ def _check_tree_call(module, query, key, attention_mask, dropout, plan, kwargs) 
         value = kwargs.get(name)
         if value is not None and not (isinstance(value, (int, float)) and value == 0):  # 0: off
             raise NotImplementedError(f"prefix-tree attention does not implement {feature} ({name}=)")
-    window = kwargs.get("sliding_window")
-    # A window at least as long as every context masks nothing, so it is exact to ignore.
-    if window is not None and window < plan.max_seqlen_kv:
-        raise NotImplementedError(
-            f"sliding-window attention (window {window}) is not supported by prefix-tree "
-            f"attention for contexts up to {plan.max_seqlen_kv} tokens"
-        )
     if any(kwargs.get(name) is not None for name in _PACKING_KWARGS):
         raise ValueError("tree_plan cannot be combined with cu_seq_lens packing kwargs")
     if isinstance(attention_mask, DeferredMask):
@@ -218,6 +212,9 @@ def prefix_tree_attention(
         query: ``[1, Hq, T, D]``; key/value ``[1, Hkv, T, D]`` (HF layout, the forest as one row).
         tree_plan: the micro-batch's plan; None runs the model's stock implementation.
         tree_backend: :func:`tree_attention` backend ("auto": varlen flash on CUDA).
+        kwargs: what the layer passes; read on a tree call: ``sliding_window`` (the layer's
+            window, None on full layers), ``s_aux`` (GPT-OSS's per-head sink logits),
+            ``softcap`` (Gemma 2's logit softcapping).
 
     Returns:
         ``([1, T, Hq, D], None)`` as every HF attention function (no attention weights).
@@ -235,7 +232,10 @@ def prefix_tree_attention(
 def _tree_call(module, query, key, value, attention_mask, scaling, dropout, tree_plan, tree_backend, kwargs):
     _check_tree_call(module, query, key, attention_mask, dropout, tree_plan, kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    out = tree_attention(q, k, v, tree_plan, backend=tree_backend, softmax_scale=scaling)
+    out = tree_attention(
+        q, k, v, tree_plan, backend=tree_backend, softmax_scale=scaling, window=kwargs.get("sliding_window"),
+        sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"),
+    )
     return out.unsqueeze(0), None
 
 

@@ -21,28 +21,31 @@ and only the last stage computes log-probs. Context parallelism::
 
 The same model also runs ordinary THD batches (standard ``PackedSeqParams``) and plain
 causal sbhd batches. Importing this package imports megatron-core (nothing else of ps_mcore
-does). Hybrid models: ``ps_mcore.layer_specs.gdn.TreeGatedDeltaNet`` and
-``ps_mcore.layer_specs.mamba.TreeMambaMixer`` (imported on demand, so megatron-core versions
-without ``megatron.core.ssm.gated_delta_net`` and machines without triton still import this
-package).
+does). Hybrid models: ``ps_mcore.layer_specs.modules.gdn.TreeGatedDeltaNet`` and
+``ps_mcore.layer_specs.modules.mamba.TreeMambaMixer`` (imported on demand, so megatron-core
+versions without ``megatron.core.ssm.gated_delta_net`` and machines without triton still import
+this package).
+
+Inside: ``conversion/`` turns stock specs into tree specs, ``modules/`` holds the tree modules
+those specs build, ``parallel/`` context and pipeline parallelism, and ``packed_params``
+the :class:`TreePackedSeqParams` every layer reads its batch from.
 """
 
-from ps_mcore.layer_specs.context_parallel import gather_cp_rows
-from ps_mcore.layer_specs.cp_layout import CPLayout, cp_chunk_rows
-from ps_mcore.layer_specs.cp_logprobs import cp_token_logprobs
-from ps_mcore.layer_specs.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
-from ps_mcore.layer_specs.dropout import megatron_dropout_refusal
-from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-from ps_mcore.layer_specs.pipeline import assert_same_plan, plan_fingerprint
-from ps_mcore.layer_specs.self_attention import TreeSelfAttention
-from ps_mcore.layer_specs.specs import (
+from ps_mcore.layer_specs.conversion.bridge import tree_layer_spec, tree_layer_spec_from
+from ps_mcore.layer_specs.conversion.gpt import (
     get_gpt_decoder_block_tree_spec,
     get_gpt_layer_local_tree_spec,
     get_gpt_layer_with_tree_attention_spec,
     to_tree_spec,
-    tree_layer_spec,
-    tree_layer_spec_from,
 )
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
+from ps_mcore.layer_specs.modules.dropout import megatron_dropout_refusal
+from ps_mcore.layer_specs.modules.self_attention import TreeSelfAttention
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+from ps_mcore.layer_specs.parallel.context_parallel import gather_cp_rows
+from ps_mcore.layer_specs.parallel.cp_layout import CPLayout, cp_chunk_rows
+from ps_mcore.layer_specs.parallel.cp_logprobs import cp_token_logprobs
+from ps_mcore.layer_specs.parallel.pipeline import assert_same_plan, plan_fingerprint
 from ps_mcore.logprobs import token_logprobs
 
 __all__ = [

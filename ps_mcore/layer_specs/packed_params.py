@@ -11,13 +11,13 @@ the same 2*cp chunks as the rows) and ``cp_layout`` carries this rank's share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ps_mcore.layer_specs.cp_layout import CPLayout, build_cp_layout
+from ps_mcore.layer_specs.parallel.cp_layout import CPLayout, build_cp_layout
 from ps_mcore.planner import TreePlan, plan_unshared
 
 
@@ -34,7 +34,14 @@ class TreePackedSeqParams(PackedSeqParams):
         shared_dropout: a training model's ``hidden_dropout`` runs on the packed rows, one
             mask per shared row common to the samples holding it (each sample's own mask
             distribution is unchanged). False: the tree layers refuse it
-            (:mod:`ps_mcore.layer_specs.dropout`).
+            (:mod:`ps_mcore.layer_specs.modules.dropout`).
+
+    Megatron hands this one object to every layer of the micro-batch, so what the layers
+    derive from it is kept on it, in three attributes set by ``__post_init__`` (not dataclass
+    fields: a copy made by ``dataclasses.replace``, as torch's input casting makes, derives
+    them again): ``host_bounds_twin`` (:meth:`for_unfused_rope`), ``local_multiplicity_rows``
+    (:meth:`local_multiplicity`) and ``rotary_tables`` (``(table, table[positions])`` of
+    ``modules.self_attention.tree_rotary_table``).
     """
 
     plan: TreePlan | None = None
@@ -42,6 +49,14 @@ class TreePackedSeqParams(PackedSeqParams):
     cp_layout: CPLayout | None = None
     multiplicity: torch.Tensor | None = None
     shared_dropout: bool = False
+
+    def __post_init__(self) -> None:
+        stock = getattr(super(), "__post_init__", None)
+        if stock is not None:  # megatron-core 0.19 derives seq_idx there
+            stock()
+        self.host_bounds_twin: TreePackedSeqParams | None = None
+        self.local_multiplicity_rows: torch.Tensor | None = None
+        self.rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_plan(
@@ -114,12 +129,10 @@ class TreePackedSeqParams(PackedSeqParams):
         host bounds): ``self`` unchanged."""
         if device.type == "npu":
             return self
-        cached = self.__dict__.get("_host_bounds")
-        if cached is None:
+        if self.host_bounds_twin is None:
             host = self.cu_seqlens_q.to("cpu", copy=True)  # once per micro-batch; its own tensor
-            cached = replace(self, cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host)
-            self.__dict__["_host_bounds"] = cached
-        return cached
+            self.host_bounds_twin = replace(self, cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host)
+        return self.host_bounds_twin
 
     @property
     def cp_size(self) -> int:
@@ -146,10 +159,9 @@ class TreePackedSeqParams(PackedSeqParams):
 
     def local_multiplicity(self) -> torch.Tensor:
         """``[T_pad / cp]`` int64: the multiplicity of this CP rank's rows (cached)."""
-        cached = self.__dict__.get("_local_multiplicity")
-        if cached is None:
-            cached = self.__dict__["_local_multiplicity"] = self.cp_shard(self.multiplicity)
-        return cached
+        if self.local_multiplicity_rows is None:
+            self.local_multiplicity_rows = self.cp_shard(self.multiplicity)
+        return self.local_multiplicity_rows
 
     @property
     def num_rows(self) -> int:
@@ -186,64 +198,84 @@ def segment_plan(lengths: list[int]) -> TreePlan:
     return plan_unshared(seqs)
 
 
-def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.device) -> TreePlan:
-    """The plan of an ordinary THD batch of ``rows`` rows (cached on ``packed_seq_params``).
+@dataclass(eq=False)
+class ThdBatchMemo:
+    """What the tree kernels derive from an ordinary THD batch (a standard ``PackedSeqParams``).
 
-    Sequences are laid out by ``cu_seqlens_q_padded`` when set (TE's convention: padding
-    rows sit at the end of each sequence, so causal masking keeps them from real rows),
-    else by ``cu_seqlens_q``; rows past the last boundary form one extra segment.
+    Megatron hands one params object to every layer of a micro-batch, so this memo rides on it
+    (one attribute, :func:`thd_batch_memo`): the sequence bounds are read to the host once per
+    micro-batch (one device sync), not once per layer.
+
+    Attributes:
+        bounds: the ``cu_seqlens`` tensor everything here was derived from
+            (``cu_seqlens_q_padded``, else ``cu_seqlens_q``). The tensor itself is held and
+            compared by identity, so params whose bounds were replaced derive again; no
+            recycled ``id`` can match.
+        host_bounds: ``[B+1]`` int64, its host copy.
+        plans: :func:`plan_for_thd`'s segment plans per ``(rows, device)``.
+        cp_layouts: :func:`thd_cp_layout`'s layouts per ``(cp_size, cp_rank, device)``.
     """
-    cu = packed_seq_params.cu_seqlens_q_padded
-    cu_kv = packed_seq_params.cu_seqlens_kv_padded
+
+    bounds: torch.Tensor
+    host_bounds: np.ndarray
+    plans: dict[tuple[int, torch.device], TreePlan] = field(default_factory=dict)
+    cp_layouts: dict[tuple[int, int, torch.device], CPLayout] = field(default_factory=dict)
+
+
+_THD_MEMO_ATTR = "ps_mcore_thd_memo"
+
+
+def thd_batch_memo(packed_seq_params: PackedSeqParams) -> ThdBatchMemo:
+    """The :class:`ThdBatchMemo` of an ordinary THD batch (made on first use, kept on it).
+
+    Sequences are laid out by ``cu_seqlens_q_padded`` when set (TE's convention: padding rows
+    sit at the end of each sequence, so causal masking keeps them from real rows), else by
+    ``cu_seqlens_q``; the kv bounds must be the same (self attention)."""
+    cu, cu_kv = packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_kv_padded
     if cu is None:
         cu, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
     if cu is None:
         raise ValueError("THD packed_seq_params need cu_seqlens_q (got None)")
-    key = (id(cu), rows, str(device))
-    cached = packed_seq_params.__dict__.get("_ps_mcore_plan")
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    memo = getattr(packed_seq_params, _THD_MEMO_ATTR, None)
+    if memo is not None and memo.bounds is cu:
+        return memo
     if cu_kv is not None and cu_kv is not cu and not torch.equal(cu_kv.cpu(), cu.cpu()):
-        raise NotImplementedError(
-            "THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported"
-        )
-    bounds = cu.tolist()
-    if bounds[0] != 0 or any(prev > nxt for prev, nxt in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
-    if bounds[-1] > rows:
-        raise ValueError(f"cu_seqlens end at {bounds[-1]} but the input has only {rows} rows")
-    lengths = np.diff(bounds).tolist() + [rows - bounds[-1]]
-    plan = segment_plan(lengths).to(device)
-    packed_seq_params.__dict__["_ps_mcore_plan"] = (key, plan)
-    return plan
+        raise NotImplementedError("THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported")
+    host = cu.cpu().numpy().astype(np.int64)
+    if host.size == 0 or host[0] != 0 or (np.diff(host) < 0).any():
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {host.tolist()}")
+    memo = ThdBatchMemo(cu, host)
+    setattr(packed_seq_params, _THD_MEMO_ATTR, memo)
+    return memo
+
+
+def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.device) -> TreePlan:
+    """The plan of an ordinary THD batch of ``rows`` rows: one node per sequence of
+    :func:`thd_batch_memo`'s bounds; rows past the last boundary form one extra segment."""
+    memo = thd_batch_memo(packed_seq_params)
+    key = (rows, torch.device(device))
+    if key not in memo.plans:
+        bounds = memo.host_bounds
+        if bounds[-1] > rows:
+            raise ValueError(f"cu_seqlens end at {bounds[-1]} but the input has only {rows} rows")
+        memo.plans[key] = segment_plan(np.diff(bounds).tolist() + [rows - int(bounds[-1])]).to(device)
+    return memo.plans[key]
 
 
 def thd_cp_layout(packed_seq_params: PackedSeqParams, cp_size: int, cp_rank: int, device: torch.device) -> CPLayout:
-    """This CP rank's layout of an ordinary THD batch under context parallelism (cached on
-    ``packed_seq_params``): every sequence of ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``)
-    is its own node, cut into ``2*cp`` chunks on its own (verl's ``preprocess_thd_engine``)."""
-    cu = packed_seq_params.cu_seqlens_q_padded
-    if cu is None:
-        cu = packed_seq_params.cu_seqlens_q
-    if cu is None:
-        raise ValueError("THD packed_seq_params need cu_seqlens_q (got None)")
-    key = (id(cu), cp_size, cp_rank, str(device))
-    cached = packed_seq_params.__dict__.get("_ps_mcore_cp_layout")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    kv = packed_seq_params.cu_seqlens_kv_padded
-    if kv is None:
-        kv = packed_seq_params.cu_seqlens_kv
-    if kv is not None and kv is not cu and not torch.equal(kv.cpu(), cu.cpu()):
-        raise NotImplementedError("THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported")
-    bounds = cu.cpu().numpy().astype(np.int64)
-    lengths = np.diff(bounds)
-    if bounds[0] != 0 or (lengths < 0).any() or (lengths % (2 * cp_size)).any():
-        raise ValueError(
-            f"under context parallelism (cp={cp_size}) every THD sequence must be padded to a "
-            f"multiple of 2*cp={2 * cp_size} (cu_seqlens_q_padded), got {bounds.tolist()}"
-        )
-    plan = segment_plan(lengths.tolist()).to(device)
-    layout = build_cp_layout(plan, int(bounds[-1]), cp_size, cp_rank, cu_seqlens=bounds)
-    packed_seq_params.__dict__["_ps_mcore_cp_layout"] = (key, layout)
-    return layout
+    """This CP rank's layout of an ordinary THD batch under context parallelism: every
+    sequence of :func:`thd_batch_memo`'s bounds is its own node, cut into ``2*cp`` chunks on
+    its own (verl's ``preprocess_thd_engine``)."""
+    memo = thd_batch_memo(packed_seq_params)
+    key = (cp_size, cp_rank, torch.device(device))
+    if key not in memo.cp_layouts:
+        bounds = memo.host_bounds
+        lengths = np.diff(bounds)
+        if (lengths % (2 * cp_size)).any():
+            raise ValueError(
+                f"under context parallelism (cp={cp_size}) every THD sequence must be padded to a "
+                f"multiple of 2*cp={2 * cp_size} (cu_seqlens_q_padded), got {bounds.tolist()}"
+            )
+        plan = segment_plan(lengths.tolist()).to(device)
+        memo.cp_layouts[key] = build_cp_layout(plan, int(bounds[-1]), cp_size, cp_rank, cu_seqlens=bounds)
+    return memo.cp_layouts[key]

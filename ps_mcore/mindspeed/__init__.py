@@ -14,7 +14,4 @@ MindSpeed, torch_npu, verl nor megatron-core. See docs/mindspeed.md ("MindSpeed 
 
 from ps_mcore.mindspeed.state import mindspeed_refusal, set_tree_sequence_state
 
-# Old name of :func:`mindspeed_refusal` (three functions shared it); kept importable.
-unsupported_reason = mindspeed_refusal
-
-__all__ = ["mindspeed_refusal", "set_tree_sequence_state", "unsupported_reason"]
+__all__ = ["mindspeed_refusal", "set_tree_sequence_state"]

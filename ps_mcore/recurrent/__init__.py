@@ -5,7 +5,7 @@ over those levels, ``gated_delta.py`` (GDN) and ``ssd.py`` (Mamba-2's SSD) are t
 ``conv.py`` the short causal convolution. Each node of the plan's forest starts from its
 parent's final recurrent state and reads the last ``kernel_size - 1`` inputs of its ancestors
 in its short convolution; roots start from zero. No Megatron, verl or Hugging Face import (the Megatron modules are in
-``ps_mcore.layer_specs.gdn`` / ``mamba``).
+``ps_mcore.layer_specs.modules.gdn`` / ``mamba``).
 """
 
 from ps_mcore.recurrent.conv import causal_conv1d_reference, tree_causal_conv1d

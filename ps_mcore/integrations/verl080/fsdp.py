@@ -41,9 +41,11 @@ from typing import Callable
 
 import torch
 
+from ps_mcore.fsdp_bridge import enable_tree_attention, hf_dropout_refusal, unwrap_model
+from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
-    lm_head_batch_reason,
+    lm_head_batch_refusal,
     nested_like,
     sequence_lengths,
     uniform_temperature,
@@ -52,16 +54,18 @@ from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
+    install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.logprobs import token_logprobs
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
 PLAN_KEY = "ps_mcore_tree_plan"
 TEMPERATURE_KEY = "ps_mcore_temperature"
 _SEAMS = ("forward_step", "prepare_model_inputs", "prepare_model_outputs")
-_SP_REASON = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+_SP_REFUSAL = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
 
 
 def _impl():
@@ -73,13 +77,13 @@ def _impl():
 # ----------------------------------------------------------------------------- checks
 
 
-def batch_fallback_reason(batch) -> str | None:
+def batch_flags_refusal(batch) -> str | None:
     """Why every micro-batch of ``batch`` takes verl's stock path, judged from the batch's
     own flags (so micro-batching can stay stock too); None if nothing rules it out."""
     from verl.utils import tensordict_utils as tu
 
     if tu.get_non_tensor_data(batch, key="sp_size", default=1) > 1:
-        return _SP_REASON
+        return _SP_REFUSAL
     if batch_flag(batch, "use_fused_kernels"):
         return (
             "use_fused_kernels=True: verl's fused forward computes the log-probs itself (set "
@@ -119,7 +123,7 @@ def micro_batch_temperature(batch) -> float | None:
     return None if temperature is None else max(temperature, 1e-8)
 
 
-def fsdp_fallback_reason(engine, batch) -> str | None:
+def fsdp_batch_refusal(engine, batch) -> str | None:
     """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
@@ -127,8 +131,8 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
     if _overrides_seams(engine):
         return f"{type(engine).__name__} overrides the FSDP engine's model input/output methods"
     if getattr(engine, "use_ulysses_sp", False):
-        return _SP_REASON
-    reason = batch_fallback_reason(batch)
+        return _SP_REFUSAL
+    reason = batch_flags_refusal(batch)
     if reason is not None:
         return reason
     if tu.get_non_tensor_data(batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
@@ -138,17 +142,14 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        reason = lm_head_batch_reason(batch, micro_batch_temperature(batch))
+        reason = lm_head_batch_refusal(batch, micro_batch_temperature(batch))
         if reason is not None:
             return reason
     setting = active_setting(engine)
-    return _model_reason(engine.module, setting is not None and setting.config.shared_dropout)
+    return _model_refusal(engine.module, setting is not None and setting.config.shared_dropout)
 
 
-def _model_reason(module, shared_dropout: bool = False) -> str | None:
-    from ps_mcore.fsdp_bridge import unwrap_model
-    from ps_mcore.fsdp_bridge.dropout import hf_dropout_refusal
-
+def _model_refusal(module, shared_dropout: bool = False) -> str | None:
     if hasattr(module, "v_head"):
         return "trl value-head wrappers (AutoModelForCausalLMWithValueHead) are not supported"
     try:
@@ -164,9 +165,6 @@ def _model_reason(module, shared_dropout: bool = False) -> str | None:
 def _switch_attention(module: torch.nn.Module, patcher) -> None:
     """``enable_tree_attention`` on the engine's model, recorded in the patchset's patcher
     so that uninstalling gives the model its own implementation back."""
-    from ps_mcore.fsdp_bridge import enable_tree_attention
-    from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
-
     for config in enable_tree_attention(module):
         config._attn_implementation_internal = base_implementation(config)
         patcher.set(config, "_attn_implementation_internal", ATTN_NAME)
@@ -200,7 +198,7 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
-        reason = fsdp_fallback_reason(self, source)
+        reason = fsdp_batch_refusal(self, source)
         plan = plan_or_stock("FSDP", micro, setting, source, n, reason)
         if plan is None:
             return original(self, micro_batch)
@@ -212,8 +210,6 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
 
 def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
     """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``."""
-    from ps_mcore.logprobs import token_logprobs
-
     logprobs, entropy = token_logprobs(
         output.logits[0],
         output_args[PLAN_KEY],
@@ -271,7 +267,7 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
     aware = prefix_aware(stock)
 
     def prepare_micro_batches(data, *args, **kwargs):
-        if batch_fallback_reason(data) is not None:
+        if batch_flags_refusal(data) is not None:
             return stock(data, *args, **kwargs)
         return aware(data, *args, **kwargs)
 
@@ -283,8 +279,6 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
-    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
-
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
     patcher.wrap(lm, "forward_step", fsdp_forward_step)

@@ -33,6 +33,10 @@ training model (megatron-core's ``hidden_dropout`` default 0.1, unless
 ``prefix_grouper.shared_dropout``; attention dropout always). Fused kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
+
+``ps_mcore.layer_specs`` is imported where it is used, when an engine builds or runs its
+model: on NPUs its tree modules then subclass the megatron classes MindSpeed's ``repatch``
+(run by the engine before it builds the model) has bound, not those of install time.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
-    lm_head_batch_reason,
+    lm_head_batch_refusal,
     nested_like,
     plan_batch,
     uniform_temperature,
@@ -57,10 +61,13 @@ from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
     current_step,
+    install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
+from ps_mcore.mindspeed.state import reset_attention_mask_active
 
 _HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -76,7 +83,7 @@ def _unwrap(model):
 
 def has_tree_attention(model) -> bool:
     """True when the (unwrapped) model's attention layers are ``TreeCoreAttention``."""
-    from ps_mcore.layer_specs import TreeCoreAttention
+    from ps_mcore.layer_specs import TreeCoreAttention  # after MindSpeed's repatch
 
     inner = _unwrap(model)
     if inner not in _HAS_TREE:
@@ -88,10 +95,8 @@ def _uniform_temperature(args: dict) -> float | None:
     return uniform_temperature((args.get("logits_processor_args") or {}).get("temperature"))
 
 
-def megatron_fallback_reason(model, args: dict, batch) -> str | None:
+def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
-    from ps_mcore.mindspeed import mindspeed_refusal
-
     reason = mindspeed_refusal()
     if reason is not None:
         return reason
@@ -105,22 +110,22 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
         return "fp8 (its THD padding rules) is not supported"
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
-    from ps_mcore.layer_specs.moe import tree_unsupported_reason  # MoE options a tree cannot make exact
+    from ps_mcore.layer_specs.modules.moe_router import moe_refusal  # after MindSpeed's repatch
 
-    moe_reason = tree_unsupported_reason(_unwrap(model).config)
-    if moe_reason is not None:  # the tree router would raise inside the model
-        return f"MoE with {moe_reason} cannot be exact on a prefix tree"
+    refusal = moe_refusal(_unwrap(model).config)
+    if refusal is not None:  # the tree router would raise inside the model
+        return f"MoE with {refusal} cannot be exact on a prefix tree"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        reason = lm_head_batch_reason(batch, _uniform_temperature(args))
-        if reason is not None:
-            return reason
-    return _dropout_reason(model, args)
+        refusal = lm_head_batch_refusal(batch, _uniform_temperature(args))
+        if refusal is not None:
+            return refusal
+    return _dropout_refusal(model, args)
 
 
-def _dropout_reason(model, args: dict) -> str | None:
+def _dropout_refusal(model, args: dict) -> str | None:
     """Active dropout of the training model (megatron-core's hidden_dropout defaults to 0.1;
     mbridge and Megatron-Bridge set it to 0 for Qwen / Llama), named with verl's keys."""
-    from ps_mcore.layer_specs import megatron_dropout_refusal
+    from ps_mcore.layer_specs import megatron_dropout_refusal  # after MindSpeed's repatch
 
     micro = current_micro_batch()
     shared = micro is not None and micro.setting.config.shared_dropout
@@ -147,7 +152,7 @@ def tree_packed_params(plan, shared_dropout: bool = False):
     ``shared_dropout``: ``prefix_grouper.shared_dropout``."""
     from megatron.core import parallel_state as mpu
 
-    from ps_mcore.layer_specs import TreePackedSeqParams
+    from ps_mcore.layer_specs import TreePackedSeqParams  # after MindSpeed's repatch
 
     tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
     return TreePackedSeqParams.from_plan(
@@ -166,8 +171,7 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     head), this CP rank's rows; returned tensors are jagged ``[B, j]`` with ``input_ids``'s
     offsets, complete on every CP rank.
     """
-    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows
-    from ps_mcore.mindspeed import set_tree_sequence_state
+    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows  # after MindSpeed's repatch
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
@@ -212,7 +216,7 @@ def tree_engine_forward(stock: Callable) -> Callable:
         args = dict(bound.arguments)
         model, input_ids = args["model"], args["input_ids"]
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
-        reason = megatron_fallback_reason(model, args, micro.batch)
+        reason = megatron_batch_refusal(model, args, micro.batch)
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
         if plan is None:
             return stock(*call_args, **call_kwargs)
@@ -241,7 +245,7 @@ def check_same_plans(step, micro_batches, config) -> None:
     """Plan every micro-batch not planned yet (kept in ``step.plans`` for the forward) and
     raise unless every TP / PP / CP rank holds the same plans (one all-reduce per group,
     before the schedule: stages run a micro-batch at different times)."""
-    from ps_mcore.layer_specs import assert_same_plan
+    from ps_mcore.layer_specs import assert_same_plan  # after MindSpeed's repatch
 
     groups = _plan_check_groups()
     if not groups or not micro_batches:
@@ -300,7 +304,7 @@ def megatron_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
-ROPE_FUSION_REASON = (
+ROPE_FUSION_REFUSAL = (
     "apply_rope_fusion forced to False under MindSpeed: its NPU RoPE kernels are not verified "
     "with the per-token tree positions prefix sharing needs (TE's fused THD RoPE is, and stays on)"
 )
@@ -308,8 +312,6 @@ ROPE_FUSION_REASON = (
 
 def tree_build_refusal(engine) -> str | None:
     """Why the engine's model must be built with stock specs (None: tree specs)."""
-    from ps_mcore.mindspeed.state import reset_attention_mask_active
-
     if reset_attention_mask_active():
         return "MindSpeed's reset-attention-mask"
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
@@ -374,7 +376,7 @@ def megatron_build_module(original: Callable) -> Callable:
 
 def _build_with_mbridge(engine, original: Callable):
     """mbridge: ``to_tree_spec`` on the spec its ``_get_transformer_layer_spec`` builds."""
-    from ps_mcore.layer_specs import to_tree_spec
+    from ps_mcore.layer_specs import to_tree_spec  # after MindSpeed's repatch
 
     bridge = engine.bridge
     stock_spec = bridge._get_transformer_layer_spec
@@ -391,7 +393,7 @@ def _build_with_mbridge(engine, original: Callable):
 
 def _build_with_bridge_provider(engine, original: Callable):
     """Megatron-Bridge: the provider's own spec (instance or class default), converted."""
-    from ps_mcore.layer_specs import tree_layer_spec_from
+    from ps_mcore.layer_specs import tree_layer_spec_from  # after MindSpeed's repatch
 
     provider = engine.provider
     stock_spec = provider.transformer_layer_spec
@@ -402,14 +404,18 @@ def _build_with_bridge_provider(engine, original: Callable):
         provider.transformer_layer_spec = stock_spec
 
 
-def install_megatron_patches(patcher) -> None:
-    """Every Megatron-engine patch of the ``verl080_mcore0161_ms0160`` patchset."""
+def install_forward_fn_patch(patcher) -> None:
+    """The forward function verl's Megatron engine looks up per step (``verl.models.mcore``)."""
     import verl.models.mcore as mcore
-    from verl.workers.engine.megatron import transformer_impl as impl
-
-    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
+
+
+def install_megatron_patches(patcher) -> None:
+    """The Megatron-engine class patches of the ``verl080_mcore0161_ms0160`` patchset (with
+    :func:`install_forward_fn_patch`, all of them)."""
+    from verl.workers.engine.megatron import transformer_impl as impl
+
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)
     patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", megatron_forward_step)
     patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", megatron_forward_step)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ps_mcore.integrations.verl080.batch import group_ids, plan_sequences, prompt_lengths, sequences
-from ps_mcore.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
 from ps_mcore.planner import common_prefix_len
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ps_mcore.dropout import DropoutSite, active_dropouts, key_by_value, shared_dropout_refusal
-from ps_mcore.layer_specs.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
 
 OPT_IN = "TreePackedSeqParams.from_plan(..., shared_dropout=True)"
 # Dropout sites named after something other than the config key that sets them.

@@ -18,10 +18,10 @@ import inspect
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
-from ps_mcore.layer_specs.core_attention import TreeCoreAttention
-from ps_mcore.layer_specs.dropout import tree_batch_dropout_refusal
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-from ps_mcore.layer_specs.tree_context import set_current_tree_batch
+from ps_mcore.layer_specs.modules.tree_context import set_current_tree_batch
 
 _FORWARD_SIGNATURE = inspect.signature(SelfAttention.forward)
 _BOUND_ARGUMENTS = ("hidden_states", "rotary_pos_emb", "packed_seq_params")
@@ -44,8 +44,8 @@ def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Te
     """``[S, 1, 1, d] -> [T_pad, 1, 1, d]``: the table row of every packed token's position.
 
     Every layer receives the same table from GPTModel: it is indexed once per micro-batch
-    (cached on the packed params, keyed by the table object itself)."""
-    cached = psp.__dict__.get("_tree_rope")
+    (kept on the packed params with the table object itself, ``psp.rotary_tables``)."""
+    cached = psp.rotary_tables
     if cached is not None and cached[0] is table:
         return cached[1]
     if table.size(0) < psp.plan.max_seqlen_kv:
@@ -54,7 +54,7 @@ def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Te
             f"{psp.plan.max_seqlen_kv - 1}; build packed params with TreePackedSeqParams.from_plan"
         )
     out = table.index_select(0, psp.position_ids.to(table.device))
-    psp.__dict__["_tree_rope"] = (table, out)
+    psp.rotary_tables = (table, out)
     return out
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ps_mcore.layer_specs.cp_collectives import SumDisjoint, check_cp_group, cp_group_or_default
-from ps_mcore.layer_specs.cp_layout import CPLayout
+from ps_mcore.layer_specs.parallel.cp_collectives import SumDisjoint, check_cp_group, cp_group_or_default
+from ps_mcore.layer_specs.parallel.cp_layout import CPLayout
 from ps_mcore.logprobs import token_logprobs
 from ps_mcore.planner import TreePlan
 

@@ -8,7 +8,7 @@ One module serves every batch a GPT model sees:
 * no packed params (sbhd): causal SDPA, plus the boolean ``attention_mask`` if one is given.
 
 Under context parallelism (K/V all-gathered over the CP group, local queries against the
-global rows: :mod:`ps_mcore.layer_specs.context_parallel`) tree batches run in one 2*cp chunk
+global rows: :mod:`ps_mcore.layer_specs.parallel.context_parallel`) tree batches run in one 2*cp chunk
 layout over all packed rows; ordinary THD batches in Megatron's / verl's per-sequence chunk
 layout (``cu_seqlens_q_padded``), so a verl micro-batch that falls back to the stock forward
 still runs on a tree-spec model; sbhd batches are refused.
@@ -33,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ps_mcore.attention import tree_attention
 from ps_mcore.attention.backends import check_backend_name, cp_backend_names
-from ps_mcore.layer_specs.context_parallel import cp_tree_attention
+from ps_mcore.layer_specs.parallel.context_parallel import cp_tree_attention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd, thd_cp_layout
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -90,7 +90,7 @@ class TreeCoreAttention(MegatronModule):
 
     Context parallelism: tree batches (``TreePackedSeqParams.from_plan(..., cp_size=,
     cp_rank=)``) and ordinary THD batches in the per-sequence chunk layout; K/V are all-gathered over the CP group whatever ``cp_comm_type`` says, and
-    the local queries attend to the global rows (:mod:`ps_mcore.layer_specs.context_parallel`).
+    the local queries attend to the global rows (:mod:`ps_mcore.layer_specs.parallel.context_parallel`).
     """
 
     def __init__(

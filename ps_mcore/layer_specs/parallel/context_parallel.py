@@ -9,8 +9,8 @@ queries only, against the global rows: query row q of node v attends to v's ance
 to v's own rows up to q, exactly as without CP.
 
 Here: the attention of the local rows and :func:`gather_cp_rows`; the layout is
-:mod:`~ps_mcore.layer_specs.cp_layout`, the collectives :mod:`~ps_mcore.layer_specs.cp_collectives`,
-the log-probs :mod:`~ps_mcore.layer_specs.cp_logprobs`.
+:mod:`~ps_mcore.layer_specs.parallel.cp_layout`, the collectives :mod:`~ps_mcore.layer_specs.parallel.cp_collectives`,
+the log-probs :mod:`~ps_mcore.layer_specs.parallel.cp_logprobs`.
 
 Outputs (logits, values) stay in this rank's rows: :func:`cp_token_logprobs` computes the
 log-probs of the original tokens whose row is local and combines them over CP into ``[N]``;
@@ -26,14 +26,13 @@ import torch
 
 from ps_mcore.attention.backends import cp_backend_names, cp_kernel
 from ps_mcore.attention.gather_kv import gather_kv_attention
-from ps_mcore.layer_specs.cp_collectives import (
+from ps_mcore.layer_specs.parallel.cp_collectives import (
     AllGatherKV,
     GatherRows,
     check_cp_group,
     cp_group_or_default,
 )
-from ps_mcore.layer_specs.cp_layout import CPLayout, build_cp_layout, cp_chunk_rows
-from ps_mcore.layer_specs.cp_logprobs import cp_token_logprobs
+from ps_mcore.layer_specs.parallel.cp_layout import CPLayout
 
 # Backends that run local queries against all-gathered K/V (a gather-KV kernel): read from
 # the backend table (ps_mcore.attention.backends), which also gives ``cp_kernel``.
@@ -96,14 +95,3 @@ def gather_cp_rows(x: torch.Tensor, packed_seq_params, cp_group=None) -> torch.T
         raise ValueError(f"expected {layout.num_local_rows} local rows, got shape {tuple(x.shape)}")
     return GatherRows.apply(x, layout, group)
 
-
-__all__ = [
-    "CPLayout",
-    "CP_BACKENDS",
-    "build_cp_layout",
-    "cp_chunk_rows",
-    "cp_kernel",
-    "cp_token_logprobs",
-    "cp_tree_attention",
-    "gather_cp_rows",
-]

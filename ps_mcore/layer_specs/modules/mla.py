@@ -20,16 +20,16 @@ import inspect
 
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from ps_mcore.layer_specs.core_attention import TreeCoreAttention
-from ps_mcore.layer_specs.dropout import tree_batch_dropout_refusal
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-from ps_mcore.layer_specs.self_attention import tree_rotary_table
-from ps_mcore.layer_specs.tree_context import set_current_tree_batch
+from ps_mcore.layer_specs.modules.self_attention import tree_rotary_table
+from ps_mcore.layer_specs.modules.tree_context import set_current_tree_batch
 
 _FORWARD_SIGNATURE = inspect.signature(MLASelfAttention.forward)
 
 
-def mla_unsupported_reason(config) -> str | None:
+def mla_refusal(config) -> str | None:
     """Why an MLA layer with this config cannot run tree batches, or None."""
     if getattr(config, "apply_rope_fusion", False):
         return "apply_rope_fusion=True (the fused MLA RoPE kernels take no per-token positions)"
@@ -69,7 +69,7 @@ class TreeMLASelfAttention(MLASelfAttention):
     """
 
     def __init__(self, config, *args, **kwargs):
-        reason = mla_unsupported_reason(config)
+        reason = mla_refusal(config)
         if reason is not None:
             raise NotImplementedError(f"multi-latent attention on tree batches does not support {reason}")
         super().__init__(config, *args, **kwargs)

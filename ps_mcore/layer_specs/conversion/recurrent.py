@@ -3,7 +3,8 @@
 ``to_tree_spec`` asks :func:`tree_recurrent_spec` about every mixer spec it meets (the
 ``self_attention`` slot of a GPT layer, where megatron-core 0.16's hybrid GPT block puts Gated
 DeltaNet; the ``mixer`` of a Mamba layer). Mixer classes are recognised without importing their
-modules (Mamba's imports triton and mamba-ssm), so specs without them cost nothing.
+modules (megatron-core 0.16's Mamba mixer module imports triton), so specs without them cost
+nothing.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ps_mcore.layer_specs.spec_class import spec_class
+from ps_mcore.layer_specs.conversion.spec_class import spec_class
 
 # stock class (module, name) -> tree class (module, name). Add a recurrent layer type here.
 TREE_MIXERS: dict[tuple[str, str], tuple[str, str]] = {
-    ("megatron.core.ssm.gated_delta_net", "GatedDeltaNet"): ("ps_mcore.layer_specs.gdn", "TreeGatedDeltaNet"),
-    ("megatron.core.ssm.mamba_mixer", "MambaMixer"): ("ps_mcore.layer_specs.mamba", "TreeMambaMixer"),
+    ("megatron.core.ssm.gated_delta_net", "GatedDeltaNet"): ("ps_mcore.layer_specs.modules.gdn", "TreeGatedDeltaNet"),
+    ("megatron.core.ssm.mamba_mixer", "MambaMixer"): ("ps_mcore.layer_specs.modules.mamba", "TreeMambaMixer"),
 }
 
 
@@ -65,11 +66,3 @@ def tree_recurrent_spec(spec: Any) -> Any | None:
         return tree_cls
     return dataclasses.replace(spec, module=tree_cls, params=dict(spec.params))
 
-
-def refuse_tree_batch(layer: str, reason: str) -> None:
-    """The error for a prefix-tree batch reaching a recurrent layer that cannot run it."""
-    raise NotImplementedError(
-        f"{layer} cannot run a prefix-tree batch (TreePackedSeqParams): {reason}. Running it as "
-        "one packed sequence would carry state across branches, so it is refused; train this "
-        "model on unshared batches (no plan) instead."
-    )

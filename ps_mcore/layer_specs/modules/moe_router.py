@@ -17,7 +17,7 @@ unshared THD batch megatron's seq-aux loss is the load-balancing loss of the who
 with the seq-aux coefficient. The tree matches that reference (a per-sample seq-aux loss is
 not what megatron computes for packed batches).
 
-Refused on tree batches (clear error at the first tree forward; :func:`tree_unsupported_reason`
+Refused on tree batches (clear error at the first tree forward; :func:`moe_refusal`
 lets integrations fall back to the stock path per micro-batch instead): token dropping
 (``moe_expert_capacity_factor``: capacity depends on the token count and drop order on token
 order), sinkhorn routing (normalises over tokens), input jitter and forced load balancing
@@ -25,14 +25,12 @@ order), sinkhorn routing (normalises over tokens), input jitter and forced load 
 the unshared layout), and selective recompute of ``moe``/``mlp`` (the router would read the
 tree batch at backward time; full recompute is fine).
 
-The router reads the batch from :mod:`ps_mcore.layer_specs.tree_context`, recorded by the tree
+The router reads the batch from :mod:`ps_mcore.layer_specs.modules.tree_context`, recorded by the tree
 self attention of the same layer.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import inspect
 
 import torch
@@ -46,10 +44,10 @@ from megatron.core.transformer.moe.moe_utils import (
 )
 from megatron.core.transformer.moe.router import TopKRouter
 
-from ps_mcore.layer_specs.tree_context import current_tree_batch
+from ps_mcore.layer_specs.modules.tree_context import current_tree_batch
 
 
-def tree_unsupported_reason(config) -> str | None:
+def moe_refusal(config) -> str | None:
     """Why tree batches cannot be exact for this config's MoE layers, or None when they can.
 
     For integrations: a non-None answer means "run this micro-batch unshared (stock THD)".
@@ -110,7 +108,7 @@ class TreeTopKRouter(TopKRouter):
         psp = current_tree_batch()
         if psp is None or getattr(psp, "multiplicity", None) is None:
             return None
-        reason = tree_unsupported_reason(self.config)
+        reason = moe_refusal(self.config)
         if reason is not None:
             raise NotImplementedError(
                 f"MoE on a prefix-tree batch cannot be exact with {reason}; run this micro-batch "
@@ -234,33 +232,3 @@ class TreeTopKRouter(TopKRouter):
         num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
         save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, num_layers)
         return logits
-
-
-def to_tree_moe_spec(mlp_spec):
-    """The MLP spec of one layer with :class:`TreeTopKRouter` in an MoE layer; any other MLP
-    spec unchanged. A router class other than megatron's ``TopKRouter`` is refused (its
-    statistics would stay unweighted)."""
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if isinstance(mlp_spec, functools.partial):  # megatron 0.17+ builds some MLP specs as partials
-        inner = mlp_spec.keywords.get("submodules")
-        if not isinstance(inner, MoESubmodules):
-            return mlp_spec
-        return functools.partial(mlp_spec.func, *mlp_spec.args,
-                                 **dict(mlp_spec.keywords, submodules=_tree_moe_submodules(inner)))
-    if not isinstance(mlp_spec, ModuleSpec) or not isinstance(mlp_spec.submodules, MoESubmodules):
-        return mlp_spec
-    return dataclasses.replace(mlp_spec, submodules=_tree_moe_submodules(mlp_spec.submodules))
-
-
-def _tree_moe_submodules(submodules):
-    router = submodules.router
-    if router is TopKRouter:
-        router = TreeTopKRouter
-    elif not (isinstance(router, type) and issubclass(router, TreeTopKRouter)):
-        raise NotImplementedError(
-            f"cannot make MoE router {getattr(router, '__name__', router)!r} tree-aware: "
-            "to_tree_spec swaps megatron's TopKRouter only"
-        )
-    return dataclasses.replace(submodules, router=router)

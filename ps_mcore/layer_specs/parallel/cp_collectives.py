@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ps_mcore.layer_specs.cp_layout import CPLayout
+from ps_mcore.layer_specs.parallel.cp_layout import CPLayout
 
 
 
