@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from torch.distributed.utils import _apply_to_tensors
 
 pytest.importorskip("megatron.core")
 
@@ -233,6 +234,22 @@ def test_padding_rows_do_not_affect_real_rows(models):
     assert plan.num_tokens % 8 != 0  # really padded
     torch.testing.assert_close(out[8][0], out[1][0], **TOL)
     assert_grads_close(out[8][1], out[1][1])
+
+
+def test_packed_params_through_fsdp_input_cast(models):
+    """FSDP's mixed-precision input cast rebuilds dataclass kwargs field by field: the packed
+    params of a plan linked to its moved copy (as a GPU run's plan is) are rebuilt without
+    walking into the link, keep the plan's memo and run as the originals do."""
+    _, _, tree = models
+    plan = _plan(FORESTS["random2"])
+    plan.to("meta")  # plan.memo.moved -> the moved copy, whose memo.host -> plan
+    reference = _tree_logits(tree, plan, 8).detach()
+    psp = TreePackedSeqParams.from_plan(plan, 8)
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, {"psp": psp})["psp"]
+    assert isinstance(cast, TreePackedSeqParams) and cast is not psp and cast.plan.memo is plan.memo
+    logits = tree(input_ids=cast.pad_rows(plan.input_ids)[None], position_ids=cast.position_ids[None],
+                  attention_mask=None, packed_seq_params=cast)[0]
+    torch.testing.assert_close(logits.detach(), reference, rtol=0, atol=0)
 
 
 def test_unfused_rope_reads_host_bounds(models, monkeypatch):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.distributed.utils import _apply_to_tensors
+from torch.utils import _pytree
 from attention_oracle import random_qkv, unshared_attention
 from forests import forests, nasty_forests, random_forest
 from hypothesis import HealthCheck, given, settings
@@ -183,6 +185,33 @@ def test_a_replaced_plan_shares_its_memo_only_with_the_same_values():
     other = dataclasses.replace(plan, input_ids=plan.input_ids + 10)
     assert other.memo is not plan.memo and not other.memo.cascade_layouts and not other.memo.moved
     assert other.max_token_id == 15
+
+
+def test_input_walkers_stop_at_the_memo():
+    """Wrappers walk a forward's inputs: FSDP's mixed-precision input cast
+    (``_apply_to_tensors``: dataclasses rebuilt field by field with ``dataclasses.replace``),
+    FSDP2's collection of tensors needing gradients (dataclass fields too), pytree (a plan is
+    a leaf). A plan and its moved copy link each other through their memos: a walk must not
+    follow that link (it recursed without end), and a rebuilt plan keeps the memo."""
+    plan = plan_prefix_tree(random_forest(np.random.default_rng(3), 6, 30), min_prefix_len=1)
+    moved = plan.to("meta")  # plan.memo.moved -> moved, moved.memo.host -> plan
+    lay = cascade_layout(plan)
+
+    def cast(t):  # FSDP's _cast_fp_tensor to bf16
+        return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+    for p in (plan, moved):
+        rebuilt = _apply_to_tensors(cast, {"kwargs": [p]})["kwargs"][0]
+        assert rebuilt is not p and rebuilt.memo is p.memo and rebuilt.host.memo is plan.memo
+        assert all(getattr(rebuilt, f) is getattr(p, f) for f in ("input_ids", "kv_index", "subtree_end"))
+    assert cascade_layout(_apply_to_tensors(cast, plan)) is lay
+    assert _pytree.tree_leaves({"plan": moved, "x": [plan]}) == [moved, plan]
+    try:
+        from torch.distributed.fsdp._common_utils import collect_grad_tensors
+    except ImportError:  # older torch collects through pytree (a plan is a leaf there)
+        return
+    x = torch.zeros(2, requires_grad=True)
+    assert collect_grad_tensors(((x,), {"plan": moved, "host": plan})) == (x,)
 
 
 def test_cascade_saves_no_per_call_output():
