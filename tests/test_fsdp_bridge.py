@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.fsdp_bridge import (  # noqa: E402
     ATTN_NAME,
+    TreeCall,
     base_implementation,
     disable_tree_attention,
     enable_tree_attention,
@@ -340,6 +341,67 @@ def test_fsdp1_and_fsdp2_wrappers():
     assert "fsdp1 ok" in proc.stdout and "fsdp2 ok" in proc.stdout
 
 
+_FSDP2_INPUT_CAST_SCRIPT = textwrap.dedent(
+    """
+    import copy, os, socket, sys, torch, torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    sys.path.insert(0, {path!r})
+    from test_fsdp_bridge import make_model, random_forest, tree_run, _sample_weights, assert_grads_close
+    from ps_mcore import plan_prefix_tree
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    seqs = random_forest(7)
+    weights = _sample_weights(seqs)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_model("qwen2-gqa2-d24", attn="sdpa")
+        plain = copy.deepcopy(model)  # unwrapped, parameters in the policy's dtype (buffers kept, as FSDP2 keeps them)
+        for p in plain.parameters():
+            p.data = p.data.to(dtype)
+        ref, ref_grads = tree_run(plain, plan_prefix_tree(seqs, min_prefix_len=1), weights)
+        # verl's fsdp2 engine: bf16 (or the configured) parameters, inputs cast by FSDP's hook
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        wrapped = fully_shard(model, mp_policy=policy)
+        plan = plan_prefix_tree(seqs, min_prefix_len=1)
+        plan.to("meta")  # the plan and its moved copy link each other, as a GPU run's plan and host copy do
+        out, grads = tree_run(wrapped, plan, weights)
+        # every layer ran on this plan: the layout its first layer built is in its own memo
+        assert torch.device("cpu") in plan.memo.cascade_layouts
+        grads = {{n: g.full_tensor() for n, g in grads.items()}}
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+            assert_grads_close(grads, ref_grads)
+        else:  # the same bf16 forward; gradients reduced in fp32 vs the plain model's bf16
+            assert out.logits.dtype == torch.bfloat16
+            torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+            torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=0)
+            for name, g in grads.items():
+                torch.testing.assert_close(g.to(dtype), ref_grads[name], rtol=2e-2, atol=2e-2, msg=name)
+        print(dtype, "ok")
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_fsdp2_input_cast_leaves_the_plan_alone():
+    """FSDP2 with a ``MixedPrecisionPolicy`` that casts forward inputs (verl's fsdp2 engine)
+    walks the model's kwargs and rebuilds dataclasses field by field: the tree call must reach
+    every layer untouched (its plan not rebuilt, so the plan's memo serves every layer, and a
+    plan linked to its moved copy does not recurse), with results equal to the unwrapped
+    model's. Real FSDP2 (gloo, world size 1) in a subprocess."""
+    import os
+
+    script = _FSDP2_INPUT_CAST_SCRIPT.format(path=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "torch.float32 ok" in proc.stdout and "torch.bfloat16 ok" in proc.stdout
+
+
 # ----------------------------------------------------------------------------- stock fallback
 
 
@@ -543,19 +605,26 @@ def test_direct_model_calls_with_a_plan_are_checked(small):
     enable_tree_attention(model)
     ids, pos = plan.input_ids[None], plan.position_ids[None]
     with torch.no_grad():
-        good = model(input_ids=ids, position_ids=pos, tree_plan=plan, use_cache=False).logits
+        good = model(input_ids=ids, position_ids=pos, tree_call=TreeCall(plan), use_cache=False).logits
         via_forward_tree = forward_tree(model, plan).logits
         assert torch.equal(good[0], via_forward_tree)
         with pytest.raises(ValueError, match="one row"):
-            model(input_ids=ids.expand(2, -1), position_ids=pos.expand(2, -1), tree_plan=plan)
+            model(input_ids=ids.expand(2, -1), position_ids=pos.expand(2, -1), tree_call=TreeCall(plan))
         with pytest.raises(ValueError, match="position_ids must be plan.position_ids"):
-            model(input_ids=ids, position_ids=torch.arange(plan.num_tokens)[None], tree_plan=plan)
+            model(input_ids=ids, position_ids=torch.arange(plan.num_tokens)[None], tree_call=TreeCall(plan))
         padding = torch.ones_like(ids)
         padding[0, -1] = 0
         with pytest.raises(ValueError, match="padding"):
-            model(input_ids=ids, position_ids=pos, attention_mask=padding, tree_plan=plan)
-        with pytest.raises(TypeError, match="TreePlan"):
-            model(input_ids=ids, position_ids=pos, tree_plan="plan")
+            model(input_ids=ids, position_ids=pos, attention_mask=padding, tree_call=TreeCall(plan))
+        with pytest.raises(TypeError, match="tree_call must be a TreeCall"):
+            model(input_ids=ids, position_ids=pos, tree_call=plan)
+        with pytest.raises(TypeError, match="TreeCall needs a TreePlan"):
+            TreeCall("plan")
+        # a bare plan would reach the stock attention, which ignores it: refused by name
+        with pytest.raises(TypeError, match="tree_plan=.*tree_call=TreeCall"):
+            model(input_ids=ids, position_ids=pos, tree_plan=plan)
+        with pytest.raises(ValueError, match="tree_plan"):
+            forward_tree(model, plan, tree_plan=plan)
 
 
 # ----------------------------------------------------------------------------- torch.compile
@@ -690,7 +759,7 @@ def test_training_attention_dropout_is_refused():
             forward_tree(model, plan, shared_dropout=shared_dropout)
     enable_tree_attention(model)
     with pytest.raises(NotImplementedError, match="attention dropout"):
-        model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], tree_plan=plan)
+        model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], tree_call=TreeCall(plan))
     model.eval()
     assert forward_tree(model, plan).logits.shape == (plan.num_tokens, VOCAB)
 
@@ -701,10 +770,11 @@ def test_unsupported_attention_features_are_refused(small):
     q = torch.zeros(1, 4, plan.num_tokens, 24)
     kv = torch.zeros(1, 2, plan.num_tokens, 24)
     with pytest.raises(NotImplementedError, match="position bias"):
-        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, position_bias=torch.zeros(1, 4, 1, 1))
+        prefix_tree_attention(attn, q, kv, kv, None, tree_call=TreeCall(plan), position_bias=torch.zeros(1, 4, 1, 1))
+    dense = torch.zeros(1, 1, plan.num_tokens, plan.num_tokens)
     with pytest.raises(ValueError, match="prepared attention mask"):
-        prefix_tree_attention(attn, q, kv, kv, torch.zeros(1, 1, plan.num_tokens, plan.num_tokens), tree_plan=plan)
+        prefix_tree_attention(attn, q, kv, kv, dense, tree_call=TreeCall(plan))
     with pytest.raises(ValueError, match="KV cache"):
-        prefix_tree_attention(attn, q, kv[:, :, :-1], kv[:, :, :-1], None, tree_plan=plan)
+        prefix_tree_attention(attn, q, kv[:, :, :-1], kv[:, :, :-1], None, tree_call=TreeCall(plan))
     with pytest.raises(NotImplementedError, match="not causal"):
-        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, is_causal=False)
+        prefix_tree_attention(attn, q, kv, kv, None, tree_call=TreeCall(plan), is_causal=False)

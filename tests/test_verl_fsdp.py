@@ -30,7 +30,11 @@ from verl_batches import RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, m
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations import patching  # noqa: E402
 from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl080 import fsdp as fsdp_glue  # noqa: E402
+from ps_mcore.integrations.verl080.fsdp import tree_model_inputs  # noqa: E402
 from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.fsdp_bridge import hf_attention  # noqa: E402
+from ps_mcore.attention import tree_attention  # noqa: E402
 
 PATCHSET = "verl080_fsdp"
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
@@ -179,18 +183,40 @@ def test_ppo_loss_and_gradients_match_stock(impl, workload, loss_agg_mode, remov
     assert step_tokens(tree)[1] < step_tokens(tree)[0]
 
 
-def test_fsdp2_wrapped_model_matches_stock(impl):
+@pytest.mark.parametrize("cast_inputs", [False, True])
+def test_fsdp2_wrapped_model_matches_stock(impl, monkeypatch, cast_inputs):
     """The model wrapped by FSDP2's ``fully_shard`` (what verl's fsdp2 strategy builds): the
-    plan kwarg passes through FSDP's forward hooks, the wrapped decoder is found."""
-    from torch.distributed.fsdp import fully_shard
+    tree call passes through FSDP's forward hooks, the wrapped decoder is found.
+    ``cast_inputs``: the ``MixedPrecisionPolicy(..., cast_forward_inputs=True)`` verl's engine
+    builds (here with fp32 parameters, as its fp32 ``mixed_precision`` config does), whose hooks
+    walk every module's forward kwargs: every layer's attention runs on the plan the glue made,
+    and a plan linked to its moved copy, as a GPU run's plan is, passes too."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    made, seen = [], []
+
+    def linked_inputs(micro_batch, plan, temperature):
+        inputs, args = tree_model_inputs(micro_batch, plan, temperature)
+        args[fsdp_glue.PLAN_KEY].to("meta")  # host <-> moved copy, as plan.to("cuda") links them
+        made.append(args[fsdp_glue.PLAN_KEY])
+        return inputs, args
+
+    def spied_attention(q, k, v, plan, *args, **kwargs):
+        seen.append(plan)
+        return tree_attention(q, k, v, plan, *args, **kwargs)
+
+    monkeypatch.setattr(fsdp_glue, "tree_model_inputs", linked_inputs)
+    monkeypatch.setattr(hf_attention, "tree_attention", spied_attention)
+    dtype = torch.float32 if cast_inputs else None
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=cast_inputs)
     model = make_model(seed=2)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     data = _batch("tree", 3, temperature=0.9)
     tree = _assert_training_matches_stock(impl, model, data, _setting("arbitrary_prefix"), _ppo())
     assert step_tokens(tree)[1] < step_tokens(tree)[0]
+    assert len(seen) >= 2 * len(made) > 0 and all(any(p is m for m in made) for p in seen)
 
 
 def test_critic_values_and_value_loss_match_stock(impl):
@@ -409,7 +435,7 @@ def test_fallback_fused_kernels_gives_verl_model_inputs(impl):
     engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting)
     with pytest.warns(UserWarning, match="use_fused_kernels=True"):
         inputs, args = engine.prepare_model_inputs(data)
-    assert "shift_labels" in inputs and "tree_plan" not in inputs  # verl's fused-kernel inputs
+    assert "shift_labels" in inputs and "tree_call" not in inputs  # verl's fused-kernel inputs
     assert set(inputs) == set(stock_inputs) and set(args) == set(stock_args)
     for key in ("input_ids", "position_ids", "shift_labels"):
         assert torch.equal(inputs[key], stock_inputs[key])

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ps_mcore.fsdp_bridge.dropout import hf_dropout_refusal
+from ps_mcore.fsdp_bridge.hf_attention import TreeCall
 from ps_mcore.fsdp_bridge.scope import tree_attention_scope
 from ps_mcore.fsdp_bridge.unwrap import unwrap_model
 from ps_mcore.logprobs import token_logprobs
@@ -16,8 +17,8 @@ from ps_mcore.planner import TreePlan
 
 # Inputs forward_tree builds itself from the plan; passing them too would contradict it.
 _RESERVED_KWARGS = (
-    "input_ids", "inputs_embeds", "position_ids", "attention_mask", "tree_plan",
-    "cache", "past_key_values", "labels",
+    "input_ids", "inputs_embeds", "position_ids", "attention_mask", "tree_call", "tree_plan",
+    "tree_backend", "cache", "past_key_values", "labels",
 )
 
 
@@ -89,7 +90,8 @@ def forward_tree(
 
     The model (or a FSDP / DDP / PEFT / compiled wrapper of it: the wrapper's forward is
     called, so its hooks run) gets ``input_ids = plan.input_ids[None]``, ``position_ids =
-    plan.position_ids[None]`` (tree depths, so RoPE needs no patch) and ``tree_plan``. Its
+    plan.position_ids[None]`` (tree depths, so RoPE needs no patch) and ``tree_call`` (a
+    :class:`TreeCall` of the plan and backend, which FSDP's input casting leaves alone). Its
     decoder runs ``"prefix_tree"`` attention for this call only: afterwards (also after an
     exception) ``config._attn_implementation`` reads what it read before, and checkpointed
     layers still recompute with the tree kernels in backward (:mod:`.scope`). Under
@@ -126,7 +128,7 @@ def forward_tree(
     plan = plan.to(_model_device(inner))
 
     need_logits = return_logits or compute_logprobs or compute_entropy
-    kwargs = dict(model_kwargs, use_cache=False, tree_plan=plan, tree_backend=backend)
+    kwargs = dict(model_kwargs, use_cache=False, tree_call=TreeCall(plan, backend))
     if not need_logits and _accepts(inner, "logits_to_keep"):
         kwargs["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=plan.device)
 

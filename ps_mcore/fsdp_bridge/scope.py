@@ -80,7 +80,7 @@ def _route_recompute(model: torch.nn.Module, configs: list) -> list[tuple[Any, s
 
 @contextlib.contextmanager
 def tree_attention_scope(model: torch.nn.Module) -> Iterator[None]:
-    """Inside: ``model``'s decoder runs ``"prefix_tree"`` (calls with ``tree_plan=`` take the
+    """Inside: ``model``'s decoder runs ``"prefix_tree"`` (calls with ``tree_call=`` take the
     tree kernels). On exit, exceptions included, its configs read what they read before and
     its checkpoint functions are its own again; recomputation of this scope's checkpointed
     layers still runs tree attention. A model already switched by

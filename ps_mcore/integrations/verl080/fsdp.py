@@ -7,10 +7,11 @@ metrics) runs unchanged around them:
 * ``prepare_model_inputs``: plans the micro-batch's nested ``input_ids`` (prompt lengths and
   ``uid`` for ``prompt_only``, exactly as the Megatron glue) and returns model inputs for one
   packed row: ``input_ids = plan.input_ids[None]``, ``position_ids = plan.position_ids[None]``
-  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and ``tree_plan=plan``,
-  which the ``"prefix_tree"`` attention of :mod:`ps_mcore.fsdp_bridge` reads. The model's
-  decoder is switched to that attention on first use (unshared calls keep its own one; the
-  patchset's uninstall switches it back).
+  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and
+  ``tree_call=TreeCall(plan)``, which the ``"prefix_tree"`` attention of
+  :mod:`ps_mcore.fsdp_bridge` reads (FSDP2's input cast of verl's mixed-precision policy
+  passes it through unchanged). The model's decoder is switched to that attention on first
+  use (unshared calls keep its own one; the patchset's uninstall switches it back).
 * ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
   :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature; value head (token
   classification, ``num_labels=1``) -> ``values``. Both as jagged tensors with
@@ -41,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from ps_mcore.fsdp_bridge import enable_tree_attention, hf_dropout_refusal, unwrap_model
+from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
@@ -180,7 +181,7 @@ def tree_model_inputs(micro_batch, plan, temperature: float) -> tuple[dict, dict
         "input_ids": plan.input_ids[None],
         "attention_mask": None,
         "position_ids": plan.position_ids[None],
-        "tree_plan": plan,
+        "tree_call": TreeCall(plan),
     }
     return model_inputs, {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
 
