@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -15,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
+
+from gloo_world import run_in_gloo_world  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.fsdp_bridge import (  # noqa: E402
@@ -295,97 +296,75 @@ def test_peft_lora_wrapper():
     assert_grads_close(grads, ref_grads)
 
 
-_FSDP_SCRIPT = textwrap.dedent(
-    """
-    import os, socket, torch, torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
-    sys_path = {path!r}
-    import sys; sys.path.insert(0, sys_path)
-    from test_fsdp_bridge import make_model, random_forest, per_sequence_reference, _sample_weights
-    from ps_mcore import plan_prefix_tree
-    from ps_mcore.fsdp_bridge import forward_tree, unwrap_model
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    seqs = random_forest(5)
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    for kind in ("fsdp1", "fsdp2"):
-        model = make_model("qwen2-gqa2-d24")
-        ref_logits, ref_lp, _, _ = per_sequence_reference(model, seqs, _sample_weights(seqs))
-        if kind == "fsdp1":
-            wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
-        else:
-            for layer in model.model.layers:
-                fully_shard(layer)
-            wrapped = fully_shard(model)
-        assert unwrap_model(wrapped) is model
-        out = forward_tree(wrapped, plan, compute_logprobs=True)
-        torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
-        out.logprobs.sum().backward()
-        assert all(p.grad is not None for p in wrapped.parameters())
-        print(kind, "ok")
-    dist.destroy_process_group()
-    """
-)
+_FSDP_SCRIPT = """
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+from test_fsdp_bridge import make_model, random_forest, per_sequence_reference, _sample_weights
+from ps_mcore import plan_prefix_tree
+from ps_mcore.fsdp_bridge import forward_tree, unwrap_model
+seqs = random_forest(5)
+plan = plan_prefix_tree(seqs, min_prefix_len=1)
+for kind in ("fsdp1", "fsdp2"):
+    model = make_model("qwen2-gqa2-d24")
+    ref_logits, ref_lp, _, _ = per_sequence_reference(model, seqs, _sample_weights(seqs))
+    if kind == "fsdp1":
+        wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    assert unwrap_model(wrapped) is model
+    out = forward_tree(wrapped, plan, compute_logprobs=True)
+    torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    out.logprobs.sum().backward()
+    assert all(p.grad is not None for p in wrapped.parameters())
+    print(kind, "ok")
+"""
 
 
 def test_fsdp1_and_fsdp2_wrappers():
     """Real FSDP (gloo, world size 1) in a subprocess, so no process group leaks into others."""
-    import os
-
-    script = _FSDP_SCRIPT.format(path=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "fsdp1 ok" in proc.stdout and "fsdp2 ok" in proc.stdout
+    out = run_in_gloo_world(_FSDP_SCRIPT)
+    assert "fsdp1 ok" in out and "fsdp2 ok" in out
 
 
-_FSDP2_INPUT_CAST_SCRIPT = textwrap.dedent(
-    """
-    import copy, os, socket, sys, torch, torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    sys.path.insert(0, {path!r})
-    from test_fsdp_bridge import make_model, random_forest, tree_run, _sample_weights, assert_grads_close
-    from ps_mcore import plan_prefix_tree
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    seqs = random_forest(7)
-    weights = _sample_weights(seqs)
-    for dtype in (torch.float32, torch.bfloat16):
-        model = make_model("qwen2-gqa2-d24", attn="sdpa")
-        plain = copy.deepcopy(model)  # unwrapped, parameters in the policy's dtype (buffers kept, as FSDP2 keeps them)
-        for p in plain.parameters():
-            p.data = p.data.to(dtype)
-        ref, ref_grads = tree_run(plain, plan_prefix_tree(seqs, min_prefix_len=1), weights)
-        # verl's fsdp2 engine: bf16 (or the configured) parameters, inputs cast by FSDP's hook
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        wrapped = fully_shard(model, mp_policy=policy)
-        plan = plan_prefix_tree(seqs, min_prefix_len=1)
-        plan.to("meta")  # the plan and its moved copy link each other, as a GPU run's plan and host copy do
-        out, grads = tree_run(wrapped, plan, weights)
-        # every layer ran on this plan: the layout its first layer built is in its own memo
-        assert torch.device("cpu") in plan.memo.cascade_layouts
-        grads = {{n: g.full_tensor() for n, g in grads.items()}}
-        if dtype == torch.float32:
-            torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
-            assert_grads_close(grads, ref_grads)
-        else:  # the same bf16 forward; gradients reduced in fp32 vs the plain model's bf16
-            assert out.logits.dtype == torch.bfloat16
-            torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
-            torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=0)
-            for name, g in grads.items():
-                torch.testing.assert_close(g.to(dtype), ref_grads[name], rtol=2e-2, atol=2e-2, msg=name)
-        print(dtype, "ok")
-    dist.destroy_process_group()
-    """
-)
+_FSDP2_INPUT_CAST_SCRIPT = """
+import copy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from test_fsdp_bridge import make_model, random_forest, tree_run, _sample_weights, assert_grads_close
+from ps_mcore import plan_prefix_tree
+seqs = random_forest(7)
+weights = _sample_weights(seqs)
+for dtype in (torch.float32, torch.bfloat16):
+    model = make_model("qwen2-gqa2-d24", attn="sdpa")
+    plain = copy.deepcopy(model)  # unwrapped, parameters in the policy's dtype (buffers kept, as FSDP2 keeps them)
+    for p in plain.parameters():
+        p.data = p.data.to(dtype)
+    ref, ref_grads = tree_run(plain, plan_prefix_tree(seqs, min_prefix_len=1), weights)
+    # verl's fsdp2 engine: bf16 (or the configured) parameters, inputs cast by FSDP's hook
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    wrapped = fully_shard(model, mp_policy=policy)
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    plan.to("meta")  # the plan and its moved copy link each other, as a GPU run's plan and host copy do
+    out, grads = tree_run(wrapped, plan, weights)
+    # every layer ran on this plan: the layout its first layer built is in its own memo
+    assert torch.device("cpu") in plan.memo.cascade_layouts
+    grads = {n: g.full_tensor() for n, g in grads.items()}
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+        assert_grads_close(grads, ref_grads)
+    else:  # the same bf16 forward; gradients reduced in fp32 vs the plain model's bf16
+        assert out.logits.dtype == torch.bfloat16
+        torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+        torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=0)
+        for name, g in grads.items():
+            torch.testing.assert_close(g.to(dtype), ref_grads[name], rtol=2e-2, atol=2e-2, msg=name)
+    print(dtype, "ok")
+"""
 
 
 def test_fsdp2_input_cast_leaves_the_plan_alone():
@@ -394,12 +373,8 @@ def test_fsdp2_input_cast_leaves_the_plan_alone():
     every layer untouched (its plan not rebuilt, so the plan's memo serves every layer, and a
     plan linked to its moved copy does not recurse), with results equal to the unwrapped
     model's. Real FSDP2 (gloo, world size 1) in a subprocess."""
-    import os
-
-    script = _FSDP2_INPUT_CAST_SCRIPT.format(path=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "torch.float32 ok" in proc.stdout and "torch.bfloat16 ok" in proc.stdout
+    out = run_in_gloo_world(_FSDP2_INPUT_CAST_SCRIPT)
+    assert "torch.float32 ok" in out and "torch.bfloat16 ok" in out
 
 
 # ----------------------------------------------------------------------------- stock fallback
