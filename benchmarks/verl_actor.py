@@ -870,6 +870,9 @@ def tiny_run(engine: str, config: str, model_dir: str, batches: list[Batch]) -> 
     settings = RunSettings(device="cpu", max_token_len=256, lr=1e-12, tiny=True)
     with patchsets(config), prefix_grouper_driving(config):
         workers = Workers(engine, model_dir, config, settings, ref=True)
+        if engine == "fsdp" and not fsdp2_casts_inputs(workers.actor.actor.engine.module):
+            raise RuntimeError("the fsdp engine's model does not cast its forward inputs: the check would "
+                               "miss the path verl's mixed-precision policy takes on a GPU")
         workers.capture_grads()
         out = {}
         for b in batches:
@@ -881,6 +884,15 @@ def tiny_run(engine: str, config: str, model_dir: str, batches: list[Batch]) -> 
                                tokens=packed_tokens(metrics, b))
         workers.close()
     return out
+
+
+def fsdp2_casts_inputs(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 casts ``module``'s forward kwargs (verl's fsdp2 engine builds
+    ``MixedPrecisionPolicy(param_dtype=..., cast_forward_inputs=True)``; fp32 here): its hooks
+    then walk every wrapped module's kwargs, the tree call included."""
+    state = getattr(module, "_get_fsdp_state", None)
+    policy = state()._mp_policy if state is not None else None
+    return policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None
 
 
 def packed_tokens(metrics: dict, batch: Batch) -> int:

@@ -545,6 +545,11 @@ class ContextPlan:
         return int(self.input_ids.numel())
 
     @property
+    def num_input_tokens(self) -> int:
+        """n, the call's original tokens (its per-token outputs)."""
+        return int(self.unpack_index.numel())
+
+    @property
     def num_context_rows(self) -> int:
         return int(sum(self.context_rows))
 

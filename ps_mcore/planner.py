@@ -32,7 +32,6 @@ def ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - seg_begin, lengths) + np.arange(total, dtype=np.int64)
 
 
-@dataclass(eq=False)
 class PlanMemo:
     """What is derived from one :class:`TreePlan` and kept with it (never part of its value).
     One call's :class:`~ps_mcore.minibatch.ContextPlan` keeps its host copy, moved copies and
@@ -45,9 +44,15 @@ class PlanMemo:
     keyed by device. Owners (who reads and writes each field) are named with it.
 
     A memo belongs to the plan values it was derived from (``source``): ``dataclasses.replace``
-    hands it on when they are the same objects (torch's input casting, e.g. FSDP2's, rebuilds
-    dataclass inputs that way, and the layouts must survive it) and a plan with other values
-    starts a fresh one.
+    hands it on when they are the same objects and a plan with other values starts a fresh one.
+
+    Not a dataclass, nor a container, on purpose: a moved plan and its host copy link each
+    other through their memos (``host``, ``moved``), and generic walkers of a forward's inputs
+    descend into dataclasses field by field (FSDP's input cast ``_apply_to_tensors``, which
+    rebuilds them with ``dataclasses.replace``; FSDP2's post-backward hook registration). They
+    stop here: they never follow the links (a walk of a linked plan recursed without end) and
+    a plan they rebuild keeps this memo, the same object. Model kwargs carry a plan in
+    ``fsdp_bridge``'s opaque ``TreeCall``, so such walkers do not even rebuild it.
 
     Attributes:
         source: the plan's field values the memo was derived from (tensors held and compared
@@ -74,17 +79,23 @@ class PlanMemo:
             chains and levels every recurrent layer of the micro-batch scans.
     """
 
-    host: "TreePlan | None" = None
-    moved: dict[torch.device, "TreePlan"] = field(default_factory=dict)
-    max_token_id: int | None = None
-    fingerprint: int | None = None
-    cascade_layouts: dict[torch.device, Any] = field(default_factory=dict)
-    kv_copies_csr: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    windowed_contexts: dict[tuple[int, torch.device], Any] = field(default_factory=dict)
-    kernel_choice_shape: tuple | None = None
-    flex_block_masks: dict[tuple[torch.device, int | None], Any] = field(default_factory=dict)
-    recurrent_trees: dict[int, Any] = field(default_factory=dict)
-    source: tuple | None = None
+    __slots__ = (
+        "host", "moved", "max_token_id", "fingerprint", "cascade_layouts", "kv_copies_csr",
+        "windowed_contexts", "kernel_choice_shape", "flex_block_masks", "recurrent_trees", "source",
+    )
+
+    def __init__(self) -> None:
+        self.host: TreePlan | None = None
+        self.moved: dict[torch.device, TreePlan] = {}
+        self.max_token_id: int | None = None
+        self.fingerprint: int | None = None
+        self.cascade_layouts: dict[torch.device, Any] = {}
+        self.kv_copies_csr: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.windowed_contexts: dict[tuple[int, torch.device], Any] = {}
+        self.kernel_choice_shape: tuple | None = None
+        self.flex_block_masks: dict[tuple[torch.device, int | None], Any] = {}
+        self.recurrent_trees: dict[int, Any] = {}
+        self.source: tuple | None = None
 
     def belongs_to(self, values: tuple) -> bool:
         """Whether ``values`` (a plan's field values) are those this memo was derived from."""

@@ -71,7 +71,8 @@ def compare_with_unshared(plan, backend, hq, hkv, d, dtype, device="cpu", seed=0
     ``variant``: ``window=``, ``softcap=``, ``sinks=True`` (random per-head sink logits: their
     gradient is compared too, as a fourth entry)."""
     q, k, v = random_qkv(plan, hq, hkv, d, dtype, device, seed)
-    sinks = random_sinks(hq, device, seed) if variant.pop("sinks", False) else None
+    sinks_dtype = torch.promote_types(dtype, torch.float32)  # float32 logits, float64 for float64
+    sinks = random_sinks(hq, device, seed, sinks_dtype) if variant.pop("sinks", False) else None
     n = plan.num_input_tokens
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     weight = torch.randn(n, hq, d, generator=g, dtype=torch.float64).to(device)

@@ -55,6 +55,53 @@ def test_gqa_ratios_and_head_dims(ratio, d):
         assert_matches(plan, backend, 2 * ratio, 2, d, seed=ratio + d)
 
 
+# float64 inputs compute in float64 (kernels, merges and dK/dV sums): agreement with the
+# unshared float64 computation is at float64 precision, not float32's ~1e-7.
+FP64_TOL = (1e-10, 1e-10)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seqs=forests(),
+    backend=st.sampled_from(CPU_BACKENDS),
+    gqa=st.sampled_from([(2, 2), (6, 2)]),
+    min_prefix_len=st.sampled_from([1, 3]),
+)
+def test_float64_random_forests_at_float64_precision(seqs, backend, gqa, min_prefix_len):
+    plan = plan_prefix_tree(seqs, min_prefix_len=min_prefix_len)
+    assert_matches(plan, backend, *gqa, 24, dtype=torch.float64, tol=FP64_TOL)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", list(nasty_forests()))
+def test_float64_nasty_shapes_at_float64_precision(name, backend):
+    plan = plan_prefix_tree(nasty_forests()[name], min_prefix_len=1)
+    out, ref, got, want = compare_with_unshared(plan, backend, 4, 2, 16, torch.float64)
+    assert out.dtype == torch.float64 and all(g.dtype == torch.float64 for g in got)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12 * ref.abs().max().item())
+    for name_, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"d{name_} differs")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("variant", [dict(window=3, sinks=True, softcap=2.0), dict(sinks=True), dict(softcap=1.5)])
+def test_float64_variants_at_float64_precision(monkeypatch, backend, variant):
+    """Windows, sinks and softcap keep float64 too (the sink softmax's log-sum-exp and the
+    sink gradient included), in the cascade and in gather-KV."""
+    for cascade in (True, False):
+        monkeypatch.setattr("ps_mcore.attention.layout.cascade_pays", lambda plan, layout: cascade)
+        for name in ("tree", "grpo", "prefix-of-another", "deep-chain", "single-tokens"):
+            plan = plan_prefix_tree(nasty_forests()[name], min_prefix_len=1)
+            assert_matches(plan, backend, 4, 2, 16, dtype=torch.float64, tol=FP64_TOL, **variant)
+
+
+def test_float32_is_float32_precision():
+    """The float64 tolerance is not trivially met: float32 inputs miss it (the check can fail)."""
+    plan = plan_prefix_tree(nasty_forests()["tree"], min_prefix_len=1)
+    out, ref, _, _ = compare_with_unshared(plan, "chunked", 4, 2, 16, torch.float32, grads=False)
+    assert (out.double() - ref).abs().max() > 1e-9
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_bfloat16(backend):
     plan = plan_prefix_tree(nasty_forests()["grpo"], min_prefix_len=1)
@@ -73,6 +120,10 @@ def test_flex_forward_on_cpu():
     with torch.no_grad():
         out, ref, _, _ = compare_with_unshared(plan, "flex", 4, 2, 16, torch.float32, grads=False)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # flex's CPU path computes in the input dtype: fp64 stays fp64
+        out, ref, _, _ = compare_with_unshared(plan, "flex", 4, 2, 16, torch.float64, grads=False)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     q, k, v = random_qkv(plan, 4, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="forward only"):
         tree_attention(q, k, v, plan, backend="flex")
@@ -120,6 +171,29 @@ def test_bad_inputs():
         tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), plan, backend="varlen")
     with pytest.raises(TypeError, match="TreePlan"):
         tree_attention(q, k, v, "plan")
+
+
+def test_tree_attention_inside_a_compiled_function():
+    """tree_attention called from torch.compile'd code runs between the graphs (its layouts are
+    numpy, built on the host): results and gradients equal eager, new plans reuse the graphs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+
+    def block(q, k, v, plan):
+        return tree_attention(torch.tanh(q), k * 2, v, plan, backend="chunked").square().sum()
+
+    compiled = torch.compile(block, backend="eager", dynamic=True)
+    graphs = []
+    for name in ("tree", "grpo", "deep-chain"):
+        plan = plan_prefix_tree(nasty_forests()[name], min_prefix_len=1)
+        q, k, v = random_qkv(plan, 4, 2, 8, torch.float32)
+        got = torch.autograd.grad(compiled(q, k, v, plan), (q, k, v))
+        want = torch.autograd.grad(block(q, k, v, plan), (q, k, v))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
 
 
 def test_gathered_kv_is_not_saved_for_backward():

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from gloo_world import run_in_gloo_world  # noqa: E402
 from test_fsdp_bridge import (  # noqa: E402
     _sample_weights,
     assert_tree_matches,
@@ -121,40 +118,28 @@ def test_peft_lora_fp32_adapters_on_bf16_base():
     assert_no_worse_than_stock(stock, tree)
 
 
-_FSDP2_MP_SCRIPT = textwrap.dedent(
-    """
-    import copy, os, socket, sys, torch, torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    sys.path.insert(0, {path!r})
-    from test_fsdp_precision import errors_against_float64, assert_no_worse_than_stock
-    from test_fsdp_variants import make_variant_model, window_forest
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+_FSDP2_MP_SCRIPT = """
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from test_fsdp_precision import errors_against_float64, assert_no_worse_than_stock
+from test_fsdp_variants import make_variant_model, window_forest
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
-    def wrap(model):
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        return fully_shard(model, mp_policy=policy)
+def wrap(model):
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
 
-    import test_fsdp_precision as P  # gradients of DTensor parameters: one rank holds the whole tensor
-    plain = P._grad_error
-    P._grad_error = lambda g, ref: plain({{n: getattr(t, "full_tensor", lambda: t)() for n, t in g.items()}}, ref)
-    model = make_variant_model("gpt-oss").float()
-    stock, tree = errors_against_float64(model, window_forest(0, 5), wrap=wrap)
-    assert_no_worse_than_stock(stock, tree)
-    print("fsdp2 mixed precision ok", stock, tree)
-    dist.destroy_process_group()
-    """
-)
+import test_fsdp_precision as P  # gradients of DTensor parameters: one rank holds the whole tensor
+plain = P._grad_error
+P._grad_error = lambda g, ref: plain({n: getattr(t, "full_tensor", lambda: t)() for n, t in g.items()}, ref)
+model = make_variant_model("gpt-oss").float()
+stock, tree = errors_against_float64(model, window_forest(0, 5), wrap=wrap)
+assert_no_worse_than_stock(stock, tree)
+print("fsdp2 mixed precision ok", stock, tree)
+"""
 
 
 def test_fsdp2_mixed_precision_policy():
     """Real FSDP2 (gloo, world size 1, CPU) with bf16 parameters and fp32 reductions, in a
     subprocess so no process group leaks into other tests."""
-    script = _FSDP2_MP_SCRIPT.format(path=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "fsdp2 mixed precision ok" in proc.stdout
+    assert "fsdp2 mixed precision ok" in run_in_gloo_world(_FSDP2_MP_SCRIPT, timeout=600)

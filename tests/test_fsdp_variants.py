@@ -22,7 +22,7 @@ from test_fsdp_bridge import (  # noqa: E402
 )
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
-from ps_mcore.fsdp_bridge import forward_tree, prefix_tree_attention  # noqa: E402
+from ps_mcore.fsdp_bridge import TreeCall, forward_tree, prefix_tree_attention  # noqa: E402
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, initializer_range=0.2)
@@ -162,6 +162,7 @@ def test_what_has_no_tree_form_is_refused_by_name():
     q = torch.zeros(1, 4, plan.num_tokens, 16, dtype=torch.float64)
     kv = torch.zeros(1, 2, plan.num_tokens, 16, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="position bias"):
-        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, position_bias=torch.zeros(1, 4, 1, 1))
+        prefix_tree_attention(attn, q, kv, kv, None, tree_call=TreeCall(plan), position_bias=torch.zeros(1, 4, 1, 1))
+    per_token = torch.zeros(1, 4, plan.num_tokens, 1)
     with pytest.raises(NotImplementedError, match="per-token attention sinks"):
-        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, sinks=torch.zeros(1, 4, plan.num_tokens, 1))
+        prefix_tree_attention(attn, q, kv, kv, None, tree_call=TreeCall(plan), sinks=per_token)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.distributed.utils import _apply_to_tensors
+from torch.utils import _pytree
 from attention_oracle import random_qkv, unshared_attention
 from forests import forests, nasty_forests, random_forest
 from hypothesis import HealthCheck, given, settings
@@ -90,30 +92,39 @@ def test_standard_workload_shapes():
     assert plain.num_levels == 0 and plain.num_chains == 8
 
 
-def check_exact(plan, layout, hq=4, hkv=2, d=8, seed=0):
-    q, k, v = random_qkv(plan, hq, hkv, d, torch.float32, seed=seed)
+def check_exact(plan, layout, hq=4, hkv=2, d=8, seed=0, dtype=torch.float32):
+    """Float32 inputs to float32 precision; float64 inputs (computed in float64 throughout:
+    kernel, merges, dK/dV sums) to float64 precision."""
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    q, k, v = random_qkv(plan, hq, hkv, d, dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     weight = torch.randn(plan.num_input_tokens, hq, d, generator=g, dtype=torch.float64)
     out = plan.unpack(tree_varlen_attention(q, k, v, plan, 1 / np.sqrt(d), MATH_KERNEL, layout=layout))
     ref = unshared_attention(q, k, v, plan)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     got = torch.autograd.grad((out.double() * weight).sum(), (q, k, v))
     want = torch.autograd.grad((ref * weight).sum(), (q, k, v))
     for name, a, b in zip("qkv", got, want):
-        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5, msg=f"d{name} differs")
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=f"d{name} differs")
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seqs=forests(), layout=st.sampled_from(["cascade", "gather"]), gqa=st.sampled_from([(2, 2), (6, 2)]))
-def test_both_layouts_exact_on_random_forests(level_calls, seqs, layout, gqa):
-    check_exact(plan_prefix_tree(seqs, min_prefix_len=1), layout, *gqa)
+@given(
+    seqs=forests(), layout=st.sampled_from(["cascade", "gather"]), gqa=st.sampled_from([(2, 2), (6, 2)]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_both_layouts_exact_on_random_forests(level_calls, seqs, layout, gqa, dtype):
+    check_exact(plan_prefix_tree(seqs, min_prefix_len=1), layout, *gqa, dtype=dtype)
 
 
-def test_chunked_level_calls_are_used_and_exact(level_calls):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_level_calls_are_used_and_exact(level_calls, dtype):
     plan = plan_prefix_tree(make_workload("agent-tree", scale=1 / 64).sequences, min_prefix_len=1)
     lay = build_cascade_layout(plan)
+    assert lay.num_levels == 3
     assert any(c.kv_index is not None for c in lay.calls[1:]) == (level_calls == "chunked")
-    check_exact(plan, "cascade", 6, 2, 8)
+    for layout in ("cascade", "gather"):
+        check_exact(plan, layout, 6, 2, 8, dtype=dtype)
 
 
 def test_auto_layout_follows_cascade_pays(monkeypatch):
@@ -174,6 +185,33 @@ def test_a_replaced_plan_shares_its_memo_only_with_the_same_values():
     other = dataclasses.replace(plan, input_ids=plan.input_ids + 10)
     assert other.memo is not plan.memo and not other.memo.cascade_layouts and not other.memo.moved
     assert other.max_token_id == 15
+
+
+def test_input_walkers_stop_at_the_memo():
+    """Wrappers walk a forward's inputs: FSDP's mixed-precision input cast
+    (``_apply_to_tensors``: dataclasses rebuilt field by field with ``dataclasses.replace``),
+    FSDP2's collection of tensors needing gradients (dataclass fields too), pytree (a plan is
+    a leaf). A plan and its moved copy link each other through their memos: a walk must not
+    follow that link (it recursed without end), and a rebuilt plan keeps the memo."""
+    plan = plan_prefix_tree(random_forest(np.random.default_rng(3), 6, 30), min_prefix_len=1)
+    moved = plan.to("meta")  # plan.memo.moved -> moved, moved.memo.host -> plan
+    lay = cascade_layout(plan)
+
+    def cast(t):  # FSDP's _cast_fp_tensor to bf16
+        return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+    for p in (plan, moved):
+        rebuilt = _apply_to_tensors(cast, {"kwargs": [p]})["kwargs"][0]
+        assert rebuilt is not p and rebuilt.memo is p.memo and rebuilt.host.memo is plan.memo
+        assert all(getattr(rebuilt, f) is getattr(p, f) for f in ("input_ids", "kv_index", "subtree_end"))
+    assert cascade_layout(_apply_to_tensors(cast, plan)) is lay
+    assert _pytree.tree_leaves({"plan": moved, "x": [plan]}) == [moved, plan]
+    try:
+        from torch.distributed.fsdp._common_utils import collect_grad_tensors
+    except ImportError:  # older torch collects through pytree (a plan is a leaf there)
+        return
+    x = torch.zeros(2, requires_grad=True)
+    assert collect_grad_tensors(((x,), {"plan": moved, "host": plan})) == (x,)
 
 
 def test_cascade_saves_no_per_call_output():

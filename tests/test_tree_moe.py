@@ -24,6 +24,7 @@ from moe_cases import (  # noqa: E402
     MOE_CASES, sample_coefs, assert_same, build_moe_model, moe_config, run_tree, run_unshared,
 )
 
+from ps_mcore.layer_specs import megatron_dropout_refusal  # noqa: E402
 from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter, moe_refusal  # noqa: E402
 
 
@@ -48,6 +49,16 @@ def test_moe_nasty_shapes(name):
     seqs = nasty_forests(0)[name]
     coef = sample_coefs(seqs, 7)
     assert_same(run_tree(model, seqs, coef)[0], run_unshared(model, seqs, coef))
+
+
+def test_hidden_dropout_after_the_moe_layer_is_refused():
+    """The MoE layer's output goes through the bias-dropout-add with hidden_dropout: a
+    training tree batch is refused naming the key (eval is what the tests above run)."""
+    model = build_moe_model(moe_config(**MOE_CASES["aux+z/allgather"], hidden_dropout=0.1))
+    seqs = nasty_forests(0)["tree"]
+    with pytest.raises(ValueError, match="hidden_dropout.*MLP/MoE"):
+        run_tree(model, seqs, sample_coefs(seqs, 0))
+    assert "decoder.layers.*.hidden_dropout (p=0.1, config key config.hidden_dropout)" in megatron_dropout_refusal(model)
 
 
 def test_stock_router_would_be_wrong():

@@ -157,6 +157,23 @@ def test_a_refusal_splits_with_one_warning(env):
                                    stock["model_output"][key].values()[rows], rtol=RTOL, atol=1e-6)
 
 
+def test_active_dropout_refuses_the_schedule(env):
+    """A K/V-kept prefix runs its forward again at its release, which would draw other dropout
+    masks: a training model with hidden_dropout splits its large units (even with
+    prefix_grouper.shared_dropout, which covers the units that fit); in eval mode it schedules."""
+    from ps_mcore.integrations.verl080.megatron import megatron_schedule_refusal
+    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
+
+    impl, _ = env
+    cfg = tiny_config("qwen2", hidden_dropout=0.1)
+    model = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))).train()
+    rng = np.random.default_rng(4)
+    data = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET)
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting(shared_dropout=True))
+    assert "active dropout" in megatron_schedule_refusal(engine, model, data)
+    assert megatron_schedule_refusal(engine, model.eval(), data) is None
+
+
 def test_critic_values_and_value_loss_match_stock(env, monkeypatch):
     """verl 0.8.0's value loss is a mean per micro-batch, so its gradient depends on how
     samples are grouped: the stock reference runs on the schedule's own micro-batches."""

@@ -25,6 +25,7 @@ from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, random
 from verl_batches import RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens, tiny_critic  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
+from ps_mcore.integrations import patching  # noqa: E402
 from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 from ps_mcore.integrations.verl080.trainer import TOKENS_IN  # noqa: E402
 
@@ -329,8 +330,6 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were given, so the test sees its own."""
-    from ps_mcore.integrations import patching
-
     monkeypatch.setattr(patching, "_WARNED", set())
 
 
@@ -368,6 +367,54 @@ def _fallback_case(impl, model, data, match, engine_setup=None):
     n = int(data["input_ids"].offsets()[-1])
     assert len(tree["metrics"][TOKENS_IN]) == 3 and step_tokens(tree) == (n, n)  # stock, every micro-batch
     return tree
+
+
+def _dropout_model():
+    """megatron-core's default hidden_dropout (0.1), training mode."""
+    cfg = tiny_config("qwen2", hidden_dropout=0.1)
+    model = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(model, seed=6)
+    return model.train()
+
+
+def _seeded(engine):
+    torch.manual_seed(13)  # stock and patched runs draw the same dropout masks
+
+
+def test_fallback_hidden_dropout_names_verl_keys(env, fresh_warnings):
+    """hidden_dropout > 0 in training: verl's stock forward (same masks, same numbers), one
+    warning naming the override key that turns it off and the opt-in key."""
+    impl, _ = env
+    model = _dropout_model()
+    key = "+actor_rollout_ref.actor.megatron.override_transformer_config.hidden_dropout to 0"
+    _fallback_case(impl, model, _fallback_batch(25), key, _seeded)
+    patching._WARNED.clear()
+    with pytest.warns(UserWarning, match="embedding_dropout") as record:
+        _run(impl, model, _fallback_batch(25), _setting("prompt_only"), True)
+    messages = [str(w.message) for w in record if "embedding_dropout" in str(w.message)]
+    assert len(messages) == 1 and "actor_rollout_ref.actor.prefix_grouper.shared_dropout=true" in messages[0]
+
+
+def test_shared_dropout_opt_in_runs_the_tree(env, recwarn):
+    """prefix_grouper.shared_dropout=true: the tree path runs hidden dropout on the packed rows
+    (the packed params carry the opt-in), reproducible under a seed, different from eval."""
+    impl, _ = env
+    model = _dropout_model()
+    rng = np.random.default_rng(3)
+    data = make_batch(WORKLOADS["tree"](rng), rng)
+    setting = _setting("arbitrary_prefix", shared_dropout=True)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(21)
+        runs.append(_run(impl, model, data, setting, True)[0])
+    assert not [w for w in recwarn if "stock forward" in str(w.message)]
+    n, t = step_tokens(runs[0])
+    assert t < n
+    first, again = (r["model_output"]["log_probs"].values() for r in runs)
+    assert torch.equal(first, again)
+    model.eval()
+    without = _run(impl, model, data, setting, True)[0]["model_output"]["log_probs"].values()
+    assert not torch.equal(first, without)
 
 
 def _spy(monkeypatch, module, name):

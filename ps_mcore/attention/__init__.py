@@ -1,8 +1,10 @@
 """``tree_attention(q, k, v, plan, backend)``: causal attention over a packed prefix forest.
 
 Backends:
-    reference  dense tree mask, float32 math, any device (the oracle; O(T^2) memory).
-    chunked    cascade layout (attention/layout.py) with a pure-torch kernel, any device (exact fp32 math).
+    reference  dense tree mask, any device (the oracle; O(T^2) memory).
+    chunked    cascade layout (attention/layout.py) with a pure-torch kernel, any device.
+               Both compute fp16/bf16/fp32 inputs in fp32 and fp64 inputs in fp64 (merges and
+               dK/dV sums included); the CUDA/NPU kernels take fp16/bf16 and accumulate in fp32.
     varlen     varlen FlashAttention (torch's flash kernel or flash-attn), CUDA, in the cascade
                layout (no K/V copy) or gather-KV, whichever layout.cascade_pays picks.
     flex       FlexAttention with a BlockMask from subtree ends (compiled on CUDA).
@@ -78,6 +80,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeP
         raise ValueError(f"q/k/v are on different devices: {q.device}, {k.device}, {v.device}")
 
 
+# Under torch.compile tree attention runs eagerly between the compiled graphs: the plan's
+# host-side layouts (numpy) and per-plan sizes are no graph material.
+@torch.compiler.disable
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -58,8 +58,9 @@ class _CascadeAttention(torch.autograd.Function):
             rests.append(tuple(aux[1:]))
             if out is None:  # the self call: every row has a key
                 out, lse = o, aux[0]
-            else:  # intermediate merges stay fp32, the last casts to q's dtype (sinks: after them)
-                dtype = q.dtype if i == len(calls) - 1 and sinks is None else torch.float32
+            else:  # intermediate merges stay fp32 (fp64 kept), the last casts to q's dtype (sinks: after them)
+                last = i == len(calls) - 1 and sinks is None
+                dtype = q.dtype if last else torch.promote_types(q.dtype, torch.float32)
                 out, lse = merge(out, lse, o, aux[0], call.rows, dtype)
         if sinks is not None:  # once per row, on the merged result
             out, lse = add_sinks(out, lse, sinks)
@@ -79,6 +80,7 @@ class _CascadeAttention(torch.autograd.Function):
         # when a level call gathered keys (copies of a row sum back through index_add_).
         fp32_q = parts > 2
         fp32_kv = fp32_q or any(c.kv_index is not None for c in layout.calls)
+        acc = torch.promote_types(q.dtype, torch.float32)  # "fp32" sums; fp64 kept
         dq = dk = dv = None
         for call, rest in zip(layout.calls, rests):
             kc, vc = _kv(call, k, v)
@@ -87,12 +89,12 @@ class _CascadeAttention(torch.autograd.Function):
                 scale, causal=call.causal, **kw,
             )
             if dq is None:  # the self call: in place, every row
-                dq = dqi.float() if fp32_q else dqi
-                dk, dv = (dki.float(), dvi.float()) if fp32_kv else (dki, dvi)
+                dq = dqi.to(acc) if fp32_q else dqi
+                dk, dv = (dki.to(acc), dvi.to(acc)) if fp32_kv else (dki, dvi)
                 continue
             dq = dq.add_(dqi) if fp32_q else dq + dqi
             if call.kv_index is not None:
-                dk.index_add_(0, call.kv_index, dki.float()), dv.index_add_(0, call.kv_index, dvi.float())
+                dk.index_add_(0, call.kv_index, dki.to(acc)), dv.index_add_(0, call.kv_index, dvi.to(acc))
             elif fp32_kv:
                 dk.add_(dki), dv.add_(dvi)
             else:

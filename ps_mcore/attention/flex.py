@@ -96,6 +96,7 @@ def flex_tree_attention(q, k, v, plan, softmax_scale: float, variant: AttentionV
     if sinks is None:
         return result[0].transpose(0, 1)[:t]
     out, aux = result  # [1, H, T_pad, D], the logsumexp [1, H, T_pad] (natural log)
-    lse = getattr(aux, "lse", aux)[0, :, :t].float()
-    keep = torch.exp(lse - torch.logaddexp(lse, sinks.float()[:, None]))  # sigmoid(lse - sink)
-    return (out[0, :, :t].float() * keep[..., None]).to(q.dtype).transpose(0, 1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp64 kept
+    lse = getattr(aux, "lse", aux)[0, :, :t].to(acc)
+    keep = torch.exp(lse - torch.logaddexp(lse, sinks.to(acc)[:, None]))  # sigmoid(lse - sink)
+    return (out[0, :, :t].to(acc) * keep[..., None]).to(q.dtype).transpose(0, 1)

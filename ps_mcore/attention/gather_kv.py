@@ -10,7 +10,7 @@ A kernel is a pair ``forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=Tr
 and ``backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True, **variant) -> (dq, dk, dv)``,
 q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (GQA grouped: query head i reads kv head
 ``i // (Hq // Hkv)``); ``aux`` is whatever the kernel needs back, its logsumexp first (``[Hq, Tq]``
-float32, natural log, softmax scale included), then e.g. rng state. ``causal=False`` (full
+float32 (the math kernel: float64 for float64 inputs), natural log, softmax scale included), then e.g. rng state. ``causal=False`` (full
 attention) is what the cascade layout's level calls use; the math, torch-flash and flash-attn
 kernels support it. A query row whose segment has no key gets out 0 and the kernel's logsumexp
 for "no key" (flash: +inf, math: -inf); callers mask those rows.
@@ -98,14 +98,15 @@ def _math_scores(qs, ks, scale, causal, window, softcap):
 
 def _math_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True, window=None, softcap=None):
     group = q.size(1) // k.size(1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math, fp64 kept
     out = torch.zeros_like(q)  # rows of segments without keys stay 0, like flash
-    lse = torch.full((q.size(1), q.size(0)), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((q.size(1), q.size(0)), float("-inf"), dtype=acc, device=q.device)
     for q0, q1, k0, k1 in _segments(cu_q, cu_k):
         if q1 == q0 or k1 == k0:
             continue
-        qs = q[q0:q1].float().transpose(0, 1)  # [H, l, D]
-        ks = k[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
-        vs = v[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
+        qs = q[q0:q1].to(acc).transpose(0, 1)  # [H, l, D]
+        ks = k[k0:k1].to(acc).repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[k0:k1].to(acc).repeat_interleave(group, 1).transpose(0, 1)
         s, _ = _math_scores(qs, ks, scale, causal, window, softcap)
         seg_lse = torch.logsumexp(s, dim=-1)  # [H, l]
         out[q0:q1] = torch.matmul(torch.exp(s - seg_lse[..., None]), vs).transpose(0, 1).to(q.dtype)
@@ -120,17 +121,18 @@ def _math_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, cau
     lse = aux[0]
     hq, hkv, d = q.size(1), k.size(1), q.size(2)
     group = hq // hkv
+    acc = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     for q0, q1, k0, k1 in _segments(cu_q, cu_k):
         if q1 == q0 or k1 == k0:
             continue
-        qs = q[q0:q1].float().transpose(0, 1)
-        ks = k[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
-        vs = v[k0:k1].float().repeat_interleave(group, 1).transpose(0, 1)
-        do = dout[q0:q1].float().transpose(0, 1)
-        o = out[q0:q1].float().transpose(0, 1)
+        qs = q[q0:q1].to(acc).transpose(0, 1)
+        ks = k[k0:k1].to(acc).repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[k0:k1].to(acc).repeat_interleave(group, 1).transpose(0, 1)
+        do = dout[q0:q1].to(acc).transpose(0, 1)
+        o = out[q0:q1].to(acc).transpose(0, 1)
         s, dcap = _math_scores(qs, ks, scale, causal, window, softcap)
         p = torch.exp(s - lse[:, q0:q1][..., None])  # [H, l, c]
         dp = torch.matmul(do, vs.transpose(1, 2))

@@ -1,4 +1,4 @@
-"""The oracle: dense tree mask from the plan, float32 math, any device."""
+"""The oracle: dense tree mask from the plan, float32 math (float64 for float64 inputs), any device."""
 
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ def reference_attention(
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]`` (q's dtype), via a dense mask;
     softcap on the scaled scores, sinks as one more logit per row (dropped after the softmax)."""
     group = q.size(1) // k.size(1)
-    qf = q.float().transpose(0, 1)  # [Hq, T, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math, fp64 kept
+    qf = q.to(acc).transpose(0, 1)  # [Hq, T, D]
+    kf = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)
     scores = softcap_scores(torch.matmul(qf, kf.transpose(1, 2)) * softmax_scale, variant.softcap)
     scores = scores.masked_fill(~tree_mask(plan, variant.window)[None], float("-inf"))
     if variant.sinks is not None:
-        sink = variant.sinks.float()[:, None, None].expand(-1, scores.size(1), 1)
+        sink = variant.sinks.to(acc)[:, None, None].expand(-1, scores.size(1), 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)

@@ -69,7 +69,9 @@ _BROKEN: list[str] = []
 
 def scatter_sum_kv(dkg, dvg, kv_index, csr, shape, dtype):
     """``[C, Hkv, D]`` dK/dV of the contexts -> ``[T, Hkv, D]`` sums per packed row."""
-    found = _kernel() if (dkg.is_cuda and csr is not None and not _BROKEN) else None
+    # The fused kernel sums in fp32: float64 gradients take the index_add_ path (fp64 sums).
+    fused = dkg.is_cuda and csr is not None and not _BROKEN and dtype != torch.float64
+    found = _kernel() if fused else None
     if found is not None:
         kernel, pow2 = found
         ptr, copies = csr
@@ -82,8 +84,9 @@ def scatter_sum_kv(dkg, dvg, kv_index, csr, shape, dtype):
         except Exception as e:  # noqa: BLE001  (a Triton build problem: say so once, stay exact)
             _BROKEN.append(repr(e))
             warnings.warn(f"fused dK/dV scatter-add unavailable, using index_add_: {e!r}", stacklevel=2)
-    dk = torch.zeros(shape, dtype=torch.float32, device=dkg.device)
-    dv = torch.zeros(shape, dtype=torch.float32, device=dkg.device)
-    dk.index_add_(0, kv_index, dkg.float())
-    dv.index_add_(0, kv_index, dvg.float())
+    acc = torch.promote_types(dtype, torch.float32)  # fp32 sums, fp64 kept
+    dk = torch.zeros(shape, dtype=acc, device=dkg.device)
+    dv = torch.zeros(shape, dtype=acc, device=dkg.device)
+    dk.index_add_(0, kv_index, dkg.to(acc))
+    dv.index_add_(0, kv_index, dvg.to(acc))
     return dk.to(dtype), dv.to(dtype)

@@ -113,18 +113,21 @@ def attention_variant(q: torch.Tensor, window=None, sinks=None, softcap=None) ->
 
 def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` ``[T, H, D]`` and ``lse`` ``[H, T]`` of softmax attention without sinks ->
-    the same with one sink logit per head in every row's denominator (fp32 math, ``out``'s
-    dtype). Returns ``(out, L)``, L the sink softmax's log-sum-exp (fp32)."""
-    big = torch.logaddexp(lse.float(), sinks.detach().float()[:, None])
-    keep = torch.exp(lse.float() - big).t().unsqueeze(-1)  # [T, H, 1], sigmoid(lse - sink)
-    return (out.float() * keep).to(out.dtype), big
+    the same with one sink logit per head in every row's denominator (fp32 math, fp64 for a
+    float64 ``lse``; ``out``'s dtype). Returns ``(out, L)``, L the sink softmax's log-sum-exp
+    (in the math's dtype)."""
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    big = torch.logaddexp(lse.to(acc), sinks.detach().to(acc)[:, None])
+    keep = torch.exp(lse.to(acc) - big).t().unsqueeze(-1)  # [T, H, 1], sigmoid(lse - sink)
+    return (out.to(acc) * keep).to(out.dtype), big
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, big: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """Gradient of the sink logits ``[H]``: ``-sum_t exp(s_h - L[h, t]) * D[t, h]`` with
     ``D = rowsum(dout * out)`` (``out`` and ``L`` those of the sink softmax, :func:`add_sinks`)."""
-    d = (dout.float() * out.float()).sum(-1).t()  # [H, T]
-    p_sink = torch.exp(sinks.detach().float()[:, None] - big)
+    acc = big.dtype  # add_sinks' math dtype: fp32, fp64 for fp64
+    d = (dout.to(acc) * out.to(acc)).sum(-1).t()  # [H, T]
+    p_sink = torch.exp(sinks.detach().to(acc)[:, None] - big)
     return -(p_sink * d).sum(-1).to(sinks.dtype)
 
 

@@ -34,6 +34,10 @@ class TreePackedSeqParams(PackedSeqParams):
         cp_layout: this context-parallel rank's share of the rows (None without CP).
         multiplicity: ``[T_pad]`` int64, samples sharing each packed row (padding rows: 0);
             ``local_multiplicity()`` is this CP rank's share, sharded like the rows.
+        shared_dropout: a training model's ``hidden_dropout`` runs on the packed rows, one
+            mask per shared row common to the samples holding it (each sample's own mask
+            distribution is unchanged). False: the tree layers refuse it
+            (:mod:`ps_mcore.layer_specs.modules.dropout`).
 
     Megatron hands this one object to every layer of the micro-batch, so what the layers
     derive from it is kept on it, in three attributes set by ``__post_init__`` (not dataclass
@@ -47,6 +51,7 @@ class TreePackedSeqParams(PackedSeqParams):
     position_ids: torch.Tensor | None = None
     cp_layout: CPLayout | None = None
     multiplicity: torch.Tensor | None = None
+    shared_dropout: bool = False
 
     def __post_init__(self) -> None:
         stock = getattr(super(), "__post_init__", None)
@@ -58,7 +63,8 @@ class TreePackedSeqParams(PackedSeqParams):
 
     @classmethod
     def from_plan(
-        cls, plan: TreePlan, pad_to_multiple_of: int = 1, cp_size: int = 1, cp_rank: int = 0
+        cls, plan: TreePlan, pad_to_multiple_of: int = 1, cp_size: int = 1, cp_rank: int = 0,
+        shared_dropout: bool = False,
     ) -> "TreePackedSeqParams":
         """Parameters for ``plan`` (tensors on the plan's device).
 
@@ -72,6 +78,7 @@ class TreePackedSeqParams(PackedSeqParams):
             cp_size, cp_rank: the context-parallel group size and this rank. With CP the
                 T_pad rows are one THD sequence in Megatron's ``2*cp`` chunk layout: feed the
                 model ``cp_shard(plan.input_ids)``.
+            shared_dropout: opt in to dropout masks shared on shared rows (see the class).
         """
         if not isinstance(plan, (TreePlan, ContextPlan)):
             raise TypeError(f"from_plan expects a TreePlan or a ContextPlan, got {type(plan).__name__}")
@@ -118,6 +125,7 @@ class TreePackedSeqParams(PackedSeqParams):
             position_ids=positions,
             cp_layout=layout,
             multiplicity=multiplicity,
+            shared_dropout=bool(shared_dropout),
         )
 
     def for_unfused_rope(self, device: torch.device) -> "TreePackedSeqParams":

@@ -7,10 +7,11 @@ metrics) runs unchanged around them:
 * ``prepare_model_inputs``: plans the micro-batch's nested ``input_ids`` (prompt lengths and
   ``uid`` for ``prompt_only``, exactly as the Megatron glue) and returns model inputs for one
   packed row: ``input_ids = plan.input_ids[None]``, ``position_ids = plan.position_ids[None]``
-  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and ``tree_plan=plan``,
-  which the ``"prefix_tree"`` attention of :mod:`ps_mcore.fsdp_bridge` reads. The model's
-  decoder is switched to that attention on first use (unshared calls keep its own one; the
-  patchset's uninstall switches it back).
+  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and
+  ``tree_call=TreeCall(plan)``, which the ``"prefix_tree"`` attention of
+  :mod:`ps_mcore.fsdp_bridge` reads (FSDP2's input cast of verl's mixed-precision policy
+  passes it through unchanged). The model's decoder is switched to that attention on first
+  use (unshared calls keep its own one; the patchset's uninstall switches it back).
 * ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
   :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature; value head (token
   classification, ``num_labels=1``) -> ``values``. Both as jagged tensors with
@@ -28,8 +29,9 @@ Per micro-batch, verl's stock code runs instead (warning once per reason) when t
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
 rule) and for what the tree path does not support: Ulysses sequence parallelism, fused
 kernels, VLM inputs, per-sample temperatures, ``calculate_sum_pi_squared``, distillation
-top-k, position ids other than ``0..len-1``, attention dropout, trl value-head wrappers and
-engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
+top-k, position ids other than ``0..len-1``, active dropout of a training model (attention
+dropout always; residual / classifier / LoRA dropouts unless ``prefix_grouper.shared_dropout``),
+trl value-head wrappers and engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
 back (SP, fused kernels, VLM), micro-batching stays verl's, so the stock forward keeps the
 raw-token budget it was sized for.
 """
@@ -40,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from ps_mcore.fsdp_bridge import enable_tree_attention, unwrap_model
+from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
@@ -49,6 +51,7 @@ from ps_mcore.integrations.verl080.batch import (
     sequence_lengths,
     uniform_temperature,
 )
+from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
@@ -144,20 +147,18 @@ def fsdp_batch_refusal(engine, batch) -> str | None:
         reason = lm_head_batch_refusal(batch, micro_batch_temperature(batch))
         if reason is not None:
             return reason
-    return _model_refusal(engine.module)
+    setting = active_setting(engine)
+    return _model_refusal(engine.module, setting is not None and setting.config.shared_dropout)
 
 
-def _model_refusal(module) -> str | None:
+def _model_refusal(module, shared_dropout: bool = False) -> str | None:
     if hasattr(module, "v_head"):
         return "trl value-head wrappers (AutoModelForCausalLMWithValueHead) are not supported"
     try:
-        inner = unwrap_model(module)
+        unwrap_model(module)
     except ValueError as err:
         return str(err)
-    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-    if inner.training and getattr(config, "attention_dropout", 0.0):
-        return "attention dropout is not supported by prefix-tree attention"
-    return None
+    return hf_dropout_refusal(module, shared_dropout, SHARED_DROPOUT_OPT_IN)
 
 
 # ----------------------------------------------------------------------------- tree path
@@ -181,7 +182,7 @@ def tree_model_inputs(micro_batch, plan, temperature: float) -> tuple[dict, dict
         "input_ids": plan.input_ids[None],
         "attention_mask": None,
         "position_ids": plan.position_ids[None],
-        "tree_plan": plan,
+        "tree_call": TreeCall(plan),
     }
     return model_inputs, {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
 

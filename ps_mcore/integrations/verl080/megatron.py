@@ -28,7 +28,9 @@ Per micro-batch it runs verl's own forward instead (warning once per reason) whe
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
 context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding, per-sample
-temperatures, ``calculate_sum_pi_squared`` and distillation top-k. Fused kernels take
+temperatures, ``calculate_sum_pi_squared``, distillation top-k and active dropout of a
+training model (megatron-core's ``hidden_dropout`` default 0.1, unless
+``prefix_grouper.shared_dropout``; attention dropout always). Fused kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
 
@@ -54,7 +56,7 @@ from ps_mcore.integrations.verl080.batch import (
     plan_batch,
     uniform_temperature,
 )
-from ps_mcore.integrations.verl080.config import resolve_setting
+from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN, resolve_setting
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
@@ -115,8 +117,23 @@ def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     if refusal is not None:  # the tree router would raise inside the model
         return f"MoE with {refusal} cannot be exact on a prefix tree"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        return lm_head_batch_refusal(batch, _uniform_temperature(args))
-    return None
+        refusal = lm_head_batch_refusal(batch, _uniform_temperature(args))
+        if refusal is not None:
+            return refusal
+    return _dropout_refusal(model, args)
+
+
+def _dropout_refusal(model, args: dict) -> str | None:
+    """Active dropout of the training model (megatron-core's hidden_dropout defaults to 0.1;
+    mbridge and Megatron-Bridge set it to 0 for Qwen / Llama), named with verl's keys."""
+    from ps_mcore.layer_specs import megatron_dropout_refusal  # after MindSpeed's repatch
+
+    micro = current_micro_batch()
+    shared = micro is not None and micro.setting.config.shared_dropout
+    role = "critic" if args.get("value_model") else "actor_rollout_ref.actor"
+    return megatron_dropout_refusal(
+        _unwrap(model), shared, SHARED_DROPOUT_OPT_IN, key_prefix=f"+{role}.megatron.override_transformer_config."
+    )
 
 
 # ----------------------------------------------------------------------------- tree forward
@@ -130,9 +147,10 @@ def _tp_group():
     return mpu.get_tensor_model_parallel_group()
 
 
-def tree_packed_params(plan):
+def tree_packed_params(plan, shared_dropout: bool = False):
     """The micro-batch's ``TreePackedSeqParams`` on this rank: rows padded as verl pads THD
-    (a multiple of TP, of ``2*cp*tp`` under context parallelism), this CP rank's layout."""
+    (a multiple of TP, of ``2*cp*tp`` under context parallelism), this CP rank's layout;
+    ``shared_dropout``: ``prefix_grouper.shared_dropout``."""
     from megatron.core import parallel_state as mpu
 
     from ps_mcore.layer_specs import TreePackedSeqParams  # after MindSpeed's repatch
@@ -143,6 +161,7 @@ def tree_packed_params(plan):
         pad_to_multiple_of=2 * cp * tp if cp > 1 else tp,
         cp_size=cp,
         cp_rank=mpu.get_context_parallel_rank() if cp > 1 else 0,
+        shared_dropout=shared_dropout,
     )
 
 
@@ -157,7 +176,8 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
-    psp = tree_packed_params(plan)
+    micro = current_micro_batch()
+    psp = tree_packed_params(plan, micro is not None and micro.setting.config.shared_dropout)
     set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
     output = model(
         input_ids=psp.cp_shard(plan.input_ids)[None],
@@ -187,8 +207,9 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
 def megatron_schedule_refusal(engine, model, data) -> str | None:
     """Why this Megatron engine cannot run a cross-micro-batch schedule on ``data`` (None: it
     can). Per-micro-batch fallbacks cannot apply inside a schedule, so they refuse it here."""
-    from ps_mcore.layer_specs.modules.moe_router import moe_refusal  # after MindSpeed's repatch
-    from ps_mcore.layer_specs.schedule import schedule_refusal  # after MindSpeed's repatch
+    from ps_mcore.layer_specs import megatron_dropout_refusal  # after MindSpeed's repatch
+    from ps_mcore.layer_specs.modules.moe_router import moe_refusal
+    from ps_mcore.layer_specs.schedule import schedule_refusal
 
     reason = mindspeed_refusal()
     if reason is not None:
@@ -208,6 +229,9 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
         return "the model was not built with tree layer specs"
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
         return "dynamic context parallelism"
+    if megatron_dropout_refusal(_unwrap(model)) is not None:  # shared_dropout or not
+        return ("active dropout (a K/V-kept prefix runs its forward again at its release, which "
+                "would draw other dropout masks)")
     refusal = schedule_refusal(model)
     if refusal is None:
         moe = moe_refusal(_unwrap(model).config)

@@ -135,6 +135,9 @@ class TreeCoreAttention(MegatronModule):
     def _scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim) if self.softmax_scale is None else self.softmax_scale
 
+    # Under torch.compile core attention runs eagerly between the compiled graphs: the plan's
+    # checks and host-side layouts are no graph material, and the graphs hold no plan constants.
+    @torch.compiler.disable
     def forward(
         self,
         query: torch.Tensor,

@@ -27,6 +27,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmod
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.modules.stock_init import init_stock_without, stock_forward_error
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd, schedule_call_refusal
 from ps_mcore.recurrent import l2norm, recurrent_tree, tree_causal_conv1d, tree_gated_delta_rule
@@ -80,6 +81,9 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             )
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+        dropout = tree_batch_dropout_refusal(self, packed_seq_params) if tree_batch else None
+        if dropout is not None:
+            raise ValueError(dropout)
 
         qkvzba, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
         qkvzba = qkvzba[:, 0]

@@ -36,6 +36,7 @@ from megatron.core.ssm import mamba_mixer as stock_mamba
 from megatron.core.ssm.mamba_mixer import MambaMixer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.modules.stock_init import init_stock_without, stock_forward_error
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, schedule_call_refusal
 from ps_mcore.recurrent import recurrent_tree, resolve_ssd_backend, tree_causal_conv1d, tree_mamba_chunk_scan
@@ -112,6 +113,9 @@ class TreeMambaMixer(MambaMixer):
             raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
         if hidden_states.size(1) != 1:
             raise ValueError(f"packed (thd) batches have batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+        dropout = tree_batch_dropout_refusal(self, packed_seq_params)
+        if dropout is not None:
+            raise ValueError(dropout)
         backend = self._tree_backend(hidden_states.device)
 
         zxBCdt, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
