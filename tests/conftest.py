@@ -1,0 +1,116 @@
+"""Shared fixtures and checks of the test suite.
+
+* ``gpu`` marker: ``@pytest.mark.gpu`` (one CUDA GPU) or ``@pytest.mark.gpu(n)`` (n GPUs, e.g.
+  one per rank of an NCCL world); such tests are skipped, with the reason, where there are
+  fewer. GPU test modules set ``pytestmark = pytest.mark.gpu`` and keep what needs CUDA out of
+  their import.
+* Fixtures: ``fresh_warnings`` (one-time warnings given again), ``monkeypatch_module``.
+* Checks (``from conftest import ...``): :func:`grads_of`, :func:`assert_grads_close`,
+  :func:`assert_rows_close`.
+
+Forest generators live in ``forests.py``. ``tests/`` is on ``sys.path`` under pytest (this
+file's directory, rootdir-style conftest), so test modules import its helper modules by name;
+subprocess workers get it through ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# ----------------------------------------------------------------------------- gpu marker
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    available = None
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        available = _cuda_devices() if available is None else available
+        need = int(marker.args[0]) if marker.args else 1
+        if available < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU{'s' if need > 1 else ''}"
+                                                    f" ({available} here)"))
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which one-time warnings were given, so the test sees its own."""
+    from ps_mcore.integrations import patching
+
+    monkeypatch.setattr(patching, "_WARNED", set())
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    """``monkeypatch`` for module-scoped fixtures: undone after the module's last test."""
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def grads_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gradient of ``module`` by name (a sharded one as its full tensor;
+    parameters without a gradient left out), copied; then the module's gradients are cleared."""
+    grads = {}
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = g.clone()
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+def assert_grads_close(got: dict, ref: dict, rtol: float = 1e-4, atol: float = 1e-5,
+                       scale: str = "tensor") -> None:
+    """The same parameters, each gradient close to the reference: relative ``rtol`` plus an
+    absolute ``atol`` times the largest reference entry of the tensor (``scale="tensor"``: a
+    zero reference fails, it would test nothing) or of the whole model (``scale="model"``:
+    for gradients that are zero in theory and float noise on both sides)."""
+    assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
+    model_scale = max(float(r.abs().max()) for r in ref.values())
+    for name, r in ref.items():
+        if scale == "tensor":
+            s = float(r.abs().max())
+            assert s > 0, f"{name}: zero reference gradient, the test would not test it"
+        else:
+            s = model_scale
+        torch.testing.assert_close(got[name], r, rtol=rtol, atol=atol * s, msg=name)
+
+
+def row_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` float64: the largest absolute error of each row (first dim) of ``got``."""
+    diff = got.detach().double() - ref.detach().double().to(got.device)
+    return diff.abs().reshape(diff.size(0), -1).amax(1) if diff.numel() else diff.new_zeros(diff.size(0))
+
+
+def assert_rows_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "rows",
+                      baseline: torch.Tensor | None = None, baseline_factor: float = 2.0) -> None:
+    """Every row (first dim) of ``got`` within ``tol`` times the largest entry of ``ref``: its
+    largest absolute error, not a norm over all rows (one wrong row of thousands would hide
+    in a Frobenius error). ``baseline``: the stock run of the same computation (its own
+    error against ``ref``); a row may then also be off by ``baseline_factor`` times the stock
+    run's error on that row (low-precision kernels whose rounding grows with the row's sum).
+    The failure names the worst row."""
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    scale = float(ref.detach().abs().max()) if ref.numel() else 0.0
+    assert scale > 0, f"{what}: zero reference, the test would not test it"
+    err = row_errors(got, ref)
+    bound = torch.full_like(err, tol * scale)
+    if baseline is not None:
+        bound = torch.maximum(bound, baseline_factor * row_errors(baseline, ref).to(err.device))
+    worst = int(torch.argmax(err - bound))
+    assert bool((err <= bound).all()), (
+        f"{what}: row {worst} of {err.numel()} off by {float(err[worst]):.3g} > bound {float(bound[worst]):.3g} "
+        f"({int((err > bound).sum())} rows over; tol {tol:g} x max |ref| {scale:.3g})")
