@@ -86,7 +86,7 @@ def assert_grads_close(got: dict, ref: dict, rtol: float = 1e-4, atol: float = 1
             assert s > 0, f"{name}: zero reference gradient, the test would not test it"
         else:
             s = model_scale
-        torch.testing.assert_close(got[name], r, rtol=rtol, atol=atol * s, msg=name)
+        torch.testing.assert_close(got[name], r, rtol=rtol, atol=atol * s, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def row_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

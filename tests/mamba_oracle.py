@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import torch
+from conftest import grads_of
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
@@ -58,12 +59,6 @@ def mixer_pair(shape, seed=0):
     tree = TreeMambaMixer(cfg, sub, **kw)
     tree.load_state_dict(stock.state_dict(), strict=True)
     return cfg, stock, tree
-
-
-def grads_of(module):
-    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
-    module.zero_grad(set_to_none=True)
-    return grads
 
 
 def assert_close_scaled(got, ref, what, rel=1e-5):

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
+from forests import assert_branches
 from megatron_shims import init_cpu_megatron, randomize_, tiny_config
 
 from ps_mcore import plan_prefix_tree
 
-# Branches at depths 3, 6 and 9, a sequence that is a prefix of another, a duplicate, one token.
+# Branches at depths 3, 6 and 9 (each inside the previous one's subtree), a sequence that is a
+# prefix of another, a duplicate, one token.
 FOREST = [
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
     [1, 2, 3, 4, 5, 6, 7, 8, 9, 12],
@@ -32,16 +33,7 @@ FOREST = [
     [1, 2, 3, 4, 5],
     [19],
 ]
-
-
-def branch_depths(plan) -> set[int]:
-    """Token depths at which the forest branches: the first depth of every node whose parent
-    (or, for a root, the forest) has two or more children."""
-    parents = plan.node_parent.tolist()
-    first_rows = plan.cu_seqlens_q[:-1].tolist()
-    depths = plan.position_ids.tolist()
-    children = Counter(parents)
-    return {depths[first_rows[v]] for v, p in enumerate(parents) if children[p] > 1}
+assert_branches(FOREST, levels=3)
 
 
 def causal_conv(x, weight, bias):
@@ -159,7 +151,6 @@ def compare(mixers, run, alone) -> None:
 
     mixer, reference = mixers
     plan = plan_prefix_tree(FOREST, min_prefix_len=1)
-    assert len(branch_depths(plan)) >= 3, branch_depths(plan)
     psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=4)
     gen = torch.Generator().manual_seed(0)
     hidden = mixer.config.hidden_size

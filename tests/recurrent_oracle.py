@@ -1,18 +1,12 @@
-"""The stock-vs-tree oracle of the recurrent (hybrid) model tests: small nasty forests, and a
-model's logits at every original token plus every parameter gradient of a per-sample-weighted
-loss, tree vs each sequence alone through the stock model."""
+"""The stock-vs-tree oracle of the recurrent (hybrid) model tests: a model's logits at every
+original token plus every parameter gradient of a per-sample-weighted loss, tree vs each
+sequence alone through the stock model."""
 
 from __future__ import annotations
 
 import torch
+from conftest import grads_of
 from megatron_shims import stock_forward
-
-
-def grads_of(model) -> dict[str, torch.Tensor]:
-    """Every parameter gradient of ``model`` (then cleared)."""
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
 
 
 def tree_vs_each_sequence(stock, tree, seqs, pad_to_multiple_of=4):
@@ -35,12 +29,3 @@ def tree_vs_each_sequence(stock, tree, seqs, pad_to_multiple_of=4):
     got = plan.unpack(logits)
     (w[:, None] * got * probe).sum().backward()
     return (got.detach(), ref.detach()), (grads_of(tree), ref_grads)
-
-
-def assert_grads_close(got, ref, rel_atol, rtol):
-    """Same parameters; each gradient close with an absolute tolerance relative to its scale."""
-    assert got.keys() == ref.keys()
-    for name, r in ref.items():
-        scale = float(r.abs().max())
-        assert scale > 0, f"{name}: zero reference gradient, the test would not test it"
-        torch.testing.assert_close(got[name], r, rtol=rtol, atol=rel_atol * scale, msg=name)

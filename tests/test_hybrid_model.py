@@ -19,12 +19,13 @@ import torch
 
 pytest.importorskip("megatron.core.models.hybrid", reason="HybridModel needs megatron-core 0.19+")
 
+from conftest import assert_grads_close  # noqa: E402
 from gdn_shims import gdn_config_overrides, shim_gdn_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, SPTorchNorm, causal_mask, init_cpu_megatron, local_hybrid_stack_spec, randomize_, tiny_config,
 )
 from forests import small_nasty_forests  # noqa: E402
-from recurrent_oracle import assert_grads_close, tree_vs_each_sequence  # noqa: E402
+from recurrent_oracle import tree_vs_each_sequence  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 
@@ -145,12 +146,16 @@ def test_gdn_layers_get_the_tree_mixer(gdn_models):
 @pytest.mark.parametrize("forest", sorted(GDN_FORESTS))
 def test_gdn_hybrid_model_tree_matches_each_sequence(gdn_models, forest):
     """fp32; the stock GatedDeltaNet runs megatron's torch chunked kernel on each sequence alone
-    (tolerances as tests/test_hybrid.py: summation order only)."""
+    (summation order only). Gradients get 2e-4 of their scale: on the branching forests of a
+    7-token prompt this sharpened model is ill-conditioned in fp32, the stock model's own
+    gradients moving by 4e-4 to 8e-4 of their scale when its weights move by 1e-7 (measured;
+    the per-head A_log / dt_bias worst, as their gradients sum cancelling terms over every
+    token). A child started from the wrong state is off by far more."""
     _, _, stock, tree = gdn_models
     (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, GDN_FORESTS[forest])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     torch.testing.assert_close(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), rtol=1e-5, atol=1e-5)
-    assert_grads_close(grads, ref_grads, rel_atol=3e-5, rtol=1e-4)
+    assert_grads_close(grads, ref_grads, atol=2e-4, rtol=1e-4)
 
 
 MAMBA_PATTERN = "M*M-"  # Mamba, attention (with its MLP), Mamba, MLP
@@ -191,7 +196,7 @@ def test_mamba_hybrid_model_tree_matches_each_sequence(mamba_models, forest):
     (got, ref), (grads, ref_grads) = tree_vs_each_sequence(stock, tree, GDN_FORESTS[forest])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     torch.testing.assert_close(torch.log_softmax(got, -1), torch.log_softmax(ref, -1), rtol=1e-5, atol=1e-5)
-    assert_grads_close(grads, ref_grads, rel_atol=5e-5, rtol=1e-4)
+    assert_grads_close(grads, ref_grads, atol=5e-5, rtol=1e-4)
 
 
 def test_stock_hybrid_stack_spec_converts_gdn_and_mamba_mixers():

@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from conftest import grads_of  # noqa: E402
 from forests import small_nasty_forests  # noqa: E402
 from mamba_shims import shim_mamba_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
@@ -38,7 +39,7 @@ from ps_mcore.layer_specs import TreePackedSeqParams, to_tree_spec  # noqa: E402
 from ps_mcore.layer_specs.modules.mamba import TreeMambaMixer  # noqa: E402
 from ps_mcore.layer_specs.conversion.recurrent import tree_recurrent_spec  # noqa: E402
 from mamba_oracle import (  # noqa: E402
-    SHAPES, assert_close_scaled, grads_of, mamba_config, mixer_pair, sharpen_mamba_, thd_params, tree_vs_stock,
+    SHAPES, assert_close_scaled, mamba_config, mixer_pair, sharpen_mamba_, thd_params, tree_vs_stock,
 )
 
 
@@ -72,7 +73,7 @@ def test_tree_mixer_matches_stock_packed_thd(mixers, forest):
         assert_close_scaled(grads[name], r, f"d {name}", rel=3e-5)
 
 
-@pytest.mark.parametrize("forest", ["deep-chain-short-nodes", "duplicates-and-prefix"])
+@pytest.mark.parametrize("forest", ["deep-chain-short-nodes", "tree"])
 def test_tree_mixer_exact_in_fp64(forest):
     """fp64: the tree equals each sequence alone to rounding, so the fp32 tolerances above are
     summation order only. A_log, dt_bias and (per-channel) D pass through fp32 on both sides
@@ -188,17 +189,13 @@ def models(monkeypatch_module):
     return stock, tree
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
-
-
-@pytest.mark.parametrize("forest", ["deep-chain-short-nodes", "duplicates-and-prefix", "random"])
+@pytest.mark.parametrize("forest", ["deep-chain-short-nodes", "tree", "random"])
 def test_hybrid_mamba_model_matches_each_sequence(models, forest):
     """MambaModel ``M*M-`` (Mamba, attention, Mamba, MLP; local layers, RoPE): logits at every
-    original token and every parameter gradient of a per-sample-weighted loss."""
+    original token and every parameter gradient of a per-sample-weighted loss. fp32 through four
+    sharpened layers: rounding reaches ~5e-5 of a gradient's scale, and ~1e-4 for the per-head
+    A_log / dt_bias / D, whose gradients sum cancelling terms over every token (the mixer is
+    exact to rounding on the same forests in fp64 above)."""
     stock, tree = models
     assert [type(layer.mixer) for layer in tree.decoder.layers[::2]] == [TreeMambaMixer] * 2
     assert list(stock.state_dict()) == list(tree.state_dict())
@@ -220,4 +217,5 @@ def test_hybrid_mamba_model_matches_each_sequence(models, forest):
     grads = grads_of(tree)
     assert grads.keys() == ref_grads.keys()
     for name, r in ref_grads.items():
-        assert_close_scaled(grads[name], r, f"d {name}", rel=5e-5)
+        per_head = name.endswith(("A_log", "dt_bias", ".D"))
+        assert_close_scaled(grads[name], r, f"d {name}", rel=3e-4 if per_head else 1e-4)

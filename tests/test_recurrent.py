@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forests import nasty_forests, random_forest
+from forests import branching_forest, nasty_forests, random_forest
 from mamba_shims import mamba_ssd_reference
 from ps_mcore import plan_prefix_tree
 from ps_mcore.recurrent import (
@@ -30,7 +30,12 @@ from ps_mcore.recurrent import (
     varlen_gated_delta_rule,
 )
 
-FORESTS = {**nasty_forests(), **{f"random{s}": random_forest(np.random.default_rng(s)) for s in range(4)}}
+FORESTS = {
+    **nasty_forests(),
+    **{f"random{s}": random_forest(np.random.default_rng(s)) for s in range(2)},
+    # branches at three nested depths: a child's state handed over from a handed-over state
+    **{f"branching{s}": branching_forest(np.random.default_rng(s), depth=4, fanout=2, node_len=(1, 6)) for s in range(2)},
+}
 FORESTS["short-nodes"] = [[1, 2], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 5, 6, 7], [1, 9]]
 
 
