@@ -4,8 +4,10 @@ on CPU.
 The stock module refuses to build without flash-linear-attention (Triton, GPU only here) and
 calls fla's ``l2norm``, ``chunk_gated_delta_rule`` and (0.19) ``causal_conv1d``. The shims
 substitute Megatron's own pure-torch ``torch_chunk_gated_delta_rule`` and a torch depthwise
-convolution (what the stock module runs in deterministic mode) and the same l2 normalisation
-formula, and run the ``torch.compile``-wrapped helpers uncompiled. Never used by the library.
+convolution (what the stock module runs in deterministic mode) and fla's l2 normalisation
+formula written out here (not ps_mcore's ``l2norm``: the reference must not share the code
+under test), and run the ``torch.compile``-wrapped helpers uncompiled. Never used by the
+library.
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ def _cpu_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None
     return (F.silu(y) if activation in ("silu", "swish") else y), None
 
 
+def _fla_l2norm(x, dim=-1, eps=1e-6, output_dtype=None):
+    """fla's ``l2norm``: ``x / sqrt(sum(x^2) + eps)`` over ``dim``, in fp32 for 16-bit inputs."""
+    import torch
+
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    y = xf / torch.sqrt(xf.square().sum(dim, keepdim=True) + eps)
+    return y.to(output_dtype or x.dtype)
+
+
 def _uncompiled(cls, *names) -> None:
     for name in names:  # megatron wraps these in torch.compile (jit_fuser)
         fn = cls.__dict__[name]
@@ -34,20 +45,18 @@ def _uncompiled(cls, *names) -> None:
 def shim_gdn_for_cpu() -> None:
     from megatron.core.ssm import gated_delta_net as gdn
 
-    from ps_mcore.recurrent import l2norm
-
     if hasattr(gdn, "common"):  # megatron-core 0.19+: a package, the class in gdn.gdn
         from megatron.core.ssm.gated_delta_net import common, gdn as gdn_module
 
         common.HAVE_FLA = True
-        common.l2norm = l2norm
+        common.l2norm = _fla_l2norm
         gdn_module.chunk_gated_delta_rule = gdn_module.torch_chunk_gated_delta_rule
         gdn_module.causal_conv1d = _cpu_causal_conv1d
         _uncompiled(common._GDNBase, "_apply_gated_norm", "_prepare_input_for_gated_delta_rule",
                     "_compute_g_and_beta")
         return
     gdn.HAVE_FLA = True
-    gdn.l2norm = l2norm
+    gdn.l2norm = _fla_l2norm
     gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
     _uncompiled(gdn.GatedDeltaNet, "_apply_gated_norm")
 
