@@ -16,6 +16,8 @@ from torch.distributed.utils import _apply_to_tensors
 
 pytest.importorskip("megatron.core")
 
+from conftest import assert_grads_close, grads_of  # noqa: E402
+from forests import branching_forest  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, build_gpt, causal_mask, init_cpu_megatron, layer_spec_args, randomize_,
     stock_forward, tiny_config,
@@ -42,30 +44,14 @@ from ps_mcore.layer_specs import (  # noqa: E402
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def assert_grads_close(got: dict, ref: dict) -> None:
-    """Gradients differ only by summation order: absolute tolerance scales with each
-    tensor's magnitude (fp32 sums of ~1e2-sized terms)."""
-    assert got.keys() == ref.keys()
-    for name, r in ref.items():
-        scale = float(r.abs().max())
-        assert scale > 0, f"{name}: zero reference gradient, the test would not test it"
-        torch.testing.assert_close(got[name], r, rtol=1e-4, atol=1e-5 * scale, msg=name)
-
-
 # ----------------------------------------------------------------------------- forests
 
 
-def _random_forest(seed: int) -> list[np.ndarray]:
-    """Sequences grown from random earlier ones at random cut points: branches at every
-    depth, duplicates (cut at the end, nothing appended), prefixes (nothing appended)."""
+def _random_forest(seed: int) -> list[list[int]]:
+    """A tree rollout branching at two nested depths (asserted), with samples ending at branch
+    points and a duplicate; one or two roots."""
     rng = np.random.default_rng(seed)
-    seqs = [rng.integers(0, VOCAB, rng.integers(1, 12)) for _ in range(rng.integers(1, 3))]
-    for _ in range(rng.integers(2, 6)):
-        base = seqs[rng.integers(len(seqs))]
-        cut = int(rng.integers(0, len(base) + 1))
-        tail = rng.integers(0, VOCAB, rng.integers(0, 8) if cut else rng.integers(1, 8))
-        seqs.append(np.concatenate([base[:cut], tail]))
-    return [seqs[i] for i in rng.permutation(len(seqs))]
+    return branching_forest(rng, roots=1 + seed % 2, depth=3, fanout=2, node_len=(1, 6), vocab=VOCAB)
 
 
 def _nasty() -> dict[str, list[np.ndarray]]:
@@ -125,12 +111,6 @@ def _ref_logprobs(per_seq_logits, seqs):
     return torch.cat(out)
 
 
-def _grads(model):
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 def _weights(seqs, seed):
     """A different weight per sequence, so shared tokens must sum their samples' gradients."""
     w = torch.from_numpy(np.random.default_rng(seed).uniform(0.2, 2.0, len(seqs))).float()
@@ -168,7 +148,7 @@ def test_tree_forward_backward_matches_unshared(models, forest):
     ref_logits = _stock_logits(stock, seqs)
     ref_lp = _ref_logprobs(ref_logits, seqs)
     ((w_tok * ref_lp).sum() + 1e-2 * (torch.cat(ref_logits) * probe).sum()).backward()
-    ref_grads = _grads(stock)
+    ref_grads = grads_of(stock)
 
     logits = _tree_logits(tree, plan)
     assert logits.shape == (plan.num_tokens, VOCAB)
@@ -178,7 +158,7 @@ def test_tree_forward_backward_matches_unshared(models, forest):
     ref_ent = torch.cat([torch.distributions.Categorical(logits=x).entropy() for x in ref_logits])
     torch.testing.assert_close(ent, ref_ent, **TOL)
     ((w_tok * lp).sum() + 1e-2 * (plan.unpack(logits) * probe).sum()).backward()
-    assert_grads_close(_grads(tree), ref_grads)
+    assert_grads_close(grads_of(tree), ref_grads)
 
 
 @pytest.mark.parametrize("forest", ["random0", "prefix_of_another", "deep_chain"])
@@ -204,7 +184,7 @@ def test_float64_model_at_float64_precision(forest):
     fp64 = dict(rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(plan.unpack(logits), torch.cat(ref_logits), **fp64)
     torch.testing.assert_close(lp, ref_lp, **fp64)
-    ref_grads, grads = _grads(stock), _grads(tree)
+    ref_grads, grads = grads_of(stock), grads_of(tree)
     for name, r in ref_grads.items():
         torch.testing.assert_close(grads[name], r, rtol=1e-10, atol=1e-10 * float(r.abs().max()), msg=name)
 
@@ -230,7 +210,7 @@ def test_padding_rows_do_not_affect_real_rows(models):
         assert logits.size(0) == -(-plan.num_tokens // pad) * pad
         lp, _ = token_logprobs(logits, plan)
         lp.sum().backward()
-        out[pad] = (logits[: plan.num_tokens].detach(), _grads(tree))
+        out[pad] = (logits[: plan.num_tokens].detach(), grads_of(tree))
     assert plan.num_tokens % 8 != 0  # really padded
     torch.testing.assert_close(out[8][0], out[1][0], **TOL)
     assert_grads_close(out[8][1], out[1][1])
@@ -526,7 +506,7 @@ def _tree_run(model, plan, seqs, weights, **psp_kw):
                    attention_mask=None, packed_seq_params=psp)[0]
     logprobs, _ = token_logprobs(logits, plan)
     (weights * logprobs).sum().backward()
-    return logits.detach(), logprobs.detach(), _grads(model)
+    return logits.detach(), logprobs.detach(), grads_of(model)
 
 
 def _dropout_model(kind="qwen2", **dropouts):

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from forests import nasty_forests, random_forest  # noqa: E402
+from forests import branching_forest, nasty_forests, random_forest  # noqa: E402
 from megatron_parallel_worker import KINDS, LAYOUTS, build_model, tree_step, world_size  # noqa: E402
 from megatron_shims import VOCAB, init_cpu_megatron, randomize_, run_torchrun, tiny_config  # noqa: E402
 
@@ -44,9 +44,12 @@ init_cpu_megatron(1)
 
 
 def _layout_forests(seed: int) -> list[list]:
+    """A tree branching at two nested depths (asserted), a random forest, a prefix of another,
+    one token."""
     rng = np.random.default_rng(seed)
     nasty = nasty_forests(seed)
-    return [random_forest(rng, 6, 20), random_forest(rng, 6, 20), nasty["prefix-of-another"], [[7]]]
+    tree = branching_forest(rng, roots=1, depth=3, fanout=2, node_len=(2, 7))
+    return [tree, random_forest(rng, 6, 20), nasty["prefix-of-another"], [[7]]]
 
 
 def _cases(seed: int) -> list[dict]:
@@ -124,11 +127,11 @@ def test_layout_equals_single_rank(layout, reference, tmp_path):
     _check_layout(layout, reference, tmp_path, "cpu", LAYOUT_KINDS.get(layout, KINDS))
 
 
-@pytest.mark.parametrize("layout", ["cp2", "tp2sp", "pp2", "cp2tp2sp"])
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.gpu(world_size(layout)))
+                                    for layout in ("cp2", "tp2sp", "pp2", "cp2tp2sp")])
 def test_layout_equals_single_rank_nccl(layout, reference, tmp_path):
-    """The same on GPUs (NCCL, fp32, chunked kernel) against the CPU single-rank run."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size(layout):
-        pytest.skip(f"needs {world_size(layout)} CUDA GPUs (NCCL)")
+    """The same on GPUs (NCCL, fp32, chunked kernel; one GPU per rank) against the CPU
+    single-rank run."""
     _check_layout(layout, reference, tmp_path, "cuda")
 
 

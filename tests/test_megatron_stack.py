@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from forests import assert_branches  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, assert_tree_matches_stock, build_gpt, enable_cpu_dist_checkpointing, init_cpu_megatron,
     layer_spec_args, randomize_, stock_forward, te_like_layer_spec, tiny_config,
@@ -68,9 +69,11 @@ def _assert_same_tensors(a: dict, b: dict):
 
 
 def _forest():
+    """Branches at depths 9 and 12 (asserted), and a prefix of the others."""
     rng = np.random.default_rng(5)
-    p = rng.integers(0, VOCAB, 9)
-    return [np.concatenate([p, rng.integers(0, VOCAB, n)]) for n in (3, 6)] + [p[:4]]
+    p, turn = rng.integers(0, VOCAB, 9), rng.integers(0, VOCAB, 3)
+    seqs = [np.concatenate([p, turn, rng.integers(0, VOCAB, n)]) for n in (3, 2)]
+    return assert_branches(seqs + [np.concatenate([p, rng.integers(0, VOCAB, 6)]), p[:4]])
 
 
 def _assert_tree_matches_stock(stock, tree):

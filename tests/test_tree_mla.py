@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
-from forests import nasty_forests, random_forest  # noqa: E402
+from conftest import assert_grads_close, grads_of  # noqa: E402
+from forests import branching_forest, nasty_forests  # noqa: E402
 from megatron_shims import build_gpt, enable_cpu_mla, init_cpu_megatron, randomize_  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -52,10 +53,6 @@ def build_mla(cfg, seed=0):
     return model
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def per_sequence(model, seqs, coef):
     model.zero_grad(set_to_none=True)
     lps, off = [], 0
@@ -68,7 +65,7 @@ def per_sequence(model, seqs, coef):
         (lp * coef[off:off + len(s)]).sum().backward()
         lps.append(lp.detach())
         off += len(s)
-    return torch.cat(lps), _grads(model)
+    return torch.cat(lps), grads_of(model)
 
 
 def tree(model, seqs, coef, pad_to=1):
@@ -79,7 +76,7 @@ def tree(model, seqs, coef, pad_to=1):
                    attention_mask=None, packed_seq_params=psp)[0]
     lp, _ = token_logprobs(logits, plan)
     (lp * coef).sum().backward()
-    return lp.detach(), _grads(model), plan
+    return lp.detach(), grads_of(model), plan
 
 
 def assert_equal_runs(seqs, cfg, pad_to=1):
@@ -91,12 +88,7 @@ def assert_equal_runs(seqs, cfg, pad_to=1):
     lp, g, plan = tree(model, seqs, coef, pad_to)
     mask = plan.next_token_mask
     torch.testing.assert_close(lp[mask], ref_lp[mask], rtol=0, atol=1e-5)
-    assert g.keys() == ref_g.keys()
-    for name, r in ref_g.items():
-        scale = float(r.abs().max())
-        assert scale > 0, name
-        err = float((g[name] - r).abs().max()) / scale
-        assert err <= 1e-5, f"{name}: relative gradient error {err:.2e}"
+    assert_grads_close(g, ref_g, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["q_lora", "no_q_lora", "v_wider", "yarn"])
@@ -114,8 +106,8 @@ def test_mla_tree_equals_per_sequence(variant):
                     "v_head_dim is wider (F.pad with a negative width): the stock MLA fails the same way")
     cfg = mla_config(**overrides)
     for seed in (0, 1):
-        assert_equal_runs(random_forest(np.random.default_rng(seed), max_seqs=6, max_len=20), cfg,
-                          pad_to=4 if seed else 1)
+        seqs = branching_forest(np.random.default_rng(seed), roots=1, depth=3, fanout=2, node_len=(1, 7))
+        assert_equal_runs(seqs, cfg, pad_to=4 if seed else 1)
 
 
 @pytest.mark.parametrize("name", sorted(nasty_forests(0)))

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
@@ -102,9 +101,7 @@ def test_verl_engine_4_process_layout_matches_stock(layout, tmp_path):
     _check(layout, _run(layout, tmp_path, "cpu"))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(layout, marks=pytest.mark.gpu(world_size(layout))) for layout in LAYOUTS])
 def test_verl_engine_layout_matches_stock_nccl(layout, tmp_path):
     """The same worlds on GPUs (NCCL, fp32, chunked kernel), one GPU per rank."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world_size(layout):
-        pytest.skip(f"needs {world_size(layout)} CUDA GPUs (NCCL)")
     _check(layout, _run(layout, tmp_path, "cuda"))
