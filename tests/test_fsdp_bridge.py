@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import assert_grads_close, grads_of  # noqa: E402
+from forests import assert_branches  # noqa: E402
 from gloo_world import run_in_gloo_world  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -110,10 +112,13 @@ def _nasty(name: str) -> list[list[int]]:
     if name == "grpo":
         prompt = _tokens(rng, 8)
         return [prompt + _tokens(rng, int(n)) for n in (3, 5, 1, 4)]
+    if name == "tree":  # branches at depths 11, then 14 and 13; one sample ends at a branch point
+        return assert_branches([a + [3, 4, 5] + t for t in ([6, 7], [8])] + [a + [9, 1] + t for t in ([2], [4, 4, 4])]
+                               + [a + [9, 1]])
     raise ValueError(name)
 
 
-NASTY = ("single", "duplicates", "prefix-of-another", "single-tokens", "deep-chain", "no-sharing", "grpo")
+NASTY = ("single", "duplicates", "prefix-of-another", "single-tokens", "deep-chain", "no-sharing", "grpo", "tree")
 
 
 # ----------------------------------------------------------------------------- oracle
@@ -143,9 +148,7 @@ def per_sequence_reference(model, seqs, weights, entropy_coef=0.3):
         logprobs.append(lp)
         entropy.append(ent)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return torch.cat(logits).detach(), torch.cat(logprobs), torch.cat(entropy).detach(), grads
+    return torch.cat(logits).detach(), torch.cat(logprobs), torch.cat(entropy).detach(), grads_of(model)
 
 
 def tree_run(model, plan, weights, entropy_coef=0.3, backend="auto"):
@@ -154,18 +157,12 @@ def tree_run(model, plan, weights, entropy_coef=0.3, backend="auto"):
     w = torch.repeat_interleave(torch.tensor(weights, dtype=torch.float64), torch.tensor(plan.seq_lens))
     loss = (w * (out.logprobs.double() + entropy_coef * out.entropy.double())).sum()
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out, grads
+    return out, grads_of(model)
 
 
-def assert_grads_close(grads, ref_grads):
-    """Every parameter's gradient, relative to the largest gradient of the model: a gradient
-    that is exactly 0 in theory (q/k of a single-token model) is float noise on both sides."""
-    assert grads.keys() == ref_grads.keys()
-    scale = max(g.abs().max().item() for g in ref_grads.values())
-    for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=2e-6 * scale, msg=name)
+# Every parameter's gradient, relative to the largest gradient of the model: a gradient that is
+# exactly 0 in theory (q/k of a single-token model) is float noise on both sides.
+GRAD_TOL = dict(rtol=1e-4, atol=2e-6, scale="model")
 
 
 def assert_tree_matches(model, seqs, min_prefix_len=1, backend="auto"):
@@ -182,7 +179,7 @@ def assert_tree_matches(model, seqs, min_prefix_len=1, backend="auto"):
     assert torch.all(out.logprobs[~mask] == 0)
     torch.testing.assert_close(out.entropy.double(), ref_ent.double(), rtol=1e-5, atol=1e-5)
     assert len(grads) == len(list(model.parameters()))
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, **GRAD_TOL)
     return plan
 
 
@@ -201,7 +198,8 @@ def test_nasty_forests_match_per_sequence(model_name, forest):
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_random_forests_match_per_sequence(model_name, seed):
     min_prefix_len = 1 + seed % 3
-    assert_tree_matches(make_model(model_name), random_forest(seed), min_prefix_len=min_prefix_len)
+    seqs = assert_branches(random_forest(seed))  # these seeds branch inside a branch
+    assert_tree_matches(make_model(model_name), seqs, min_prefix_len=min_prefix_len)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -252,7 +250,7 @@ def test_float64_model_forward_at_float64_precision():
         torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(out.logprobs, ref_lp, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(out.entropy.detach(), ref_ent, rtol=1e-12, atol=1e-12)
-        assert_grads_close(grads, ref_grads)
+        assert_grads_close(grads, ref_grads, **GRAD_TOL)
 
 
 def test_hidden_states_skip_the_lm_head():
@@ -272,7 +270,7 @@ def test_value_head_model():
     config = make_config("qwen2", 4, 2, 24, num_labels=1)
     torch.manual_seed(0)
     model = transformers.AutoModelForTokenClassification.from_config(config).eval()
-    seqs = _nasty("grpo")
+    seqs = _nasty("tree")
     plan = plan_prefix_tree(seqs, min_prefix_len=1)
     with torch.no_grad():
         ref = torch.cat([model(input_ids=torch.tensor(s)[None]).logits[0] for s in seqs])
@@ -295,7 +293,7 @@ def test_peft_lora_wrapper():
     torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
     assert any("lora" in n for n in grads)
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, **GRAD_TOL)
 
 
 _FSDP_SCRIPT = """
@@ -333,7 +331,7 @@ def test_fsdp1_and_fsdp2_wrappers():
 _FSDP2_INPUT_CAST_SCRIPT = """
 import copy
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from test_fsdp_bridge import make_model, random_forest, tree_run, _sample_weights, assert_grads_close
+from test_fsdp_bridge import GRAD_TOL, make_model, random_forest, tree_run, _sample_weights, assert_grads_close
 from ps_mcore import plan_prefix_tree
 seqs = random_forest(7)
 weights = _sample_weights(seqs)
@@ -353,12 +351,11 @@ for dtype in (torch.float32, torch.bfloat16):
     out, grads = tree_run(wrapped, plan, weights)
     # every layer ran on this plan: the layout its first layer built is in its own memo
     assert torch.device("cpu") in plan.memo.cascade_layouts
-    grads = {n: g.full_tensor() for n, g in grads.items()}
     if dtype == torch.float32:
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
-        assert_grads_close(grads, ref_grads)
+        assert_grads_close(grads, ref_grads, **GRAD_TOL)
     else:  # the same bf16 forward; gradients reduced in fp32 vs the plain model's bf16
         assert out.logits.dtype == torch.bfloat16
         torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
@@ -515,7 +512,7 @@ def test_checkpointed_layers_recompute_with_tree_attention_after_the_switch_back
     (w * (out.logprobs.double() + 0.3 * out.entropy.double())).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, **GRAD_TOL)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -632,7 +629,7 @@ def test_compiled_model_matches_eager_without_recompiling_per_plan(checkpointing
         ref, ref_grads = tree_run(eager, plan, weights)
         torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-6, atol=1e-6)
-        assert_grads_close(grads, ref_grads)
+        assert_grads_close(grads, ref_grads, **GRAD_TOL)
         assert model.config._attn_implementation == "sdpa"
         graphs.append(counters["stats"]["unique_graphs"])
     assert len({plan_prefix_tree(f).num_tokens for f in forests}) == 3
@@ -795,7 +792,7 @@ def test_cross_micro_batch_schedule_matches_per_sequence(name, checkpointing):
     reference_model = copy.deepcopy(model)
     rng = np.random.default_rng(5)
     prompt = _tokens(rng, 30)
-    seqs = [prompt + _tokens(rng, int(rng.integers(2, 8))) for _ in range(4)] + random_forest(12)
+    seqs = assert_branches([prompt + _tokens(rng, int(rng.integers(2, 8))) for _ in range(4)] + random_forest(12))
     weights = _sample_weights(seqs)
     _, ref_lp, ref_ent, ref_grads = per_sequence_reference(reference_model, seqs, weights)
     if checkpointing:
@@ -803,4 +800,4 @@ def test_cross_micro_batch_schedule_matches_per_sequence(name, checkpointing):
     lp, ent, grads = schedule_run(model, seqs, weights, budget=12, kv_row_cost=0.2)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent.double(), rtol=1e-5, atol=1e-5)
-    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, ref_grads, **GRAD_TOL)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 pytest.importorskip("verl")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("fresh_warnings")  # each test sees its own one-time warnings
 
 from verl_batches import RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
 
@@ -51,12 +52,6 @@ def impl():
 
     yield transformer_impl
     setup.uninstall()
-
-
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    """Forget which one-time warnings were given, so each test sees its own."""
-    monkeypatch.setattr(patching, "_WARNED", set())
 
 
 def make_model(seed: int = 0, value: bool = False) -> torch.nn.Module:

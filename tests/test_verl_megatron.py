@@ -327,12 +327,6 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
 # loss and gradients are the stock ones bit for bit.
 
 
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """Forget which one-time warnings were given, so the test sees its own."""
-    monkeypatch.setattr(patching, "_WARNED", set())
-
-
 def _fallback_batch(seed):
     """GRPO groups of 2 in group order, micro-batches of 2: prefix-aware micro-batching is
     verl's own there, so the fallback step must be stock bit for bit over 3 micro-batches."""
