@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from conftest import grads_of  # noqa: E402
+from forests import assert_branches  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, build_gpt, enable_cpu_pipeline, enable_cpu_recompute, init_cpu_megatron, layer_spec_args,
     randomize_, tiny_config,
@@ -34,12 +36,13 @@ ENTROPY_COEF = 0.05
 
 
 def branching(rng, prefix_len=20, turns=2, fanout=2, turn_len=(3, 9)):
-    """A shared prefix, then a tree branching at every turn; one sample ends at a branch point."""
+    """A shared prefix, then a tree branching at every turn (asserted); one sample ends at a
+    branch point."""
     seqs = [[int(x) for x in rng.integers(0, VOCAB, prefix_len)]]
     for _ in range(turns):
         seqs = [s + [int(x) for x in rng.integers(0, VOCAB, int(rng.integers(*turn_len)))]
                 for s in seqs for _ in range(fanout)]
-    return seqs + [seqs[0][: prefix_len + 2]]
+    return assert_branches(seqs + [seqs[0][: prefix_len + 2]], levels=turns)
 
 
 def model_for(kind="qwen2", **overrides):
@@ -67,7 +70,7 @@ def unshared(model, seqs, w):
                    attention_mask=None, packed_seq_params=psp)[0]
     lp, ent = token_logprobs(logits, plan, compute_entropy=True)
     step_loss({"log_probs": lp, "entropy": ent}, w).backward()
-    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return lp.detach(), grads_of(model)
 
 
 def scheduled(model, plan, w, loss=step_loss, entropy=True):
@@ -83,7 +86,7 @@ def scheduled(model, plan, w, loss=step_loss, entropy=True):
         loss(out, w[tokens]).backward()
         runner.release(j)
     runner.finish()
-    return lp, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp, grads_of(model)
 
 
 def logprob_loss(out, w):
@@ -127,10 +130,10 @@ def test_schedule_equals_unshared(qwen2, case, budget, rho):
 
 def test_odd_head_dim_and_qk_layernorm_cut_inside_nodes():
     model = model_for("qwen3")
-    seqs = CASES["grpo-long-prompt"](np.random.default_rng(1))
+    seqs = CASES["deep"](np.random.default_rng(1))
     w = weights_of(seqs, 1)
     plan = plan_minibatch(seqs, 11, kv_row_cost=0.2, min_prefix_len=1)
-    assert plan.recomputed_tokens > 0  # the 36-token prompt is longer than the budget
+    assert plan.recomputed_tokens > 0  # the 12-token prefix is longer than the budget
     assert_equal_runs(scheduled(model, plan, w), unshared(model, seqs, w))
 
 
@@ -258,7 +261,7 @@ def test_moe_load_balancing_losses_run_per_call():
 
     enable_cpu_moe()
     model = build_moe_model(moe_config(**MOE_CASES["aux+z/allgather"]))
-    seqs = CASES["grpo-long-prompt"](np.random.default_rng(6))
+    seqs = CASES["deep"](np.random.default_rng(6))
     coef = sample_coefs(seqs, 6)
     ref = run_unshared(model, seqs, coef)
     moe_utils.clear_aux_losses_tracker()

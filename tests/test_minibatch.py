@@ -9,32 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from forests import nasty_forests, random_forest
+from forests import branching_forest, nasty_forests, random_forest
 from ps_mcore.attention import tree_attention
 from ps_mcore.attention.context import context_attention
 from ps_mcore.logprobs import token_logprobs
 from ps_mcore.minibatch import ContextPlan, kept_kv_row_cost, plan_minibatch, schedule_tree
 from ps_mcore.planner import plan_prefix_tree, plan_unshared
 from ps_mcore.schedule import ScheduleRunner
-
-
-def branching_forest(rng, roots=2, depth=3, fanout=3, node_len=(2, 9), vocab=50):
-    """Sequences of a forest branching at every level (a tree rollout), plus a few samples
-    that end inside it (prefixes)."""
-    seqs = []
-
-    def grow(prefix, level):
-        if level == depth:
-            seqs.append(prefix)
-            return
-        for _ in range(int(rng.integers(1, fanout + 1))):
-            grow(prefix + [int(x) for x in rng.integers(0, vocab, int(rng.integers(*node_len)))], level + 1)
-        if rng.random() < 0.3:
-            seqs.append(prefix)  # a sample ending at a branch point
-
-    for _ in range(roots):
-        grow([int(x) for x in rng.integers(0, vocab, int(rng.integers(*node_len)))], 1)
-    return seqs
 
 
 def offshoot_forest(rng, num_seqs=6, root_len=17, branch_len=(1, 12), vocab=50):
