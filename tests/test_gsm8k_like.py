@@ -14,9 +14,9 @@ import numpy as np
 
 from ps_mcore import plan_prefix_tree
 
+from benchmarks import gsm8k_like
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gsm8k_like  # noqa: E402
 
 
 def test_shape_as_documented():
