@@ -1,7 +1,8 @@
 """flash-linear-attention's varlen kernels as the tree kernels (GPU only): the gated delta rule
 (GDN) and ``chunk_simple_gla`` (Mamba-2's SSD), vs. each sequence alone through the fp64
-recurrences (one Triton config per fla kernel: tests/fla_shims.py). Skips without CUDA or fla
-(installing fla and Triton: dependency/README.md): ``python -m pytest -q tests/test_gpu_hybrid.py``."""
+recurrences, row by row (one Triton config per fla kernel: tests/fla_shims.py). Skips without
+CUDA or fla (installing fla and Triton: dependency/README.md):
+``python -m pytest -q tests/test_gpu_hybrid.py``."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forests import nasty_forests, random_forest
+from conftest import assert_rows_close
+from forests import branching_forest, nasty_forests, random_forest
 from ps_mcore import plan_prefix_tree, plan_unshared
 from ps_mcore.recurrent import l2norm, recurrent_tree, tree_gated_delta_rule, tree_mamba_chunk_scan
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = pytest.mark.gpu
 
 FORESTS = {**nasty_forests(), "random": random_forest(np.random.default_rng(0), max_len=200)}
 FORESTS["long-shared"] = [list(range(150)) + [1] * n for n in (1, 70, 130)]  # > one 64-row chunk
+# branches at three nested depths, nodes of 10-90 rows (some across a 64-row chunk)
+FORESTS["branching"] = branching_forest(np.random.default_rng(0), roots=2, depth=4, fanout=2, node_len=(10, 90))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,19 +49,17 @@ def each_sequence_alone(seqs):
     return recurrent_tree(flat, flat.num_tokens)
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def assert_grads_close(names, g_tree, g_stock, g_ref, tol, rows, num_tokens):
-    """Each gradient of the tree run vs the fp64 reference, within ``tol`` or within twice the
-    stock kernel's own error on the unshared batch (fla's fp32 dots run in TF32: a per-head
-    parameter's gradient sums every token's term, so its rounding grows with the tokens)."""
+def assert_grad_rows_close(names, g_tree, g_stock, g_ref, tol, rows, num_tokens):
+    """Each gradient of the tree run vs the fp64 reference, row by row (a per-head parameter's
+    rows are its heads): within ``tol`` of the tensor's largest value plus twice the stock
+    kernel's own error on that row of the unshared batch (fla's fp32 dots run in TF32: a
+    per-head parameter's gradient sums every token's term, so its rounding grows with the
+    tokens)."""
     for name, a, s, b in zip(names, g_tree, g_stock, g_ref):
         if a.dim() > 1 and a.size(0) == rows:
             a, s, b = a[:num_tokens], s[:num_tokens], b[:num_tokens]
-        err, stock_err = rel(a, b), rel(s, b)
-        assert err < max(tol, 2 * stock_err), f"d{name} rel err {err} (stock kernel: {stock_err})"
+        a, s, b = (t if t.dim() > 1 else t[:, None] for t in (a, s, b))
+        assert_rows_close(a, b, tol, f"d{name}", baseline=s)
 
 
 @pytest.mark.parametrize("name", sorted(FORESTS))
@@ -83,13 +84,13 @@ def test_fla_tree_matches_each_sequence(name, dtype):
     ref = tree_gated_delta_rule(*unshared, alone, backend="torch")
     stock_in = [plan.unpack(t[: plan.num_tokens]) for t in args(lambda t: t.to(dtype))]
     stock = tree_gated_delta_rule(*stock_in, alone, backend="fla")
-    tol = 2e-3 if dtype == torch.float32 else 2e-2
-    assert rel(got, ref) < tol, f"output rel err {rel(got, ref)}"
+    tol = 5e-3 if dtype == torch.float32 else 3e-2
+    assert_rows_close(got, ref, tol, "output", baseline=stock)
     cot = torch.randn_like(ref)
     g_tree = torch.autograd.grad((got.double() * cot).sum(), leaves, retain_graph=True)
     g_stock = torch.autograd.grad((stock.double() * cot).sum(), leaves)
     g_ref = torch.autograd.grad((ref * cot).sum(), leaves)
-    assert_grads_close("q k v g beta".split(), g_tree, g_stock, g_ref, 2 * tol, rows, plan.num_tokens)
+    assert_grad_rows_close("q k v g beta".split(), g_tree, g_stock, g_ref, 2 * tol, rows, plan.num_tokens)
 
 
 @pytest.mark.parametrize("name", sorted(FORESTS))
@@ -124,8 +125,8 @@ def test_fla_mamba_tree_matches_each_sequence(name, dtype):
                                 D=d.double(), z=zs, dt_bias=dt_bias.double(), backend="torch")
     xl, dtl, bl, cl, zl = (plan.unpack(t[: plan.num_tokens]) for t in low)
     stock = tree_mamba_chunk_scan(xl, dtl, -a_log.exp(), bl, cl, alone, D=d, z=zl, dt_bias=dt_bias, backend="fla")
-    tol = 2e-3 if dtype == torch.float32 else 2e-2
-    assert rel(got, ref) < tol, f"output rel err {rel(got, ref)}"
+    tol = 5e-3 if dtype == torch.float32 else 3e-2
+    assert_rows_close(got, ref, tol, "output", baseline=stock)
     cot = torch.randn_like(ref)
     try:
         g_tree = torch.autograd.grad((got.double() * cot).sum(), leaves, retain_graph=True)
@@ -135,4 +136,4 @@ def test_fla_mamba_tree_matches_each_sequence(name, dtype):
         raise
     g_stock = torch.autograd.grad((stock.double() * cot).sum(), leaves)
     g_ref = torch.autograd.grad((ref * cot).sum(), leaves)
-    assert_grads_close("x dt B C z A_log dt_bias D".split(), g_tree, g_stock, g_ref, 2 * tol, rows, plan.num_tokens)
+    assert_grad_rows_close("x dt B C z A_log dt_bias D".split(), g_tree, g_stock, g_ref, 2 * tol, rows, plan.num_tokens)
