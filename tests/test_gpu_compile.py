@@ -15,7 +15,7 @@ from forests import nasty_forests, random_forest
 from ps_mcore import plan_prefix_tree, tree_attention
 from ps_mcore.attention import layout
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 FORESTS = ("tree", "grpo", "deep-chain")
 

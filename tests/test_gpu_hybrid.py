@@ -84,7 +84,7 @@ def test_fla_tree_matches_each_sequence(name, dtype):
     ref = tree_gated_delta_rule(*unshared, alone, backend="torch")
     stock_in = [plan.unpack(t[: plan.num_tokens]) for t in args(lambda t: t.to(dtype))]
     stock = tree_gated_delta_rule(*stock_in, alone, backend="fla")
-    tol = 5e-3 if dtype == torch.float32 else 3e-2
+    tol = 1e-2 if dtype == torch.float32 else 4e-2  # of the largest value, per row (2 tol for gradients)
     assert_rows_close(got, ref, tol, "output", baseline=stock)
     cot = torch.randn_like(ref)
     g_tree = torch.autograd.grad((got.double() * cot).sum(), leaves, retain_graph=True)
@@ -125,7 +125,7 @@ def test_fla_mamba_tree_matches_each_sequence(name, dtype):
                                 D=d.double(), z=zs, dt_bias=dt_bias.double(), backend="torch")
     xl, dtl, bl, cl, zl = (plan.unpack(t[: plan.num_tokens]) for t in low)
     stock = tree_mamba_chunk_scan(xl, dtl, -a_log.exp(), bl, cl, alone, D=d, z=zl, dt_bias=dt_bias, backend="fla")
-    tol = 5e-3 if dtype == torch.float32 else 3e-2
+    tol = 1e-2 if dtype == torch.float32 else 4e-2  # of the largest value, per row (2 tol for gradients)
     assert_rows_close(got, ref, tol, "output", baseline=stock)
     cot = torch.randn_like(ref)
     try:
