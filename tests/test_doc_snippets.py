@@ -1,5 +1,6 @@
-"""Every Python snippet in README.md and docs/*.md either runs as written on the CPU or opens
-with a ``# needs: ...`` line saying what it needs (a GPU, transformer-engine, your model)."""
+"""Every Python snippet in README.md and docs/*.md either runs as written on the CPU, checking
+its own result (each asserts something about it), or opens with a ``# needs: ...`` line saying
+what it needs (a GPU, transformer-engine, your model)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def test_snippets_are_found_and_every_skipped_one_says_what_it_needs():
         first = code.splitlines()[0]
         if first.startswith("# needs:"):
             assert len(first) > len("# needs: ") + 10, f"{where}: say what the snippet needs"
+
+
+def test_every_runnable_snippet_checks_its_result():
+    """A snippet that only runs shows nothing wrong when its result is wrong."""
+    for where, code in RUNNABLE:
+        assert re.search(r"^\s*(assert |torch\.testing\.assert_close\()", code, re.M), (
+            f"{where}: assert something about the snippet's result")
 
 
 @pytest.mark.parametrize("where,code", RUNNABLE, ids=[w for w, _ in RUNNABLE])
