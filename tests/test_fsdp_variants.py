@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 from conftest import assert_grads_close  # noqa: E402
+from forests import assert_branches  # noqa: E402
 from test_fsdp_bridge import (  # noqa: E402
     GRAD_TOL, VOCAB, _nasty, _sample_weights, assert_tree_matches, per_sequence_reference, schedule_run,
 )
@@ -92,7 +93,9 @@ CASES = [(name, f"window-{i}") for name in CONFIGS for i in range(2)] + [
 
 
 def _forest(name: str, window: int) -> list[list[int]]:
-    return window_forest(int(name.split("-")[1]), window) if name.startswith("window-") else _nasty(name)
+    if name.startswith("window-"):  # these seeds branch inside a branch
+        return assert_branches(window_forest(int(name.split("-")[1]), window))
+    return _nasty(name)
 
 
 @pytest.mark.parametrize("name, forest", CASES)
