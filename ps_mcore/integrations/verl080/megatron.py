@@ -432,6 +432,11 @@ def tree_build_refusal(engine) -> str | None:
         return "dynamic context parallelism"
     if getattr(engine, "_qat_enabled", False):
         return "QAT (its own layer spec)"
+    config = getattr(engine, "tf_config", None) or getattr(engine, "provider", None)  # Megatron-Bridge: the provider
+    if config is not None:
+        from ps_mcore.layer_specs.modules.core_attention import megatron_attention_refusal  # after MindSpeed's repatch
+
+        return megatron_attention_refusal(config)
     return None
 
 
