@@ -414,6 +414,21 @@ def _shapes(args) -> str:
     return "; ".join(f"{arch}: {_dims(arch_shape(arch, args.layers, args.tiny))}" for arch in args.arch)
 
 
+def _local_rows(args, arch: str, device: str, dtype: torch.dtype, scale: float) -> list[list]:
+    """One architecture's rows with the local spec (one model runs both paths)."""
+    shape = arch_shape(arch, args.layers, args.tiny)
+    model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp, backend=args.backend,
+                        arch=arch, tiny=args.tiny)
+
+    def make(seqs):
+        return Steps(model, seqs, device)
+
+    reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
+    rows = workload_rows(args, shape, make, decoder_row, scale, reset=reset, verbose=dist.get_rank() == 0)
+    rows += minibatch_rows(args, shape, make, decoder_row, scale)
+    return [[arch] + r for r in rows]
+
+
 def run(args) -> str:
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -427,20 +442,7 @@ def run(args) -> str:
         enable_cpu_moe(), allow_local_expert_bias_backward()
     if args.spec == "te":
         return run_te(args, device, dtype)
-    rows = []
-    for arch in args.arch:
-        shape = arch_shape(arch, args.layers, args.tiny)
-        model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp, backend=args.backend,
-                            arch=arch, tiny=args.tiny)
-
-        def make(seqs):
-            return Steps(model, seqs, device)
-
-        reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
-        arch_rows = workload_rows(args, shape, make, decoder_row, scale, reset=reset, verbose=dist.get_rank() == 0)
-        arch_rows += minibatch_rows(args, shape, make, decoder_row, scale)
-        rows += [[arch] + r for r in arch_rows]
-        del model
+    rows = [r for arch in args.arch for r in _local_rows(args, arch, device, dtype, scale)]
     title = _title(
         f" ({'tiny ' if args.tiny else ''}shapes: {_shapes(args)}; tree local spec, random init, "
         f"TP={args.tp}, CP={args.cp}, {str(dtype).split('.')[-1]})",

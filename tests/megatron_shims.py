@@ -139,6 +139,17 @@ def stock_forward(model, seq) -> torch.Tensor:
     return model(input_ids=ids, position_ids=pos, attention_mask=causal_mask(ids.size(1)))[0]
 
 
+def reference_logprobs(per_seq_logits, seqs) -> torch.Tensor:
+    """``[N]`` log-probs of each sequence's next tokens from its own logits (0 at its last
+    token, as ``token_logprobs`` returns there)."""
+    out = []
+    for lg, s in zip(per_seq_logits, seqs):
+        lp = torch.log_softmax(lg, -1)
+        nxt = torch.as_tensor(np.asarray(s[1:]), dtype=torch.long)
+        out.append(torch.cat([lp[:-1].gather(1, nxt[:, None])[:, 0], lp.new_zeros(1)]))
+    return torch.cat(out)
+
+
 def assert_tree_matches_stock(stock, tree, seqs) -> None:
     """The tree model's logits on the prefix forest of ``seqs`` (``min_prefix_len=1``) equal the
     stock model's per-sequence logits (fp32 oracle tolerance)."""

@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_shims import (  # noqa: E402
     VOCAB, build_gpt, causal_mask, init_cpu_megatron, layer_spec_args, randomize_,
-    stock_forward, tiny_config,
+    reference_logprobs, stock_forward, tiny_config,
 )
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -116,15 +116,6 @@ def _stock_logits(model, seqs):
     return [stock_forward(model, s) for s in seqs]
 
 
-def _ref_logprobs(per_seq_logits, seqs):
-    out = []
-    for lg, s in zip(per_seq_logits, seqs):
-        lp = torch.log_softmax(lg, -1)
-        nxt = torch.as_tensor(np.asarray(s[1:]), dtype=torch.long)
-        out.append(torch.cat([lp[:-1].gather(1, nxt[:, None])[:, 0], lp.new_zeros(1)]))
-    return torch.cat(out)
-
-
 def _grads(model):
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -166,7 +157,7 @@ def test_tree_forward_backward_matches_unshared(models, forest):
     probe = torch.randn(plan.num_input_tokens, VOCAB, generator=torch.Generator().manual_seed(3))
 
     ref_logits = _stock_logits(stock, seqs)
-    ref_lp = _ref_logprobs(ref_logits, seqs)
+    ref_lp = reference_logprobs(ref_logits, seqs)
     ((w_tok * ref_lp).sum() + 1e-2 * (torch.cat(ref_logits) * probe).sum()).backward()
     ref_grads = _grads(stock)
 
@@ -195,7 +186,7 @@ def test_float64_model_at_float64_precision(forest):
     plan = _plan(seqs)
     w_tok = _weights(seqs, seed=4)[1].double()
     ref_logits = _stock_logits(stock, seqs)
-    ref_lp = _ref_logprobs(ref_logits, seqs)
+    ref_lp = reference_logprobs(ref_logits, seqs)
     (w_tok * ref_lp).sum().backward()
     logits = _tree_logits(tree, plan)
     lp, _ = token_logprobs(logits, plan)

@@ -24,8 +24,9 @@ pytest.importorskip("megatron.core")
 
 from forests import nasty_forests, window_forest  # noqa: E402
 from megatron_shims import (  # noqa: E402
-    VOCAB, allow_local_expert_bias_backward, build_gpt, causal_mask, enable_cpu_moe, enable_cpu_sliding_window, init_cpu_megatron,
-    randomize_, stock_forward, te_like_core_attention, tiny_config,
+    VOCAB, allow_local_expert_bias_backward, build_gpt, causal_mask, enable_cpu_moe,
+    enable_cpu_sliding_window, init_cpu_megatron, randomize_, reference_logprobs, stock_forward,
+    te_like_core_attention, tiny_config,
 )
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -90,15 +91,6 @@ def _weights(seqs, dtype):
     return torch.from_numpy(np.repeat(w, [len(s) for s in seqs])).to(dtype)
 
 
-def _ref_logprobs(logits, seqs):
-    out = []
-    for lg, s in zip(logits, seqs):
-        lp = torch.log_softmax(lg, -1)
-        nxt = torch.as_tensor(np.asarray(s[1:]), dtype=torch.long)
-        out.append(torch.cat([lp[:-1].gather(1, nxt[:, None])[:, 0], lp.new_zeros(1)]))
-    return torch.cat(out)
-
-
 def _grads(model) -> dict:
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -109,7 +101,7 @@ def stock_reference(stock, seqs):
     """Per-sequence stock logits, log-probs and the gradients of the weighted loss."""
     w = _weights(seqs, next(stock.parameters()).dtype)
     logits = [stock_forward(stock, s) for s in seqs]
-    lp = _ref_logprobs(logits, seqs)
+    lp = reference_logprobs(logits, seqs)
     probe = torch.randn(len(w), VOCAB, generator=torch.Generator().manual_seed(1)).to(w.dtype)
     ((w * lp).sum() + 1e-2 * (torch.cat(logits) * probe).sum()).backward()
     return torch.cat(logits).detach(), lp.detach(), _grads(stock), probe
