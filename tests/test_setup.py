@@ -24,7 +24,7 @@ def _targets():
     from verl.trainer.ppo import ray_trainer
     from verl.workers.engine.megatron import transformer_impl as impl
 
-    from ps_mcore.integrations.verl080.config import actor_config_classes, critic_config_classes
+    from ps_mcore.integrations.verl_common.config import actor_config_classes, critic_config_classes
 
     pairs = [
         (mcore, "get_mcore_engine_forward_fn"),
@@ -82,7 +82,7 @@ def test_install_is_idempotent(clean):
 
 def test_importing_ps_mcore_patches_nothing():
     code = (
-        "import ps_mcore, ps_mcore.setup, ps_mcore.integrations.verl080.config, sys\n"
+        "import ps_mcore, ps_mcore.setup, ps_mcore.integrations.verl_common.config, sys\n"
         "from ps_mcore import setup\n"
         "assert setup.installed() == [], setup.installed()\n"
         "assert not any(m == 'verl' or m.startswith('verl.') for m in sys.modules), 'verl imported'\n"

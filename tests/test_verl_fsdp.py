@@ -28,8 +28,8 @@ transformers = pytest.importorskip("transformers")
 from verl_batches import RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
-from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.integrations.verl_common.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 
 PATCHSET = "verl080_fsdp"
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
@@ -315,7 +315,7 @@ def test_fallback_ulysses_sp_flag_on_engine(impl):
 
 def _partitions(impl, engine, data):
     """The FSDP module's ``prepare_micro_batches`` as ``forward_backward_batch`` calls it."""
-    from ps_mcore.integrations.verl080.engine import with_engine_context
+    from ps_mcore.integrations.verl_common.engine import with_engine_context
 
     def forward_backward_batch(_engine):
         return impl.prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)[1]

@@ -25,8 +25,8 @@ from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, random
 from verl_batches import RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN  # noqa: E402
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN  # noqa: E402
 
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
 
@@ -285,7 +285,7 @@ def _mbridge_engine(impl, monkeypatch, config, **engine_config):
 @pytest.mark.parametrize("enabled", ["1", "0"])
 def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
     from ps_mcore.layer_specs import TreeCoreAttention
-    from ps_mcore.integrations.verl080.megatron import has_tree_attention
+    from ps_mcore.integrations.verl_common.megatron import has_tree_attention
 
     impl, _ = env
     monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
@@ -442,7 +442,7 @@ def test_fallback_moe_token_dropping(env, fresh_warnings):
     (dict(), None),  # exact MoE options: the tree path runs it
 ])
 def test_moe_fallback_decision(env, options, word):
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason
+    from ps_mcore.integrations.verl_common.megatron import megatron_fallback_reason
 
     reason = megatron_fallback_reason(_moe_model(**options), {}, None)
     assert reason is None if word is None else word in reason, reason
@@ -520,7 +520,7 @@ def test_parallel_layout_refusals_name_the_feature(env):
     its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
     from types import SimpleNamespace
 
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason, tree_build_refusal
+    from ps_mcore.integrations.verl_common.megatron import megatron_fallback_reason, tree_build_refusal
 
     impl, model = env
     engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))

@@ -13,10 +13,10 @@ pytest.importorskip("verl")
 
 from verl_batches import WORKLOADS, make_batch  # noqa: E402
 
-from ps_mcore.integrations.verl080.batch import plan_sequences  # noqa: E402
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig  # noqa: E402
-from ps_mcore.integrations.verl080.microbatch import prefix_aware_prepare_micro_batches, restore_order, sharing_units  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import group_partitions, summarize_token_metrics  # noqa: E402
+from ps_mcore.integrations.verl_common.batch import plan_sequences  # noqa: E402
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig  # noqa: E402
+from ps_mcore.integrations.verl_common.microbatch import prefix_aware_prepare_micro_batches, restore_order, sharing_units  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import group_partitions, summarize_token_metrics  # noqa: E402
 
 
 def _stock(**kwargs):
@@ -49,7 +49,7 @@ def test_dynamic_micro_batches_keep_units_and_respect_budget(seed, mode):
     n = len(data)
     _check_partition(parts, n)
     budget = int(data["max_token_len_per_gpu"])
-    from ps_mcore.integrations.verl080.batch import group_ids, prompt_lengths, sequences
+    from ps_mcore.integrations.verl_common.batch import group_ids, prompt_lengths, sequences
 
     seqs, prompts, groups = sequences(data), prompt_lengths(data), group_ids(data)
     units = sharing_units(seqs, config, prompts, groups)
@@ -71,7 +71,7 @@ def test_dynamic_micro_batches_keep_units_and_respect_budget(seed, mode):
 def test_carried_plans_are_the_forward_plans(mode, use_dynamic_bsz):
     """Plan once: the plan carried with each micro-batch equals the one the forward would make
     from that micro-batch (plan_batch), row for row."""
-    from ps_mcore.integrations.verl080.batch import plan_batch
+    from ps_mcore.integrations.verl_common.batch import plan_batch
 
     rng = np.random.default_rng(7)
     if use_dynamic_bsz:
@@ -262,7 +262,7 @@ def test_dynamic_budget_counts_dedup_tokens_per_cp_rank(cp):
     micro-batches are fewer than without CP and still keep units whole."""
     from verl.utils import tensordict_utils as tu
 
-    from ps_mcore.integrations.verl080.batch import group_ids, prompt_lengths, sequences
+    from ps_mcore.integrations.verl_common.batch import group_ids, prompt_lengths, sequences
 
     rng = np.random.default_rng(cp)
     samples = _mixed_samples(rng)

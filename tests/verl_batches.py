@@ -104,7 +104,7 @@ def engine_shell(cls, model, setting=None, use_remove_padding=True):
     ``forward_backward_batch`` / ``forward_step`` read."""
     from verl.workers.config import McoreEngineConfig
 
-    from ps_mcore.integrations.verl080.config import ENGINE_ATTR
+    from ps_mcore.integrations.verl_common.config import ENGINE_ATTR
 
     engine = object.__new__(cls)
     engine_config = McoreEngineConfig(use_remove_padding=use_remove_padding)
@@ -179,6 +179,6 @@ def assert_grads(g_stock, g_tree):
 
 def step_tokens(out):
     """(tokens in, tokens packed) summed over a step's prefix-sharing metrics."""
-    from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
+    from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
 
     return sum(out["metrics"][TOKENS_IN]), sum(out["metrics"][TOKENS_PACKED])

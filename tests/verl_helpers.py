@@ -42,7 +42,7 @@ def compose(config_dir: str, name: str, overrides: list[str]):
 def installed_patchsets():
     """Install every compatible patchset for the module, restore verl afterwards."""
     from ps_mcore import setup
-    from ps_mcore.integrations.verl080.config import reset_actor_setting
+    from ps_mcore.integrations.verl_common.config import reset_actor_setting
 
     names = setup.install()
     yield names

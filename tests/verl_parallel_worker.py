@@ -197,8 +197,8 @@ def actor_report(layout: str) -> dict:
     from verl.workers.utils.losses import ppo_loss
     from verl_batches import seq_last_mask
 
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting
-    from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
+    from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
 
     chunks = build_chunks(layout, "qwen2", seed=11)
     data = make_data(layout, 5)
@@ -241,7 +241,7 @@ def critic_report(layout: str) -> dict:
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.losses import value_loss
 
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
 
     chunks = build_chunks(layout, "qwen3", seed=3, value_head=True)
     # value_loss is a per-micro-batch mean: the same fixed micro-batches in both runs (12
@@ -271,9 +271,9 @@ def plan_mismatch_report(layout: str) -> dict:
     """A rank whose micro-batch differs: the plan check raises before the schedule."""
     from megatron.core import parallel_state as ps
 
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
-    from ps_mcore.integrations.verl080.engine import EngineStep
-    from ps_mcore.integrations.verl080.megatron import check_same_plans
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
+    from ps_mcore.integrations.verl_common.engine import EngineStep
+    from ps_mcore.integrations.verl_common.megatron import check_same_plans
 
     if not (ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1
             or ps.get_context_parallel_world_size() > 1):

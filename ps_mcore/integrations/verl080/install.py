@@ -18,8 +18,8 @@ def install_common(patcher: Patcher) -> None:
     from verl.trainer import main_ppo_sync
     from verl.trainer.ppo import ray_trainer
 
-    from ps_mcore.integrations.verl080.config import install_config_patches
-    from ps_mcore.integrations.verl080.trainer import (
+    from ps_mcore.integrations.verl_common.config import install_config_patches
+    from ps_mcore.integrations.verl_common.trainer import (
         init_workers_following_actor,
         ray_trainer_balance_batch,
         reduce_metrics_with_prefix_sharing,
@@ -36,7 +36,7 @@ def install_common(patcher: Patcher) -> None:
 
 
 def install_megatron_engines(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.megatron import install_megatron_patches
+    from ps_mcore.integrations.verl_common.megatron import install_megatron_patches
     from ps_mcore.integrations.verl080.mindspeed import engine_available, install_mindspeed_build_patch
 
     install_megatron_patches(patcher)
@@ -47,6 +47,6 @@ def install_megatron_engines(patcher: Patcher) -> None:
 
 
 def install_fsdp_engines(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.fsdp import install_verl_fsdp_patches
+    from ps_mcore.integrations.verl_common.fsdp import install_verl_fsdp_patches
 
     install_verl_fsdp_patches(patcher)

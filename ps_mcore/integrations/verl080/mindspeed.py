@@ -67,7 +67,7 @@ def tree_spec_args(args: Any) -> Iterator[None]:
 def build_refusal(engine: Any, args: Any) -> str | None:
     """Why this engine's model must be built with stock specs (None: tree specs)."""
     from ps_mcore.mindspeed.state import CONTEXT_PARALLEL_REASON, RESET_ATTENTION_MASK_REASON
-    from ps_mcore.integrations.verl080.megatron import tree_build_refusal
+    from ps_mcore.integrations.verl_common.megatron import tree_build_refusal
 
     refusal = tree_build_refusal(engine)
     if refusal is not None:
@@ -86,7 +86,7 @@ def _mindspeed_refusal(engine) -> str | None:
 
 
 def _mindspeed_tree_build(engine, original: Callable):
-    from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REASON
+    from ps_mcore.integrations.verl_common.megatron import ROPE_FUSION_REASON
     from ps_mcore.mindspeed.spec import megatron_args
 
     info_once("rope-fusion", ROPE_FUSION_REASON)
@@ -96,7 +96,7 @@ def _mindspeed_tree_build(engine, original: Callable):
 
 def mindspeed_build_module(original: Callable) -> Callable:
     """``MindSpeedMegatronEngineWithLMHead._build_megatron_module`` with tree specs."""
-    from ps_mcore.integrations.verl080.megatron import tree_build
+    from ps_mcore.integrations.verl_common.megatron import tree_build
 
     build = tree_build(
         original,

@@ -22,7 +22,7 @@ metrics) runs unchanged around them:
 ``use_remove_padding`` only changes how verl's stock path lays the batch out (one packed row
 vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns the same
 layout. ``use_dynamic_bsz``: verl's ``prepare_micro_batches`` in the FSDP engine module is
-replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.microbatch`).
+replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl_common.microbatch`).
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
@@ -40,14 +40,14 @@ from typing import Callable
 
 import torch
 
-from ps_mcore.integrations.verl080.batch import (
+from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
     lm_head_batch_reason,
     nested_like,
     sequence_lengths,
     uniform_temperature,
 )
-from ps_mcore.integrations.verl080.engine import (
+from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
     plan_or_stock,
@@ -282,7 +282,7 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
-    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
+    from ps_mcore.integrations.verl_common.engine import install_engine_micro_batching
 
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead

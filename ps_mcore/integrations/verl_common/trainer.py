@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl080.config import setting_from_keys
+from ps_mcore.integrations.verl_common.config import setting_from_keys
 
 TOKENS_IN = "prefix_sharing/tokens_in"
 TOKENS_PACKED = "prefix_sharing/tokens_packed"

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import info_once, warn_once
-from ps_mcore.integrations.verl080.batch import batch_flag, plan_batch, saved_fraction
-from ps_mcore.integrations.verl080.config import PrefixSharingSetting, resolve_setting
-from ps_mcore.integrations.verl080.microbatch import prefix_aware_prepare_micro_batches, restore_order
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
+from ps_mcore.integrations.verl_common.batch import batch_flag, plan_batch, saved_fraction
+from ps_mcore.integrations.verl_common.config import PrefixSharingSetting, resolve_setting
+from ps_mcore.integrations.verl_common.microbatch import prefix_aware_prepare_micro_batches, restore_order
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
 from ps_mcore.planner import TreePlan
 
 

@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ps_mcore.integrations.verl080.batch import group_ids, plan_sequences, prompt_lengths, sequences
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.batch import group_ids, plan_sequences, prompt_lengths, sequences
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.planner import common_prefix_len
 
 
@@ -204,7 +204,7 @@ def prefix_aware_prepare_micro_batches(
         plans: when given, ``id(micro_batch) -> (micro_batch, TreePlan)`` is filled for every
             micro-batch built here, planned from the sequences already read for sizing, so the
             forward uses that plan instead of planning the micro-batch again (same plan:
-            :func:`~ps_mcore.integrations.verl080.batch.plan_batch` of the micro-batch). The
+            :func:`~ps_mcore.integrations.verl_common.batch.plan_batch` of the micro-batch). The
             entry holds the micro-batch, so its id cannot be reused while the entry lives.
         options: verl's keywords: ``dp_group``, ``num_batches_divided_by``,
             ``same_micro_num_in_dp``, ``min_num_micro_batch``, ``use_dynamic_bsz_balance``.

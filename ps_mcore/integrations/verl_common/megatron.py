@@ -43,15 +43,15 @@ import torch
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl080.batch import (
+from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
     lm_head_batch_reason,
     nested_like,
     plan_batch,
     uniform_temperature,
 )
-from ps_mcore.integrations.verl080.config import resolve_setting
-from ps_mcore.integrations.verl080.engine import (
+from ps_mcore.integrations.verl_common.config import resolve_setting
+from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
     current_step,
@@ -387,7 +387,7 @@ def install_megatron_patches(patcher) -> None:
     import verl.models.mcore as mcore
     from verl.workers.engine.megatron import transformer_impl as impl
 
-    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
+    from ps_mcore.integrations.verl_common.engine import install_engine_micro_batching
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)

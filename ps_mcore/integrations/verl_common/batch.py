@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ps_mcore.planner import TreePlan, plan_prefix_tree
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 
 
 def sequences(data) -> list[np.ndarray]:
