@@ -18,8 +18,8 @@ VOCAB = 128
 
 
 def prepare_cpu_bridge(monkeypatch=None) -> None:
-    """gloo world (already initialised or 1), the TE import stub, the CPU TE specs, megatron's
-    Mamba and MoE kernels as torch stand-ins. ``monkeypatch`` scopes the spec mapping (default:
+    """The TE import stub, the CPU TE specs, megatron's Mamba and MoE kernels as torch
+    stand-ins, ``Module.cuda`` a no-op without a GPU. ``monkeypatch`` scopes the spec mapping (default:
     for the process)."""
     import pytest
 
@@ -31,6 +31,8 @@ def prepare_cpu_bridge(monkeypatch=None) -> None:
     use_cpu_te_specs(monkeypatch or pytest.MonkeyPatch())
     shim_mamba_for_cpu()
     enable_cpu_moe()
+    if not torch.cuda.is_available():  # Bridge moves a model not initialised on the CPU to the GPU
+        torch.nn.Module.cuda = lambda self, device=None: self
 
 
 def hf_config(family: str):
@@ -161,3 +163,57 @@ def load_strictly(bridge, chunks: list, tensors: dict) -> None:
     assert sorted(exported) == sorted(tensors), (sorted(set(exported) ^ set(tensors)))
     for name, value in tensors.items():
         assert torch.equal(exported[name].float(), value.float()), name
+
+
+# ----------------------------------------------------------------------------- verl's engine
+
+# What the CPU needs beyond verl's own provider overrides (verl's Bridge path passes
+# engine_config.override_transformer_config to the provider; dtypes come from engine_config.dtype)
+ENGINE_CPU_OVERRIDES = {k: v for k, v in CPU_PROVIDER.items() if not isinstance(v, torch.dtype)}
+
+
+class ModelConfig(dict):
+    """verl's ``HFModelConfig`` surface the Megatron engine's build reads (a real one loads a
+    tokenizer the tiny checkpoints do not have)."""
+
+    __getattr__ = dict.__getitem__
+
+
+def bridge_engine(cls, path: Path, setting=None, value: bool = False, **engine_config):
+    """An instance of verl's Megatron engine class ``cls`` built by verl's own
+    ``_build_tf_config`` (``AutoBridge.from_hf_pretrained(path)``, verl's provider overrides)
+    and ``_build_megatron_module`` (the provider builds the model, Bridge loads the HF weights),
+    without its optimizer or checkpoint manager (``forward_only``: no DDP wrapper; gradients land
+    in ``param.grad``). ``setting``: the prefix-sharing setting on the engine config."""
+    from types import SimpleNamespace
+
+    import transformers
+    from verl.workers.config import McoreEngineConfig
+
+    from ps_mcore.integrations.verl_common.config import ENGINE_ATTR
+
+    options = dict(forward_only=True, use_remove_padding=True, sequence_parallel=False,
+                   override_transformer_config=dict(ENGINE_CPU_OVERRIDES))
+    options.update(engine_config)
+    config = McoreEngineConfig(**options)
+    object.__setattr__(config, "dtype", "float32")  # verl validates bf16/fp16 only: fp32 is the CPU oracle
+    if setting is not None:
+        object.__setattr__(config, ENGINE_ATTR, setting)
+    engine = object.__new__(cls)
+    engine.engine_config = config
+    hf_config = transformers.AutoConfig.from_pretrained(str(path))
+    engine.model_config = ModelConfig(
+        model_type="value_model" if value else "language_model", local_path=str(path), hf_config=hf_config,
+        trust_remote_code=False, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        mtp=SimpleNamespace(enable=False, enable_train=False), lora={},
+        tokenizer=SimpleNamespace(pad_token_id=0), architectures=hf_config.architectures,
+    )
+    engine.optimizer_config = {}
+    engine.enable_routing_replay = False
+    engine._qat_enabled = False
+    engine.mini_layer_topk_idx_list = []
+    engine._build_tf_config()
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(var, None)
+    engine.module = engine._build_megatron_module()
+    return engine

@@ -23,6 +23,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
 from verl_batches import RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens  # noqa: E402
+from verl_helpers import megatron_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
@@ -61,7 +62,7 @@ def _setting(mode, **kw):
 def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=None, monkeypatch=None):
     """One forward(+backward) through the engine; returns (output, grads)."""
     if patched:
-        setup.install(["verl080_mcore0161_ms0160"])
+        setup.install([megatron_patchset()])
     else:
         setup.uninstall()
     if monkeypatch is not None and env_value is not None:
@@ -289,7 +290,7 @@ def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
 
     impl, _ = env
     monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     config = tiny_config("qwen2")
     config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
     engine = _mbridge_engine(impl, monkeypatch, config)
@@ -308,7 +309,7 @@ def test_tree_path_serves_padded_bshd_configs(env):
     data = make_batch(WORKLOADS["tree"](rng), rng)
     setting = _setting("arbitrary_prefix")
     stock, g_stock = _run(impl, model, data, setting, False, _ppo())
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     engine = engine_shell(impl.MegatronEngineWithLMHead, model, setting, use_remove_padding=False)
     model.zero_grad(set_to_none=True)
     tree = engine.forward_backward_batch(data.clone(), loss_function=_ppo(), forward_only=False)
@@ -365,7 +366,7 @@ def _fallback_case(impl, model, data, match, engine_setup=None):
     Returns the patched inference output."""
 
     def run(patched, loss_fn=None):
-        setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
+        setup.install([megatron_patchset()]) if patched else setup.uninstall()
         engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("prompt_only"))
         if engine_setup is not None:
             engine_setup(engine)

@@ -134,11 +134,12 @@ def make_data(layout: str, seed: int, **meta):
 def run_engine(cls, chunks, data, setting, loss_fn, patched, env_value=None):
     """One ``forward_backward_batch``; returns (output, this rank's grads)."""
     from verl_batches import engine_shell
+    from verl_helpers import megatron_patchset
 
     from ps_mcore import setup
 
     if patched:
-        setup.install(["verl080_mcore0161_ms0160"])
+        setup.install([megatron_patchset()])
     else:
         setup.uninstall()
     previous = os.environ.get("ENABLE_PREFIX_SHARING")

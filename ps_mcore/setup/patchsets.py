@@ -99,3 +99,68 @@ VERL080_FSDP = register(
         components=(VERL080_COMMON,),
     )
 )
+
+
+# ----------------------------------------------------------------------------- verl 0.9.1
+
+
+def verl091_refusal() -> str | None:
+    """None when verl 0.9.1 is installed, else why not."""
+    version = distribution_version("verl")
+    if version is None:
+        return "verl is not installed"
+    if not version.startswith("0.9.1"):
+        return f"verl {version} is installed, this patchset is for verl 0.9.1"
+    return None
+
+
+def mcore019_refusal() -> str | None:
+    """None when megatron-core 0.19.x is installed, else why not."""
+    mcore = distribution_version("megatron-core", "megatron_core")
+    if mcore is None:
+        return "megatron-core is not installed"
+    if not mcore.startswith("0.19."):
+        return f"megatron-core {mcore} is installed, this patchset is for 0.19.x"
+    return None
+
+
+def megatron_builder_refusal() -> str | None:
+    """None when a model builder verl 0.9.1's Megatron engine uses is installed: Megatron-Bridge
+    (its default, ``vanilla_mbridge: false``) or mbridge (``vanilla_mbridge: true``)."""
+    if module_importable("megatron.bridge") or module_importable("mbridge"):
+        return None
+    return "neither Megatron-Bridge nor mbridge is installed (verl 0.9.1's Megatron engine builds models through one)"
+
+
+def _verl091_glue(function: str) -> Callable[[Patcher], None]:
+    """``ps_mcore.integrations.verl091.install.<function>``, imported when the patchset installs."""
+
+    def install(patcher: Patcher) -> None:
+        from ps_mcore.integrations.verl091 import install as glue
+
+        getattr(glue, function)(patcher)
+
+    return install
+
+
+VERL091_COMMON = Component(name="verl091_common", install=_verl091_glue("install_common"))
+
+VERL091_MCORE = register(
+    Patchset(
+        name="verl091_mcore019",
+        description="verl 0.9.1 Megatron engine (Megatron-Bridge or mbridge builder), megatron-core 0.19.x",
+        detect=first_reason(verl091_refusal, mcore019_refusal, megatron_builder_refusal),
+        install=_verl091_glue("install_megatron_engines"),
+        components=(VERL091_COMMON,),
+    )
+)
+
+VERL091_FSDP = register(
+    Patchset(
+        name="verl091_fsdp",
+        description="verl 0.9.1 FSDP / FSDP2 engines with Hugging Face transformers",
+        detect=first_reason(verl091_refusal, transformers_reason),
+        install=_verl091_glue("install_fsdp_engines"),
+        components=(VERL091_COMMON,),
+    )
+)

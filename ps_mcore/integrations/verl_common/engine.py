@@ -126,14 +126,17 @@ def restoring(stock: Callable) -> Callable:
 
 
 def with_token_metrics(postprocess: Callable, tokens: tuple[int, int]) -> Callable:
-    """Add the micro-batch's (N, T) to the metrics its postprocess function returns."""
+    """Add the micro-batch's (N, T) to the metrics its postprocess function returns: verl's
+    ``(loss, output)``, or ``(loss_sum, num_tokens, output)`` under Megatron's per-token loss
+    (verl 0.9.1 with ``calculate_per_token_loss``)."""
 
     def postprocess_micro_batch(*args, **kwargs):
-        loss, output = postprocess(*args, **kwargs)
+        result = postprocess(*args, **kwargs)
+        output = result[-1]
         metrics = dict(output.get("metrics") or {})
         metrics[TOKENS_IN], metrics[TOKENS_PACKED] = tokens
         output["metrics"] = metrics
-        return loss, output
+        return result
 
     return postprocess_micro_batch
 

@@ -1,4 +1,4 @@
-"""verl 0.8.0 FSDP engine glue (patchset ``verl080_fsdp``): the tree forward per
+"""verl FSDP engine glue (patchsets ``verl080_fsdp``, ``verl091_fsdp``): the tree forward per
 micro-batch for ``FSDPEngineWithLMHead`` and ``FSDPEngineWithValueHead``, and the fallbacks.
 
 The engine's own seams are patched, so verl's ``forward_step`` (autocast, loss call,
@@ -281,7 +281,8 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 
 def install_verl_fsdp_patches(patcher) -> None:
-    """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
+    """Every FSDP-engine patch (patchsets ``verl080_fsdp`` and ``verl091_fsdp``: the seams are
+    the same in both releases)."""
     from ps_mcore.integrations.verl_common.engine import install_engine_micro_batching
 
     impl = _impl()

@@ -1,4 +1,4 @@
-"""verl 0.8.0 Megatron engine glue: tree specs at model build, the tree forward per
+"""verl Megatron engine glue (0.8.0 and 0.9.1): tree specs at model build, the tree forward per
 micro-batch, and the fallbacks.
 
 Forward (wraps what ``verl.models.mcore.get_mcore_engine_forward_fn`` returns): for each
@@ -28,7 +28,8 @@ Per micro-batch it runs verl's own forward instead (warning once per reason) whe
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
 context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding, per-sample
-temperatures, ``calculate_sum_pi_squared`` and distillation top-k. Fused kernels take
+temperatures, ``calculate_sum_pi_squared`` and distillation top-k, and in verl 0.9.1
+``pad_to_length`` buckets, the contiguous CP layout and distillation-only passes. Fused kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
 """
@@ -72,13 +73,15 @@ def _unwrap(model):
     return unwrap_model(model)
 
 
-def has_tree_attention(model) -> bool:
-    """True when the (unwrapped) model's attention layers are ``TreeCoreAttention``."""
-    from ps_mcore.layer_specs import TreeCoreAttention
+_TREE_MODULES = "ps_mcore.layer_specs.modules."
 
+
+def has_tree_attention(model) -> bool:
+    """True when the (unwrapped) model has tree token mixers: ``TreeCoreAttention`` or, in a
+    hybrid model, the tree Mamba / Gated DeltaNet mixers."""
     inner = _unwrap(model)
     if inner not in _HAS_TREE:
-        _HAS_TREE[inner] = any(isinstance(m, TreeCoreAttention) for m in inner.modules())
+        _HAS_TREE[inner] = any(type(m).__module__.startswith(_TREE_MODULES) for m in inner.modules())
     return _HAS_TREE[inner]
 
 
@@ -95,6 +98,10 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
         return reason
     if args.get("local_cp_size") is not None:
         return "dynamic context parallelism (local_cp_size) is not supported by tree attention"
+    if args.get("cp_layout", "zigzag") != "zigzag":  # verl 0.9.1: contiguous CP rows (DeepSeek-V4)
+        return f"context-parallel layout {args['cp_layout']!r} is not supported (tree rows use the zigzag layout)"
+    if args.get("pad_to_length_bucket") is not None:  # verl 0.9.1's static padding (pad_to_length)
+        return "pad_to_length (padding micro-batches to fixed length buckets) is not supported"
     if args.get("vision_model") or args.get("multi_modal_inputs"):
         return "vision-language inputs are not supported"
     if args.get("mtp_enable_train"):
@@ -370,16 +377,18 @@ def _build_with_mbridge(engine, original: Callable):
 
 
 def _build_with_bridge_provider(engine, original: Callable):
-    """Megatron-Bridge: the provider's own spec (instance or class default), converted."""
-    from ps_mcore.layer_specs import tree_layer_spec_from
+    """Megatron-Bridge: the provider's own spec (instance or class default), converted: the
+    layer spec of a GPT provider, the stack spec of a hybrid one (Mamba / GDN layers too)."""
+    from ps_mcore.layer_specs import provider_spec_field, tree_provider_spec
 
     provider = engine.provider
-    stock_spec = provider.transformer_layer_spec
-    provider.transformer_layer_spec = tree_layer_spec_from(stock_spec)
+    field = provider_spec_field(provider)
+    stock_spec = getattr(provider, field)
+    setattr(provider, field, tree_provider_spec(provider))
     try:
         return original(engine)
     finally:
-        provider.transformer_layer_spec = stock_spec
+        setattr(provider, field, stock_spec)
 
 
 def install_megatron_patches(patcher) -> None:

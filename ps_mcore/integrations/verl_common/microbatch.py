@@ -1,4 +1,4 @@
-"""Prefix-aware micro-batching for verl 0.8.0 engines.
+"""Prefix-aware micro-batching for verl's engines.
 
 verl's ``prepare_micro_batches`` balances raw token counts and scatters samples that share
 a prefix across micro-batches, so nothing is left to share. Here samples are first grouped

@@ -1,10 +1,12 @@
 """Driver-side glue: DP balancing that keeps sharing groups on one rank, and the
 ``prefix_sharing/*`` step metrics.
 
-Both verl 0.8.0 trainers reorder the batch so every DP rank gets similar work
-(``_balance_batch``) and then cut it into equal slices. ``main_ppo`` keeps ``uid`` groups
-together only when they are contiguous and their count divides the DP size;
-``main_ppo_sync`` never does. The patched ``_balance_batch`` (when
+verl's trainers reorder the batch so every DP rank gets similar work (``_balance_batch``) and
+then cut it into equal slices. The ``DataProto`` trainer (``RayPPOTrainer``: 0.8.0's
+``main_ppo``, 0.9.1's ``main_ppo_v0``) keeps ``uid`` groups together under
+``use_prefix_grouper`` only when their count divides the DP size (0.8.0: only when contiguous;
+0.9.1 raises otherwise); the ``KVBatchMeta`` trainer (0.8.0's ``main_ppo_sync``, 0.9.1's
+``main_ppo``: ``verl.trainer.ppo.v1``) never does. The patched ``_balance_batch`` (when
 ``actor.use_prefix_grouper`` is on and ``ENABLE_PREFIX_SHARING`` is not 0) partitions whole
 groups with verl's Karmarkar-Karp balancing when that is possible, otherwise greedily
 (largest first), splitting a group only when equal slices leave no other choice.
@@ -12,6 +14,7 @@ groups with verl's Karmarkar-Karp balancing when that is possible, otherwise gre
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
@@ -96,15 +99,17 @@ def ray_trainer_balance_batch(original: Callable) -> Callable:
 
 
 def sync_trainer_balance_batch(original: Callable) -> Callable:
-    """``PPOTrainer._balance_batch`` (``main_ppo_sync``) keeping prompt groups on one rank
-    (keys are ``{uid}_{session_id}_{index}``: the group is the ``uid``)."""
+    """``PPOTrainer._balance_batch`` of the ``KVBatchMeta`` trainer (0.8.0's ``main_ppo_sync``,
+    0.9.1's ``verl.trainer.ppo.v1.trainer_base``) keeping prompt groups on one rank (keys are
+    ``{uid}_{session_id}_{index}``: the group is the ``uid``). verl's helpers are read from the
+    module that defines the patched method."""
 
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         if not _grouping_on(self.config):
             return original(self, batch, metrics, logging_prefix, keep_minibatch)
         import torch
-        from verl.trainer import main_ppo_sync as m
 
+        m = sys.modules[original.__module__]
         worker_group = self.actor_rollout_wg
         if "actor" not in worker_group._dispatch_info:
             worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")

@@ -1,0 +1,141 @@
+"""verl 0.9.1's Megatron engine building its model through Megatron-Bridge (its default
+builder), patched vs stock, on CPU (gloo world 1, fp32).
+
+The engine runs verl's own ``_build_tf_config`` (``AutoBridge.from_hf_pretrained`` on a
+checkpoint the test writes, verl's provider overrides) and ``_build_megatron_module`` (the
+provider builds the model, Bridge loads the HF weights); with the patchset installed the
+provider builds tree layers. Stock: the same engine built and run with the patchset
+uninstalled (the provider's own TE spec). Checked on GRPO groups, step-wise samples and a tree:
+log-probs, entropy, the PPO loss and every gradient equal stock's; ``ENABLE_PREFIX_SHARING=0``
+(at build and at run) is stock bit for bit. Test-only shims: tests/te_cpu_shims.py (TE needs a
+GPU), tests/verl_batches.py (a CPU platform for verl 0.9.1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("verl")
+pytest.importorskip("megatron.core")
+if importlib.util.find_spec("megatron.bridge") is None:  # found, not imported: it imports TE
+    pytest.skip("Megatron-Bridge is not installed", allow_module_level=True)
+
+from megatron_shims import init_cpu_megatron  # noqa: E402
+
+init_cpu_megatron(1)
+
+from bridge_helpers import bridge_engine, prepare_cpu_bridge, write_hf_checkpoint  # noqa: E402
+
+prepare_cpu_bridge()
+
+from verl_batches import RTOL, WORKLOADS, assert_outputs, cpu_forward_backward_func, make_batch, step_tokens  # noqa: E402
+from verl_helpers import megatron_patchset  # noqa: E402
+
+from ps_mcore import setup  # noqa: E402
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.megatron import has_tree_attention  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN  # noqa: E402
+
+MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
+
+
+@pytest.fixture(scope="module")
+def impl():
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    stock = impl.get_forward_backward_func
+    impl.get_forward_backward_func = cpu_forward_backward_func
+    yield impl
+    impl.get_forward_backward_func = stock
+    setup.uninstall()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    write_hf_checkpoint(request.param, path, seed=7)
+    return path
+
+
+def _setting(mode):
+    return PrefixSharingSetting(True, PrefixGrouperConfig(mode=mode, min_prefix_len=4, min_saved_fraction=0.0))
+
+
+def _engine(impl, path, setting, patched, enabled="1", monkeypatch=None):
+    if patched:
+        setup.install([megatron_patchset()])
+    else:
+        setup.uninstall()
+    if monkeypatch is not None:
+        monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
+    return bridge_engine(impl.MegatronEngineWithLMHead, path, setting)
+
+
+def _step(engine, data, loss_fn=None):
+    model = engine.module[0]
+    model.zero_grad(set_to_none=True)
+    out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _ppo():
+    from verl.workers.config import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    return partial(ppo_loss, config=McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01))
+
+
+def test_bridge_builds_tree_layers_only_when_patched(impl, checkpoint, monkeypatch):
+    setting = _setting("arbitrary_prefix")
+    tree = _engine(impl, checkpoint, setting, patched=True, monkeypatch=monkeypatch)
+    stock = _engine(impl, checkpoint, setting, patched=False)
+    off = _engine(impl, checkpoint, setting, patched=True, enabled="0", monkeypatch=monkeypatch)
+    assert has_tree_attention(tree.module[0]) and not has_tree_attention(stock.module[0])
+    assert not has_tree_attention(off.module[0])
+    assert tree.provider.transformer_layer_spec is stock.provider.transformer_layer_spec  # restored
+    names = list(stock.module[0].state_dict())
+    assert list(tree.module[0].state_dict()) == names
+    for name, value in stock.module[0].state_dict().items():  # both loaded from the checkpoint
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert torch.equal(tree.module[0].state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_log_probs_loss_and_gradients_match_stock(impl, checkpoint, workload, monkeypatch):
+    rng = np.random.default_rng(11)
+    data = make_batch(WORKLOADS[workload](rng), rng, temperature=0.7)
+    setting = _setting(MODES[workload])
+    stock = _engine(impl, checkpoint, setting, patched=False)
+    stock_i, _ = _step(stock, data)
+    stock_t, g_stock = _step(stock, data, _ppo())
+    tree = _engine(impl, checkpoint, setting, patched=True, monkeypatch=monkeypatch)
+    tree_i, _ = _step(tree, data)
+    tree_t, g_tree = _step(tree, data, _ppo())
+    assert_outputs(stock_i, tree_i)
+    n, t = step_tokens(tree_i)
+    assert n == int(data["input_ids"].offsets()[-1]) and t < n  # the tree path ran
+    np.testing.assert_allclose(tree_t["loss"], stock_t["loss"], rtol=RTOL)
+    assert g_stock.keys() == g_tree.keys() and g_stock
+    for name, g in g_stock.items():
+        torch.testing.assert_close(g_tree[name], g, rtol=RTOL, atol=RTOL * float(g.abs().max()), msg=name)
+
+
+def test_disabled_by_env_is_bit_identical(impl, checkpoint, monkeypatch):
+    rng = np.random.default_rng(12)
+    data = make_batch(WORKLOADS["tree"](rng), rng, use_dynamic_bsz=True, max_token_len_per_gpu=40)
+    setting = _setting("arbitrary_prefix")
+    stock = _engine(impl, checkpoint, setting, patched=False)
+    stock_i, _ = _step(stock, data)
+    stock_t, g_stock = _step(stock, data, _ppo())
+    off = _engine(impl, checkpoint, setting, patched=True, enabled="0", monkeypatch=monkeypatch)
+    off_i, _ = _step(off, data)
+    off_t, g_off = _step(off, data, _ppo())
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(stock_i["model_output"][key].values(), off_i["model_output"][key].values())
+    assert off_t["loss"] == stock_t["loss"] and TOKENS_IN not in off_i["metrics"]
+    assert g_off.keys() == g_stock.keys() and all(torch.equal(g_off[n], g) for n, g in g_stock.items())
