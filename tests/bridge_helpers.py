@@ -35,22 +35,25 @@ def prepare_cpu_bridge(monkeypatch=None) -> None:
         torch.nn.Module.cuda = lambda self, device=None: self
 
 
-def hf_config(family: str):
-    """The tiny HF config of a model family Megatron-Bridge 0.6.2 converts."""
+def hf_config(family: str, layers: int | None = None):
+    """The tiny HF config of a model family Megatron-Bridge 0.6.2 converts (``layers``
+    transformer layers; default 2, Nemotron-H's 4 are its pattern)."""
     import transformers
 
     common = dict(vocab_size=VOCAB, max_position_embeddings=512, tie_word_embeddings=False)
+    if layers is not None and family != "nemotron_h":
+        common["num_hidden_layers"] = layers
     if family == "qwen2":  # GQA 4/2, qkv bias
-        return transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, **common)
+        return transformers.Qwen2Config(**{"num_hidden_layers": 2, **common}, hidden_size=64, intermediate_size=96,
+                                        num_attention_heads=4, num_key_value_heads=2)
     if family == "qwen3":  # GQA 6/2, head dim 10 (decoupled), qk-norm
-        return transformers.Qwen3Config(hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                        num_attention_heads=6, num_key_value_heads=2, head_dim=10, **common)
+        return transformers.Qwen3Config(**{"num_hidden_layers": 2, **common}, hidden_size=48, intermediate_size=80,
+                                        num_attention_heads=6, num_key_value_heads=2, head_dim=10)
     if family == "qwen3_moe":  # 4 experts, top-2, every layer MoE
         return transformers.Qwen3MoeConfig(
             hidden_size=48, intermediate_size=80, moe_intermediate_size=32, num_experts=4,
-            num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True, num_hidden_layers=2,
-            num_attention_heads=6, num_key_value_heads=2, head_dim=10, **common)
+            num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+            num_attention_heads=6, num_key_value_heads=2, head_dim=10, **{"num_hidden_layers": 2, **common})
     if family == "nemotron_h":  # hybrid: Mamba-2, attention (no RoPE), Mamba-2, squared-ReLU MLP
         # chunk_size >= every test sequence: transformers' CPU path for Mamba-2 (torch_forward)
         # drifts across chunks (measured 3e-3 at 2 chunks of 8) while one chunk is the exact
@@ -81,13 +84,13 @@ def _sharpen_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.15 * noise)
 
 
-def write_hf_checkpoint(family: str, path: Path, seed: int = 0):
+def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | None = None):
     """Write ``config.json`` + ``model.safetensors`` of a random tiny ``family`` model to
     ``path``; returns the HF model (eval, fp32) and the checkpoint's tensors by name."""
     import transformers
     from safetensors.torch import save_file
 
-    config = hf_config(family)
+    config = hf_config(family, layers)
     arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "nemotron_h": "NemotronHForCausalLM"}[family]
     model = getattr(transformers, arch)(config).float().eval()

@@ -313,15 +313,19 @@ def _cpu_te_spec_provider():
 
 def use_cpu_te_specs(monkeypatch) -> None:
     """Where models are built: megatron-core's GPT TE spec builder (its ``TESpecProvider``, None
-    without TE), ``HybridStack``'s final norm (``TENorm`` unconditionally) and Megatron-Bridge's
-    default hybrid stack spec get the CPU modules."""
+    without TE), the final norms TE would give a GPT block (``LayerNormImpl``) and ``HybridStack``
+    (``TENorm`` unconditionally), and Megatron-Bridge's default hybrid stack spec get the CPU
+    modules."""
     from megatron.bridge.models.hybrid import hybrid_provider
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron.core.models.hybrid import hybrid_block
 
     monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", _cpu_te_spec_provider())
+    from megatron.core.transformer import transformer_block
+
     monkeypatch.setattr(hybrid_block, "TENorm", TENormCPU)  # HybridStack's final norm
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", TENormCPU)  # a GPT block's final norm under TE
     stock = hybrid_provider.get_default_hybrid_stack_spec
     monkeypatch.setattr(hybrid_provider, "get_default_hybrid_stack_spec",
                         lambda config: cpu_te_spec(stock(config)))

@@ -13,19 +13,20 @@ pytest.importorskip("verl")
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations.env import prefix_sharing_enabled, requested_patchsets  # noqa: E402
+from verl_helpers import fsdp_patchset, kv_trainer, megatron_patchset, verl_version  # noqa: E402
 
-MCORE = "verl080_mcore0161_ms0160"
+MCORE = megatron_patchset()
 
 
 def _targets():
     """Every attribute the patchsets touch, as (owner, name) pairs."""
     import verl.models.mcore as mcore
-    from verl.trainer import main_ppo_sync
     from verl.trainer.ppo import ray_trainer
     from verl.workers.engine.megatron import transformer_impl as impl
 
     from ps_mcore.integrations.verl_common.config import actor_config_classes, critic_config_classes
 
+    kv_module, init = kv_trainer()
     pairs = [
         (mcore, "get_mcore_engine_forward_fn"),
         (impl, "prepare_micro_batches"),
@@ -36,10 +37,10 @@ def _targets():
         (impl.MegatronEngineWithValueHead, "forward_step"),
         (ray_trainer.RayPPOTrainer, "_balance_batch"),
         (ray_trainer.RayPPOTrainer, "init_workers"),
-        (main_ppo_sync.PPOTrainer, "_balance_batch"),
-        (main_ppo_sync.PPOTrainer, "init_workers"),
+        (kv_module.PPOTrainer, "_balance_batch"),
+        (kv_module.PPOTrainer, init),
         (ray_trainer, "reduce_metrics"),
-        (main_ppo_sync, "reduce_metrics"),
+        (kv_module, "reduce_metrics"),
     ]
     pairs += [(cls, "__init__") for cls in actor_config_classes() + critic_config_classes()]
     return pairs
@@ -96,7 +97,7 @@ def test_unknown_patchset_is_a_clear_error(clean):
     with pytest.raises(ValueError, match=r"unknown prefix-sharing patchset\(s\) \['verl999'\]") as err:
         setup.install("verl999")
     assert f"{MCORE}: compatible" in str(err.value)
-    assert "verl080_fsdp: " in str(err.value)
+    assert f"{fsdp_patchset()}: " in str(err.value)
     assert setup.installed() == []
 
 
@@ -128,8 +129,8 @@ def test_env_switches(monkeypatch):
     monkeypatch.setenv("ENABLE_PREFIX_SHARING", "maybe")
     with pytest.raises(ValueError, match="ENABLE_PREFIX_SHARING='maybe'"):
         prefix_sharing_enabled()
-    monkeypatch.setenv("PREFIX_SHARING_PATCHSET", f" {MCORE}, verl080_fsdp ,")
-    assert requested_patchsets() == [MCORE, "verl080_fsdp"]
+    monkeypatch.setenv("PREFIX_SHARING_PATCHSET", f" {MCORE}, {fsdp_patchset()} ,")
+    assert requested_patchsets() == [MCORE, fsdp_patchset()]
     monkeypatch.setenv("PREFIX_SHARING_PATCHSET", "")
     assert requested_patchsets() is None
 
@@ -174,3 +175,31 @@ def test_auto_install_skips_a_patchset_that_fails_but_explicit_raises(clean, mon
     with pytest.raises(ImportError, match="transformer_engine missing"):
         setup.install(MCORE)
     assert _snapshot() == before  # the shared component was rolled back too
+
+
+def _refusal(state):
+    """A patchset's detect() entry as its refusal message (None: available)."""
+    return getattr(state, "refusal", state)
+
+
+def test_detect_names_the_installed_release_and_why_not_the_others():
+    status = {name: _refusal(state) for name, state in setup.detect().items()}
+    ours = {MCORE, fsdp_patchset()}
+    assert {"verl080_mcore0161_ms0160", "verl080_fsdp", "verl091_mcore019", "verl091_fsdp"} <= set(status)
+    assert all(status[name] is None for name in ours), status
+    for name, refusal in status.items():
+        if name not in ours:
+            assert refusal is not None and f"verl {verl_version()} is installed" in refusal, (name, refusal)
+
+
+def test_verl091_megatron_needs_a_bridge_and_megatron_core_019(monkeypatch):
+    from ps_mcore.setup import patchsets
+
+    monkeypatch.setattr(patchsets, "distribution_version",
+                        lambda *names: {"verl": "0.9.1", "megatron-core": "0.16.1"}.get(names[0]))
+    assert patchsets.mcore019_refusal() == "megatron-core 0.16.1 is installed, this patchset is for 0.19.x"
+    assert patchsets.verl091_refusal() is None
+    monkeypatch.setattr(patchsets, "module_importable", lambda name: False)
+    assert "neither Megatron-Bridge nor mbridge" in patchsets.megatron_builder_refusal()
+    monkeypatch.setattr(patchsets, "module_importable", lambda name: name == "mbridge")
+    assert patchsets.megatron_builder_refusal() is None

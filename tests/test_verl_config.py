@@ -1,15 +1,15 @@
-"""The ``prefix_grouper`` config on real verl 0.8.0: hydra composition of the shipped
+"""The ``prefix_grouper`` config on real verl (0.8.0, or 0.9.1 in the Python 3.12 stage): hydra composition of the shipped
 configs and of the ``+`` form on verl's stock configs, driver-side ``validate_config`` and
 worker-side ``omega_conf_to_dataclass``, defaults, bad values, ref/critic following."""
 
 from __future__ import annotations
 
 import pytest
-from verl_helpers import BASE_OVERRIDES, compose, installed_patchsets, verl_config_dir  # noqa: F401
+from verl_helpers import BASE_OVERRIDES, compose, installed_patchsets, integration_config_dir, verl_config_dir  # noqa: F401
 
 pytest.importorskip("verl")
 
-from ps_mcore.integrations.verl080 import CONFIG_DIR  # noqa: E402
+CONFIG_DIR = integration_config_dir()  # the shipped configs of the installed verl release
 from ps_mcore.integrations.verl_common.config import ENGINE_ATTR, PrefixGrouperConfig, reset_actor_setting  # noqa: E402
 
 

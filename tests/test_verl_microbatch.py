@@ -223,8 +223,8 @@ def _trainer(cls, config_flag, dp):
 
 def test_both_trainers_keep_groups_on_one_rank():
     from verl import DataProto
-    from verl.trainer import main_ppo_sync
     from verl.trainer.ppo import ray_trainer
+    from verl_helpers import kv_trainer
 
     from ps_mcore import setup
 
@@ -245,11 +245,12 @@ def test_both_trainers_keep_groups_on_one_rank():
         assert "global_seqlen/min" in metrics
         keys = [f"{u}_0_{i}" for i, u in enumerate(uids)]
         meta = _Tags(keys, lens.tolist())
-        out = _trainer(main_ppo_sync.PPOTrainer, True, 3)._balance_batch(meta, {})
+        kv_module, _ = kv_trainer()  # verl's KVBatchMeta trainer (0.8.0 main_ppo_sync, 0.9.1 main_ppo)
+        out = _trainer(kv_module.PPOTrainer, True, 3)._balance_batch(meta, {})
         ranks = np.array_split(np.array([k.rsplit("_", 2)[0] for k in out.keys]), 3)
         assert sum(len(set(r)) for r in ranks) == 6
         off = _Tags(keys, lens.tolist())  # flag off: verl's own balancing runs
-        _trainer(main_ppo_sync.PPOTrainer, False, 3)._balance_batch(off, {})
+        _trainer(kv_module.PPOTrainer, False, 3)._balance_batch(off, {})
         assert sorted(off.keys) == sorted(keys)
     finally:
         setup.uninstall()

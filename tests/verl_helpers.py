@@ -37,6 +37,18 @@ def fsdp_patchset() -> str:
     return _patchset("fsdp")
 
 
+def kv_trainer():
+    """(module, the method that sets its workers up) of verl's ``KVBatchMeta`` trainer:
+    0.8.0's ``main_ppo_sync``, 0.9.1's ``verl.trainer.ppo.v1.trainer_base`` (``main_ppo``)."""
+    if verl_version() == "0.8.0":
+        from verl.trainer import main_ppo_sync
+
+        return main_ppo_sync, "init_workers"
+    from verl.trainer.ppo.v1 import trainer_base
+
+    return trainer_base, "init"
+
+
 def integration_config_dir() -> str:
     """The installed verl release's shipped hydra configs."""
     return __import__(f"ps_mcore.integrations.verl{verl_version().replace('.', '')}", fromlist=["CONFIG_DIR"]).CONFIG_DIR
