@@ -141,6 +141,7 @@ def make_batch(samples, rng, temperature=1.0, **non_tensor):
         max_token_len_per_gpu=4096,
         micro_batch_size_per_gpu=b,
         global_batch_size=b,
+        return_model_output=True,  # verl 0.9.1's FSDP engine drops training outputs without it
     )
     meta.update(non_tensor)
     return tu.get_tensordict(tensor_dict=tensors, non_tensor_dict=meta)
