@@ -4,7 +4,8 @@ CPU (fp32, fusions off), models built through ``provide_distributed_model`` and 
 loaded strictly (every Megatron parameter written, and Bridge's export gives back exactly the
 checkpoint's tensors).
 
-Call :func:`prepare_cpu_bridge` once per process before anything imports ``megatron.bridge``.
+A CPU test module starts with :func:`require_bridge` and imports the :func:`cpu_bridge`
+fixture (the shims for that module only); a worker process calls :func:`prepare_cpu_bridge`.
 """
 
 from __future__ import annotations
@@ -12,27 +13,50 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 VOCAB = 128
 
 
-def prepare_cpu_bridge(monkeypatch=None) -> None:
-    """The TE import stub, the CPU TE specs, megatron's Mamba and MoE kernels as torch
-    stand-ins, ``Module.cuda`` a no-op without a GPU. ``monkeypatch`` scopes the spec mapping (default:
-    for the process)."""
-    import pytest
+def require_bridge() -> None:
+    """Skip the calling test module unless Megatron-Bridge is installed (found without importing
+    it: it imports transformer_engine); then a gloo world of 1 for megatron."""
+    import importlib.util
 
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("megatron.bridge") is None:
+        pytest.skip("Megatron-Bridge is not installed", allow_module_level=True)
+    from megatron_shims import init_cpu_megatron
+
+    init_cpu_megatron(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_bridge():
+    """The CPU shims for the importing test module only (other modules see megatron as is)."""
+    with pytest.MonkeyPatch.context() as patch:
+        prepare_cpu_bridge(patch)
+        yield
+
+
+def prepare_cpu_bridge(monkeypatch=None) -> None:
+    """The TE import stub (for the process), megatron's Mamba and MoE kernels as torch
+    stand-ins (as the Mamba and MoE tests shim them), and, scoped by ``monkeypatch`` (default: the
+    rest of the process), the CPU TE specs and ``Module.cuda`` a no-op without a GPU (Bridge
+    moves a model it did not initialise on the CPU to the GPU)."""
     from mamba_shims import shim_mamba_for_cpu
     from megatron_shims import enable_cpu_moe
     from te_cpu_shims import install_te_import_stub, use_cpu_te_specs
 
+    monkeypatch = monkeypatch or pytest.MonkeyPatch()
     install_te_import_stub()
-    use_cpu_te_specs(monkeypatch or pytest.MonkeyPatch())
+    use_cpu_te_specs(monkeypatch)
     shim_mamba_for_cpu()
     enable_cpu_moe()
-    if not torch.cuda.is_available():  # Bridge moves a model not initialised on the CPU to the GPU
-        torch.nn.Module.cuda = lambda self, device=None: self
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, device=None: self)
 
 
 def hf_config(family: str, layers: int | None = None):
@@ -70,23 +94,23 @@ FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "nemotron_h")
 
 
 def _sharpen_(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough for sharp attention (so mask or position errors show); norm scales
-    and Mamba's A / dt / D around their usual values."""
-    gen = torch.Generator().manual_seed(seed)
+    """Weights large enough for sharp attention (``megatron_shims.randomize_``), Mamba's A / dt /
+    D around their usual values."""
+    from megatron_shims import randomize_
+
+    randomize_(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(("A_log", "dt_bias", ".D")):
-                p.copy_(0.3 * noise)
-            else:
-                p.copy_(0.15 * noise)
+            if name.endswith(("A_log", "dt_bias", ".D")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
 
 
-def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | None = None):
+def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | None = None,
+                        dtype: torch.dtype = torch.float32):
     """Write ``config.json`` + ``model.safetensors`` of a random tiny ``family`` model to
-    ``path``; returns the HF model (eval, fp32) and the checkpoint's tensors by name."""
+    ``path`` in ``dtype``; returns the HF model (eval, fp32) and the checkpoint's tensors by
+    name."""
     import transformers
     from safetensors.torch import save_file
 
@@ -101,11 +125,12 @@ def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | No
         # Megatron-Bridge 0.6.2 does not map (it reads backbone.embeddings.weight)
         config.architectures = [arch]
         config.save_pretrained(path)
-        tensors = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v.detach().clone().contiguous()
+        tensors = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v.detach().to(dtype).contiguous()
                    for k, v in model.state_dict().items()}
         save_file(tensors, str(Path(path) / "model.safetensors"))
     else:
-        model.save_pretrained(path)
+        model.to(dtype).save_pretrained(path)
+        model.float()
         from safetensors.torch import load_file
 
         tensors = {}

@@ -19,25 +19,15 @@ with real TE on a GPU.
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import torch
+from bridge_helpers import require_bridge
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("transformers")
-if importlib.util.find_spec("megatron.bridge") is None:  # found, not imported: it imports TE
-    pytest.skip("Megatron-Bridge is not installed", allow_module_level=True)
+require_bridge()
 
-from megatron_shims import init_cpu_megatron  # noqa: E402
-
-init_cpu_megatron(1)
-
-from bridge_helpers import FAMILIES, bridge_and_provider, build, load_strictly, prepare_cpu_bridge, write_hf_checkpoint  # noqa: E402
+from bridge_helpers import FAMILIES, bridge_and_provider, build, cpu_bridge, load_strictly, write_hf_checkpoint  # noqa: E402,F401
 from forests import small_nasty_forests  # noqa: E402
-
-prepare_cpu_bridge()
 
 from ps_mcore import plan_prefix_tree, token_logprobs  # noqa: E402
 from ps_mcore.layer_specs import TreeCoreAttention, TreePackedSeqParams, provider_spec_field, tree_provider_spec  # noqa: E402

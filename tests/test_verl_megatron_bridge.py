@@ -13,7 +13,6 @@ GPU), tests/verl_batches.py (a CPU platform for verl 0.9.1).
 
 from __future__ import annotations
 
-import importlib.util
 from functools import partial
 
 import numpy as np
@@ -21,18 +20,11 @@ import pytest
 import torch
 
 pytest.importorskip("verl")
-pytest.importorskip("megatron.core")
-if importlib.util.find_spec("megatron.bridge") is None:  # found, not imported: it imports TE
-    pytest.skip("Megatron-Bridge is not installed", allow_module_level=True)
+from bridge_helpers import require_bridge  # noqa: E402
 
-from megatron_shims import init_cpu_megatron  # noqa: E402
+require_bridge()
 
-init_cpu_megatron(1)
-
-from bridge_helpers import bridge_engine, prepare_cpu_bridge, write_hf_checkpoint  # noqa: E402
-
-prepare_cpu_bridge()
-
+from bridge_helpers import bridge_engine, cpu_bridge, write_hf_checkpoint  # noqa: E402,F401
 from verl_batches import RTOL, WORKLOADS, assert_outputs, cpu_forward_backward_func, make_batch, step_tokens  # noqa: E402
 from verl_helpers import megatron_patchset  # noqa: E402
 

@@ -104,24 +104,25 @@ VERL080_FSDP = register(
 # ----------------------------------------------------------------------------- verl 0.9.1
 
 
+def release_refusal(label: str, distributions: tuple[str, ...], prefix: str, wanted: str) -> str | None:
+    """None when the first installed of ``distributions`` has a version starting with
+    ``prefix``; else why not (``label`` names it, ``wanted`` is what the patchset is for)."""
+    version = distribution_version(*distributions)
+    if version is None:
+        return f"{label} is not installed"
+    if not version.startswith(prefix):
+        return f"{label} {version} is installed, this patchset is for {wanted}"
+    return None
+
+
 def verl091_refusal() -> str | None:
     """None when verl 0.9.1 is installed, else why not."""
-    version = distribution_version("verl")
-    if version is None:
-        return "verl is not installed"
-    if not version.startswith("0.9.1"):
-        return f"verl {version} is installed, this patchset is for verl 0.9.1"
-    return None
+    return release_refusal("verl", ("verl",), "0.9.1", "verl 0.9.1")
 
 
 def mcore019_refusal() -> str | None:
     """None when megatron-core 0.19.x is installed, else why not."""
-    mcore = distribution_version("megatron-core", "megatron_core")
-    if mcore is None:
-        return "megatron-core is not installed"
-    if not mcore.startswith("0.19."):
-        return f"megatron-core {mcore} is installed, this patchset is for 0.19.x"
-    return None
+    return release_refusal("megatron-core", ("megatron-core", "megatron_core"), "0.19.", "0.19.x")
 
 
 def megatron_builder_refusal() -> str | None:

@@ -27,22 +27,17 @@ def install_common(patcher: Patcher) -> None:
 
     from ps_mcore.integrations.verl_common.config import install_config_patches
     from ps_mcore.integrations.verl_common.trainer import (
-        init_workers_following_actor,
+        install_trainer_patches,
         ray_trainer_balance_batch,
-        reduce_metrics_with_prefix_sharing,
         sync_trainer_balance_batch,
     )
 
     install_config_patches(patcher)
-    patcher.wrap(ray_trainer.RayPPOTrainer, "_balance_batch", ray_trainer_balance_batch)
-    patcher.wrap(ray_trainer.RayPPOTrainer, "init_workers", init_workers_following_actor)
-    patcher.wrap(ray_trainer, "reduce_metrics", reduce_metrics_with_prefix_sharing)
+    install_trainer_patches(patcher, ray_trainer, ray_trainer.RayPPOTrainer, ray_trainer_balance_batch, "init_workers")
     if module_importable("transfer_queue"):  # without it verl's main_ppo trainer cannot run either
         from verl.trainer.ppo.v1 import trainer_base
 
-        patcher.wrap(trainer_base.PPOTrainer, "_balance_batch", sync_trainer_balance_batch)
-        patcher.wrap(trainer_base.PPOTrainer, "init", init_workers_following_actor)
-        patcher.wrap(trainer_base, "reduce_metrics", reduce_metrics_with_prefix_sharing)
+        install_trainer_patches(patcher, trainer_base, trainer_base.PPOTrainer, sync_trainer_balance_batch, "init")
 
 
 def install_megatron_engines(patcher: Patcher) -> None:

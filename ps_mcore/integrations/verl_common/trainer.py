@@ -191,3 +191,16 @@ def init_workers_following_actor(original: Callable) -> Callable:
         return original(self, *args, **kwargs)
 
     return init_workers
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def install_trainer_patches(patcher, module, trainer: type, balance: Callable, setup_method: str) -> None:
+    """The driver-side patches of one verl trainer class: ``_balance_batch`` (``balance``:
+    :func:`ray_trainer_balance_batch` or :func:`sync_trainer_balance_batch`), the method that
+    makes its workers (``init_workers`` / ``init``: ref and critic follow the actor first) and
+    its module's ``reduce_metrics`` (the ``prefix_sharing/*`` step metrics)."""
+    patcher.wrap(trainer, "_balance_batch", balance)
+    patcher.wrap(trainer, setup_method, init_workers_following_actor)
+    patcher.wrap(module, "reduce_metrics", reduce_metrics_with_prefix_sharing)
