@@ -33,12 +33,21 @@ def require_bridge() -> None:
     init_cpu_megatron(1)
 
 
+def clear_attention_backend_env() -> None:
+    """Megatron records a model's attention backend in ``NVTE_*`` variables and asserts them at
+    the next build (flash for verl's Bridge providers, auto elsewhere): cleared between builds
+    of different setups in one process."""
+    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(var, None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cpu_bridge():
     """The CPU shims for the importing test module only (other modules see megatron as is)."""
     with pytest.MonkeyPatch.context() as patch:
         prepare_cpu_bridge(patch)
         yield
+    clear_attention_backend_env()
 
 
 def prepare_cpu_bridge(monkeypatch=None) -> None:
@@ -167,11 +176,8 @@ def bridge_and_provider(path: Path, **overrides):
 
 
 def build(provider) -> list:
-    """The provider's model chunks, built on the CPU (no DDP, no fp16 wrapper). Megatron records
-    a model's attention backend in ``NVTE_*`` variables and asserts them at the next build;
-    models of several families are built in one test process, so they are cleared first."""
-    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        os.environ.pop(var, None)
+    """The provider's model chunks, built on the CPU (no DDP, no fp16 wrapper)."""
+    clear_attention_backend_env()  # families differ in attention backend
     return provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True,
                                               mixed_precision_wrapper=None)
 
@@ -241,7 +247,6 @@ def bridge_engine(cls, path: Path, setting=None, value: bool = False, **engine_c
     engine._qat_enabled = False
     engine.mini_layer_topk_idx_list = []
     engine._build_tf_config()
-    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        os.environ.pop(var, None)
+    clear_attention_backend_env()
     engine.module = engine._build_megatron_module()
     return engine
