@@ -19,9 +19,6 @@ from __future__ import annotations
 from ps_mcore.integrations.env import module_importable
 from ps_mcore.integrations.patching import Patcher
 
-V1_TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"  # needs TransferQueue (verl's verl-core extra)
-
-
 def install_common(patcher: Patcher) -> None:
     from verl.trainer.ppo import ray_trainer
 
@@ -34,7 +31,9 @@ def install_common(patcher: Patcher) -> None:
 
     install_config_patches(patcher)
     install_trainer_patches(patcher, ray_trainer, ray_trainer.RayPPOTrainer, ray_trainer_balance_batch, "init_workers")
-    if module_importable("transfer_queue"):  # without it verl's main_ppo trainer cannot run either
+    # main_ppo's trainer module imports TransferQueue (verl's verl-core extra): without it that
+    # trainer cannot run either
+    if module_importable("transfer_queue"):
         from verl.trainer.ppo.v1 import trainer_base
 
         install_trainer_patches(patcher, trainer_base, trainer_base.PPOTrainer, sync_trainer_balance_batch, "init")

@@ -392,7 +392,8 @@ def _build_with_bridge_provider(engine, original: Callable):
 
 
 def install_megatron_patches(patcher) -> None:
-    """Every Megatron-engine patch of the ``verl080_mcore0161_ms0160`` patchset."""
+    """Every Megatron-engine patch (patchsets ``verl080_mcore0161_ms0160`` and
+    ``verl091_mcore019``: the engine seams are the same in both releases)."""
     import verl.models.mcore as mcore
     from verl.workers.engine.megatron import transformer_impl as impl
 
