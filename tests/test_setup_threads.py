@@ -1,4 +1,4 @@
-"""Patchset registry under concurrency, and the ``prefix_sharing.setup`` entry point the seed
+"""Patchset registry under concurrency, and the ``prefix_sharing.setup`` entry point the README
 documents. Needs no verl: a registered test patchset patches a local class."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ With verl 0.9.1 and Megatron-Bridge (Python 3.12 stage) the TP=2 + SP, CP=2 and 
 worlds also run with the models built by the engine through Megatron-Bridge
 (``test_verl_engine_bridge_builder_layout_matches_stock``, marked slow).
 
-Wall times on the 2-core dev box: CP=2 23 s, TP=2 + SP 22 s, PP=2 x VPP=2 20 s, CP=4 43 s,
+Wall times on a shared 2-core CPU: CP=2 23 s, TP=2 + SP 22 s, PP=2 x VPP=2 20 s, CP=4 43 s,
 CP=2 x TP=2 + SP 40-43 s; the two 4-process worlds are marked ``slow`` (CI's default run
 includes them).
 """

@@ -117,7 +117,7 @@ def uniform_temperature(temp) -> float | None:
     return t if t > 0 else 1e-8
 
 
-def lm_head_batch_reason(batch, temperature: float | None) -> str | None:
+def lm_head_batch_refusal(batch, temperature: float | None) -> str | None:
     """Why an LM micro-batch's log-prob request cannot take the tree path (None: it can)."""
     if temperature is None:
         return "per-sample temperatures are not supported"

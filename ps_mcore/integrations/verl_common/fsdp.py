@@ -7,10 +7,11 @@ metrics) runs unchanged around them:
 * ``prepare_model_inputs``: plans the micro-batch's nested ``input_ids`` (prompt lengths and
   ``uid`` for ``prompt_only``, exactly as the Megatron glue) and returns model inputs for one
   packed row: ``input_ids = plan.input_ids[None]``, ``position_ids = plan.position_ids[None]``
-  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and ``tree_plan=plan``,
-  which the ``"prefix_tree"`` attention of :mod:`ps_mcore.fsdp_bridge` reads. The model's
-  decoder is switched to that attention on first use (unshared calls keep its own one; the
-  patchset's uninstall switches it back).
+  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and
+  ``tree_call=TreeCall(plan)``, which the ``"prefix_tree"`` attention of
+  :mod:`ps_mcore.fsdp_bridge` reads (FSDP2's input cast of verl's mixed-precision policy
+  passes it through unchanged). The model's decoder is switched to that attention on first
+  use (unshared calls keep its own one; the patchset's uninstall switches it back).
 * ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
   :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature; value head (token
   classification, ``num_labels=1``) -> ``values``. Both as jagged tensors with
@@ -28,8 +29,9 @@ Per micro-batch, verl's stock code runs instead (warning once per reason) when t
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
 rule) and for what the tree path does not support: Ulysses sequence parallelism, fused
 kernels, VLM inputs, per-sample temperatures, ``calculate_sum_pi_squared``, distillation
-top-k, position ids other than ``0..len-1``, attention dropout, trl value-head wrappers and
-engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
+top-k, position ids other than ``0..len-1``, active dropout of a training model (attention
+dropout always; residual / classifier / LoRA dropouts unless ``prefix_grouper.shared_dropout``),
+trl value-head wrappers and engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
 back (SP, fused kernels, VLM), micro-batching stays verl's, so the stock forward keeps the
 raw-token budget it was sized for.
 """
@@ -40,26 +42,32 @@ from typing import Callable
 
 import torch
 
+from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
+from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
-    lm_head_batch_reason,
+    lm_head_batch_refusal,
     nested_like,
     sequence_lengths,
     uniform_temperature,
 )
+from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN
 from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
+    install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.integrations.verl_common.schedule import scheduler_for
+from ps_mcore.logprobs import token_logprobs
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
 PLAN_KEY = "ps_mcore_tree_plan"
 TEMPERATURE_KEY = "ps_mcore_temperature"
 _SEAMS = ("forward_step", "prepare_model_inputs", "prepare_model_outputs")
-_SP_REASON = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+_SP_REFUSAL = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
 
 
 def _impl():
@@ -71,13 +79,13 @@ def _impl():
 # ----------------------------------------------------------------------------- checks
 
 
-def batch_fallback_reason(batch) -> str | None:
+def batch_flags_refusal(batch) -> str | None:
     """Why every micro-batch of ``batch`` takes verl's stock path, judged from the batch's
     own flags (so micro-batching can stay stock too); None if nothing rules it out."""
     from verl.utils import tensordict_utils as tu
 
     if tu.get_non_tensor_data(batch, key="sp_size", default=1) > 1:
-        return _SP_REASON
+        return _SP_REFUSAL
     if batch_flag(batch, "use_fused_kernels"):
         return (
             "use_fused_kernels=True: verl's fused forward computes the log-probs itself (set "
@@ -117,7 +125,7 @@ def micro_batch_temperature(batch) -> float | None:
     return None if temperature is None else max(temperature, 1e-8)
 
 
-def fsdp_fallback_reason(engine, batch) -> str | None:
+def fsdp_batch_refusal(engine, batch) -> str | None:
     """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
@@ -125,8 +133,8 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
     if _overrides_seams(engine):
         return f"{type(engine).__name__} overrides the FSDP engine's model input/output methods"
     if getattr(engine, "use_ulysses_sp", False):
-        return _SP_REASON
-    reason = batch_fallback_reason(batch)
+        return _SP_REFUSAL
+    reason = batch_flags_refusal(batch)
     if reason is not None:
         return reason
     if tu.get_non_tensor_data(batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
@@ -136,25 +144,21 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        reason = lm_head_batch_reason(batch, micro_batch_temperature(batch))
+        reason = lm_head_batch_refusal(batch, micro_batch_temperature(batch))
         if reason is not None:
             return reason
-    return _model_reason(engine.module)
+    setting = active_setting(engine)
+    return _model_refusal(engine.module, setting is not None and setting.config.shared_dropout)
 
 
-def _model_reason(module) -> str | None:
-    from ps_mcore.fsdp_bridge import unwrap_model
-
+def _model_refusal(module, shared_dropout: bool = False) -> str | None:
     if hasattr(module, "v_head"):
         return "trl value-head wrappers (AutoModelForCausalLMWithValueHead) are not supported"
     try:
-        inner = unwrap_model(module)
+        unwrap_model(module)
     except ValueError as err:
         return str(err)
-    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-    if inner.training and getattr(config, "attention_dropout", 0.0):
-        return "attention dropout is not supported by prefix-tree attention"
-    return None
+    return hf_dropout_refusal(module, shared_dropout, SHARED_DROPOUT_OPT_IN)
 
 
 # ----------------------------------------------------------------------------- tree path
@@ -163,9 +167,6 @@ def _model_reason(module) -> str | None:
 def _switch_attention(module: torch.nn.Module, patcher) -> None:
     """``enable_tree_attention`` on the engine's model, recorded in the patchset's patcher
     so that uninstalling gives the model its own implementation back."""
-    from ps_mcore.fsdp_bridge import enable_tree_attention
-    from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
-
     for config in enable_tree_attention(module):
         config._attn_implementation_internal = base_implementation(config)
         patcher.set(config, "_attn_implementation_internal", ATTN_NAME)
@@ -181,7 +182,7 @@ def tree_model_inputs(micro_batch, plan, temperature: float) -> tuple[dict, dict
         "input_ids": plan.input_ids[None],
         "attention_mask": None,
         "position_ids": plan.position_ids[None],
-        "tree_plan": plan,
+        "tree_call": TreeCall(plan),
     }
     return model_inputs, {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
 
@@ -199,7 +200,7 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
-        reason = fsdp_fallback_reason(self, source)
+        reason = fsdp_batch_refusal(self, source)
         plan = plan_or_stock("FSDP", micro, setting, source, n, reason)
         if plan is None:
             return original(self, micro_batch)
@@ -211,8 +212,6 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
 
 def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
     """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``."""
-    from ps_mcore.logprobs import token_logprobs
-
     logprobs, entropy = token_logprobs(
         output.logits[0],
         output_args[PLAN_KEY],
@@ -263,14 +262,27 @@ def fsdp_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
+FSDP_SCHEDULE_REFUSAL = (
+    "the FSDP engine runs one model call per micro-batch (a schedule's data-dependent calls "
+    "would desynchronise FSDP's collectives across data-parallel ranks; the Megatron engine "
+    "runs cross-micro-batch schedules)"
+)
+
+
+def fsdp_scheduler(step, setting, data):
+    """The FSDP engine's scheduler: it refuses (units larger than the budget are split, with
+    one warning when ``cross_microbatch`` is on)."""
+    return scheduler_for(setting.config, not step.forward_only, lambda: 1.0, FSDP_SCHEDULE_REFUSAL)
+
+
 def prefix_aware_unless_stock(stock: Callable) -> Callable:
     """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
     batches whose every micro-batch runs verl's stock forward (their token budget must
     count raw tokens)."""
-    aware = prefix_aware(stock)
+    aware = prefix_aware(stock, fsdp_scheduler)
 
     def prepare_micro_batches(data, *args, **kwargs):
-        if batch_fallback_reason(data) is not None:
+        if batch_flags_refusal(data) is not None:
             return stock(data, *args, **kwargs)
         return aware(data, *args, **kwargs)
 
@@ -283,8 +295,6 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch (patchsets ``verl080_fsdp`` and ``verl091_fsdp``: the seams are
     the same in both releases)."""
-    from ps_mcore.integrations.verl_common.engine import install_engine_micro_batching
-
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
     patcher.wrap(lm, "forward_step", fsdp_forward_step)

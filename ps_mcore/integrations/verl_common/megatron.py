@@ -28,10 +28,16 @@ Per micro-batch it runs verl's own forward instead (warning once per reason) whe
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
 context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding, per-sample
-temperatures, ``calculate_sum_pi_squared`` and distillation top-k, and in verl 0.9.1
-``pad_to_length`` buckets, the contiguous CP layout and distillation-only passes. Fused kernels take
+temperatures, ``calculate_sum_pi_squared``, distillation top-k, active dropout of a training
+model (megatron-core's ``hidden_dropout`` default 0.1, unless ``prefix_grouper.shared_dropout``;
+attention dropout always), and in verl 0.9.1 ``pad_to_length`` buckets, the contiguous CP
+layout and distillation-only passes. Fused kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
+
+``ps_mcore.layer_specs`` is imported where it is used, when an engine builds or runs its
+model: on NPUs its tree modules then subclass the megatron classes MindSpeed's ``repatch``
+(run by the engine before it builds the model) has bound, not those of install time.
 """
 
 from __future__ import annotations
@@ -46,20 +52,24 @@ from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
-    lm_head_batch_reason,
+    lm_head_batch_refusal,
     nested_like,
     plan_batch,
     uniform_temperature,
 )
-from ps_mcore.integrations.verl_common.config import resolve_setting
+from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN, resolve_setting
 from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
     current_step,
+    install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.integrations.verl_common.schedule import megatron_kv_row_cost, schedule_outputs, scheduler_for
+from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
+from ps_mcore.mindspeed.state import reset_attention_mask_active
 
 _HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -89,10 +99,8 @@ def _uniform_temperature(args: dict) -> float | None:
     return uniform_temperature((args.get("logits_processor_args") or {}).get("temperature"))
 
 
-def megatron_fallback_reason(model, args: dict, batch) -> str | None:
+def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
-    from ps_mcore.mindspeed import mindspeed_refusal
-
     reason = mindspeed_refusal()
     if reason is not None:
         return reason
@@ -110,14 +118,29 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
         return "fp8 (its THD padding rules) is not supported"
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
-    from ps_mcore.layer_specs.modules.moe_router import tree_unsupported_reason  # MoE options a tree cannot make exact
+    from ps_mcore.layer_specs.modules.moe_router import moe_refusal  # after MindSpeed's repatch
 
-    moe_reason = tree_unsupported_reason(_unwrap(model).config)
-    if moe_reason is not None:  # the tree router would raise inside the model
-        return f"MoE with {moe_reason} cannot be exact on a prefix tree"
+    refusal = moe_refusal(_unwrap(model).config)
+    if refusal is not None:  # the tree router would raise inside the model
+        return f"MoE with {refusal} cannot be exact on a prefix tree"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        return lm_head_batch_reason(batch, _uniform_temperature(args))
-    return None
+        refusal = lm_head_batch_refusal(batch, _uniform_temperature(args))
+        if refusal is not None:
+            return refusal
+    return _dropout_refusal(model, args)
+
+
+def _dropout_refusal(model, args: dict) -> str | None:
+    """Active dropout of the training model (megatron-core's hidden_dropout defaults to 0.1;
+    mbridge and Megatron-Bridge set it to 0 for Qwen / Llama), named with verl's keys."""
+    from ps_mcore.layer_specs import megatron_dropout_refusal  # after MindSpeed's repatch
+
+    micro = current_micro_batch()
+    shared = micro is not None and micro.setting.config.shared_dropout
+    role = "critic" if args.get("value_model") else "actor_rollout_ref.actor"
+    return megatron_dropout_refusal(
+        _unwrap(model), shared, SHARED_DROPOUT_OPT_IN, key_prefix=f"+{role}.megatron.override_transformer_config."
+    )
 
 
 # ----------------------------------------------------------------------------- tree forward
@@ -131,12 +154,13 @@ def _tp_group():
     return mpu.get_tensor_model_parallel_group()
 
 
-def tree_packed_params(plan):
+def tree_packed_params(plan, shared_dropout: bool = False):
     """The micro-batch's ``TreePackedSeqParams`` on this rank: rows padded as verl pads THD
-    (a multiple of TP, of ``2*cp*tp`` under context parallelism), this CP rank's layout."""
+    (a multiple of TP, of ``2*cp*tp`` under context parallelism), this CP rank's layout;
+    ``shared_dropout``: ``prefix_grouper.shared_dropout``."""
     from megatron.core import parallel_state as mpu
 
-    from ps_mcore.layer_specs import TreePackedSeqParams
+    from ps_mcore.layer_specs import TreePackedSeqParams  # after MindSpeed's repatch
 
     tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
     return TreePackedSeqParams.from_plan(
@@ -144,6 +168,7 @@ def tree_packed_params(plan):
         pad_to_multiple_of=2 * cp * tp if cp > 1 else tp,
         cp_size=cp,
         cp_rank=mpu.get_context_parallel_rank() if cp > 1 else 0,
+        shared_dropout=shared_dropout,
     )
 
 
@@ -154,12 +179,12 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     head), this CP rank's rows; returned tensors are jagged ``[B, j]`` with ``input_ids``'s
     offsets, complete on every CP rank.
     """
-    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows
-    from ps_mcore.mindspeed import set_tree_sequence_state
+    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows  # after MindSpeed's repatch
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
-    psp = tree_packed_params(plan)
+    micro = current_micro_batch()
+    psp = tree_packed_params(plan, micro is not None and micro.setting.config.shared_dropout)
     set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
     output = model(
         input_ids=psp.cp_shard(plan.input_ids)[None],
@@ -186,6 +211,97 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     return result
 
 
+def megatron_schedule_refusal(engine, model, data) -> str | None:
+    """Why this Megatron engine cannot run a cross-micro-batch schedule on ``data`` (None: it
+    can). Per-micro-batch fallbacks cannot apply inside a schedule, so they refuse it here."""
+    from ps_mcore.layer_specs import megatron_dropout_refusal  # after MindSpeed's repatch
+    from ps_mcore.layer_specs.modules.moe_router import moe_refusal
+    from ps_mcore.layer_specs.schedule import schedule_refusal
+
+    reason = mindspeed_refusal()
+    if reason is not None:
+        return reason
+    if "multi_modal_inputs" in data.keys():
+        return "vision-language inputs"
+    if getattr(_unwrap(model).config, "fp8", None):
+        return "fp8"
+    if not isinstance(engine, _value_engine_class()):
+        temperature = uniform_temperature(data["temperature"]) if "temperature" in data.keys() else 1.0
+        reason = lm_head_batch_refusal(data, temperature)
+        if reason is not None:
+            return reason
+    if len(engine.module) > 1:
+        return "virtual pipeline parallelism (several model chunks)"
+    if not has_tree_attention(model):
+        return "the model was not built with tree layer specs"
+    if getattr(engine.engine_config, "dynamic_context_parallel", False):
+        return "dynamic context parallelism"
+    config = engine.engine_config
+    if getattr(config, "pad_to_length", False) and config.use_remove_padding:  # verl 0.9.1's static padding
+        return "pad_to_length (padding micro-batches to fixed length buckets)"
+    if megatron_dropout_refusal(_unwrap(model)) is not None:  # shared_dropout or not
+        return ("active dropout (a K/V-kept prefix runs its forward again at its release, which "
+                "would draw other dropout masks)")
+    refusal = schedule_refusal(model)
+    if refusal is None:
+        moe = moe_refusal(_unwrap(model).config)
+        refusal = None if moe is None else f"MoE with {moe}"
+    return refusal
+
+
+def _value_engine_class():
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    return impl.MegatronEngineWithValueHead
+
+
+def megatron_scheduler(step, setting, data):
+    """The engine step's cross-micro-batch scheduler (None when ``cross_microbatch`` is off)."""
+    if not setting.config.cross_microbatch:
+        return None
+    model = step.engine.module[0]
+    training = not step.forward_only
+    return scheduler_for(
+        setting.config, training, lambda: megatron_kv_row_cost(_unwrap(model), training),
+        megatron_schedule_refusal(step.engine, model, data),
+    )
+
+
+def run_schedule_step(model, micro, input_ids: torch.Tensor, args: dict) -> Any:
+    """Step ``micro.schedule_step`` of the engine step's schedule; returns what verl's engine
+    forward returns (jagged ``[B, j]`` with ``input_ids``'s offsets)."""
+    from megatron.core import parallel_state as mpu
+
+    from ps_mcore.layer_specs.schedule import gpt_call  # after MindSpeed's repatch
+
+    schedule = current_step().schedule
+    value = bool(args.get("value_model"))
+    if not value and args.get("logits_processor") is None:
+        raise NotImplementedError(
+            "a cross-micro-batch schedule step returns log-probs or values; this forward asked "
+            "for raw logits (no logits_processor)"
+        )
+    reason = None if value else lm_head_batch_refusal(micro.batch, _uniform_temperature(args))
+    if reason is not None:
+        raise NotImplementedError(f"a cross-micro-batch schedule step cannot run: {reason}")
+
+    def make_run_call():
+        return gpt_call(
+            model,
+            temperature=1.0 if value else _uniform_temperature(args),
+            compute_entropy=not value and batch_flag(micro.batch, "calculate_entropy"),
+            tp_group=_tp_group(),
+            pad_to_multiple_of=mpu.get_tensor_model_parallel_world_size(),
+            value_head=value,
+        )
+
+    out = schedule_outputs(schedule, micro.schedule_step, make_run_call)
+    micro.record(*schedule.step_tokens(micro.schedule_step))
+    if value:
+        return nested_like(out["values"], input_ids)
+    return {name: nested_like(tensor, input_ids) for name, tensor in out.items()}
+
+
 def tree_engine_forward(stock: Callable) -> Callable:
     """Wrap verl's engine forward function (``gptmodel_forward_model_engine`` signature)."""
     signature = inspect.signature(stock)
@@ -198,8 +314,10 @@ def tree_engine_forward(stock: Callable) -> Callable:
         bound.apply_defaults()
         args = dict(bound.arguments)
         model, input_ids = args["model"], args["input_ids"]
+        if micro.schedule_step is not None:
+            return run_schedule_step(model, micro, input_ids, args)
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
-        reason = megatron_fallback_reason(model, args, micro.batch)
+        reason = megatron_batch_refusal(model, args, micro.batch)
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
         if plan is None:
             return stock(*call_args, **call_kwargs)
@@ -228,7 +346,7 @@ def check_same_plans(step, micro_batches, config) -> None:
     """Plan every micro-batch not planned yet (kept in ``step.plans`` for the forward) and
     raise unless every TP / PP / CP rank holds the same plans (one all-reduce per group,
     before the schedule: stages run a micro-batch at different times)."""
-    from ps_mcore.layer_specs import assert_same_plan
+    from ps_mcore.layer_specs import assert_same_plan  # after MindSpeed's repatch
 
     groups = _plan_check_groups()
     if not groups or not micro_batches:
@@ -253,7 +371,7 @@ def check_same_plans(step, micro_batches, config) -> None:
 def megatron_prepare(stock: Callable) -> Callable:
     """The Megatron engine's ``prepare_micro_batches``: :func:`prefix_aware`, then the plan
     check of every micro-batch over the model-parallel ranks (:func:`check_same_plans`)."""
-    prepare = prefix_aware(stock)
+    prepare = prefix_aware(stock, megatron_scheduler)
 
     def prepare_micro_batches(*args, **kwargs):
         micro_batches, indices = prepare(*args, **kwargs)
@@ -264,6 +382,29 @@ def megatron_prepare(stock: Callable) -> Callable:
         return micro_batches, indices
 
     return prepare_micro_batches
+
+
+def megatron_get_forward_backward_func(original: Callable) -> Callable:
+    """``get_forward_backward_func`` (as the Megatron engine module imported it) returning a
+    schedule whose last cross-micro-batch releases run before the gradient reduction."""
+
+    def get_forward_backward_func(*get_args, **get_kwargs):
+        schedule_fn = original(*get_args, **get_kwargs)
+
+        def forward_backward_func(*args, **kwargs):
+            step = current_step()
+            if step is None or step.schedule is None:
+                return schedule_fn(*args, **kwargs)
+            from ps_mcore.layer_specs.schedule import releases_before_grad_sync  # after MindSpeed's repatch
+
+            with releases_before_grad_sync(kwargs.get("model"), step.schedule.finish, kwargs.get("forward_only", False)):
+                result = schedule_fn(*args, **kwargs)
+            step.schedule.finish()
+            return result
+
+        return forward_backward_func
+
+    return get_forward_backward_func
 
 
 def megatron_get_forward_fn(original: Callable) -> Callable:
@@ -287,7 +428,7 @@ def megatron_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
-ROPE_FUSION_REASON = (
+ROPE_FUSION_REFUSAL = (
     "apply_rope_fusion forced to False under MindSpeed: its NPU RoPE kernels are not verified "
     "with the per-token tree positions prefix sharing needs (TE's fused THD RoPE is, and stays on)"
 )
@@ -295,8 +436,6 @@ ROPE_FUSION_REASON = (
 
 def tree_build_refusal(engine) -> str | None:
     """Why the engine's model must be built with stock specs (None: tree specs)."""
-    from ps_mcore.mindspeed.state import reset_attention_mask_active
-
     if reset_attention_mask_active():
         return "MindSpeed's reset-attention-mask"
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
@@ -361,7 +500,7 @@ def megatron_build_module(original: Callable) -> Callable:
 
 def _build_with_mbridge(engine, original: Callable):
     """mbridge: ``to_tree_spec`` on the spec its ``_get_transformer_layer_spec`` builds."""
-    from ps_mcore.layer_specs import to_tree_spec
+    from ps_mcore.layer_specs import to_tree_spec  # after MindSpeed's repatch
 
     bridge = engine.bridge
     stock_spec = bridge._get_transformer_layer_spec
@@ -379,7 +518,7 @@ def _build_with_mbridge(engine, original: Callable):
 def _build_with_bridge_provider(engine, original: Callable):
     """Megatron-Bridge: the provider's own spec (instance or class default), converted: the
     layer spec of a GPT provider, the stack spec of a hybrid one (Mamba / GDN layers too)."""
-    from ps_mcore.layer_specs import provider_spec_field, tree_provider_spec
+    from ps_mcore.layer_specs import provider_spec_field, tree_provider_spec  # after MindSpeed's repatch
 
     provider = engine.provider
     field = provider_spec_field(provider)
@@ -391,15 +530,20 @@ def _build_with_bridge_provider(engine, original: Callable):
         setattr(provider, field, stock_spec)
 
 
-def install_megatron_patches(patcher) -> None:
-    """Every Megatron-engine patch (patchsets ``verl080_mcore0161_ms0160`` and
-    ``verl091_mcore019``: the engine seams are the same in both releases)."""
+def install_forward_fn_patch(patcher) -> None:
+    """The forward function verl's Megatron engine looks up per step (``verl.models.mcore``)."""
     import verl.models.mcore as mcore
-    from verl.workers.engine.megatron import transformer_impl as impl
-
-    from ps_mcore.integrations.verl_common.engine import install_engine_micro_batching
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
+
+
+def install_megatron_patches(patcher) -> None:
+    """The Megatron-engine class patches of patchsets ``verl080_mcore0161_ms0160`` and
+    ``verl091_mcore019`` (with :func:`install_forward_fn_patch`, all of them; the engine seams
+    are the same in both releases)."""
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    patcher.wrap(impl, "get_forward_backward_func", megatron_get_forward_backward_func)
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)
     patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", megatron_forward_step)
     patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", megatron_forward_step)

@@ -1,0 +1,115 @@
+"""What verl 0.8.0 needs from the flash-attn package, for machines without it (benchmark
+harness only; install with :func:`install`).
+
+Stock verl cannot run its FSDP engine without flash-attn, found by running it:
+
+* the model is loaded with ``attn_implementation="flash_attention_2"`` (verl's default for
+  ``actor_rollout_ref.model.override_config.attn_implementation``); transformers refuses it
+  without the package, and its ``sdpa`` on verl's packed rows (one ``[1, N]`` row, position ids
+  restarting per sequence) builds a dense block-diagonal ``[N, N]`` mask: slow and O(N^2)
+  memory, not what users run;
+* the trainer's ``left_right_2_no_padding`` (and anything else calling
+  ``verl.utils.attention_utils``) imports ``flash_attn.bert_padding`` at call time.
+
+:func:`install` registers ``"varlen_fa2"`` with transformers: FlashAttention-2's contract
+(packed rows split at position-id restarts; a 2-D key padding mask with bottom-right causal
+alignment, the form verl's PrefixGrouper hands its attention function) on torch's own varlen
+flash kernel (the math kernel on a CPU), and points ``verl.utils.attention_utils`` at verl's
+pure-torch copy of ``flash_attn.bert_padding`` (``verl.utils.npu_flash_attn_utils``). The
+Megatron engine needs neither (TE's attention runs THD itself).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "varlen_fa2"
+
+
+def _cu(lengths: torch.Tensor) -> torch.Tensor:
+    return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def _varlen(q, k, v, cu_q, cu_k, scale):
+    """q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` -> ``[Tq, Hq, D]``, causal bottom-right."""
+    from ps_mcore.attention.gather_kv import MATH_KERNEL, flash_kernel_for, gather_kv_attention
+
+    kernel = flash_kernel_for(q.device) if q.dtype in (torch.float16, torch.bfloat16) else None
+    segments = SimpleNamespace(
+        is_trivial=True, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+        max_seqlen_q=int(cu_q.diff().max()), max_seqlen_kv=int(cu_k.diff().max()),
+    )
+    return gather_kv_attention(q, k, v, segments, scale, kernel or MATH_KERNEL)
+
+
+def varlen_fa2_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                         position_ids=None, **kwargs):
+    """transformers attention function: query ``[B, Hq, S, D]``, key/value ``[B, Hkv, Sk, D]``
+    -> (``[B, S, Hq, D]``, None)."""
+    if dropout:
+        raise NotImplementedError(f"{ATTN_NAME}: attention dropout is not supported")
+    b, _, s, d = query.shape
+    sk = key.shape[2]
+    scale = scaling if scaling is not None else d ** -0.5
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D]
+    if attention_mask is not None:  # 2-D key padding mask; queries are its last S columns
+        kmask = attention_mask.bool()
+        qmask = kmask[:, -s:]
+        rows = _varlen(q[qmask], k[kmask], v[kmask], _cu(qmask.sum(1)), _cu(kmask.sum(1)), scale)
+        return q.new_zeros(b, s, *rows.shape[1:]).index_put((qmask,), rows), None
+    if b == 1 and position_ids is not None and s == sk:  # verl's packed row
+        starts = torch.nonzero(position_ids.reshape(-1)[:s] == 0).reshape(-1)
+        if starts.numel() == 0 or int(starts[0]) != 0:
+            starts = F.pad(starts, (1, 0))
+        cu = torch.cat([starts, starts.new_tensor([s])]).to(torch.int32)
+    else:
+        cu = torch.arange(0, (b + 1) * s, s, device=q.device, dtype=torch.int32)
+        if s != sk:
+            raise ValueError(f"{ATTN_NAME}: query and key lengths differ without a padding mask")
+    out = _varlen(q.reshape(b * s, *q.shape[2:]), k.reshape(b * sk, *k.shape[2:]),
+                  v.reshape(b * sk, *v.shape[2:]), cu, cu, scale)
+    return out.reshape(b, s, *out.shape[1:]), None
+
+
+def _pure_torch_bert_padding():
+    from verl.utils import npu_flash_attn_utils as padding
+
+    return padding.index_first_axis, padding.pad_input, padding.rearrange, padding.unpad_input
+
+
+def register_attention() -> None:
+    """Register ``varlen_fa2`` with transformers (attention + FA2 mask function)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(ATTN_NAME, varlen_fa2_attention)
+    AttentionMaskInterface.register(ATTN_NAME, flash_attention_mask)
+
+
+def install() -> None:
+    """:func:`register_attention` and, when flash-attn is missing, give
+    ``verl.utils.attention_utils`` the pure-torch padding helpers."""
+    register_attention()
+    try:
+        import flash_attn.bert_padding  # noqa: F401
+    except ImportError:
+        from verl.utils import attention_utils
+
+        attention_utils._get_attention_functions = _pure_torch_bert_padding
+
+
+def wrap_for_prefix_grouper() -> None:
+    """verl's ``apply_prefix_grouper_patch`` wraps the attention names it knows; wrap
+    ``varlen_fa2`` with verl's own wrapper the same way."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from verl.models.transformers import monkey_patch
+
+    monkey_patch.apply_prefix_grouper_patch()
+    fn = ALL_ATTENTION_FUNCTIONS[ATTN_NAME]
+    if not getattr(fn, "_verl_prefix_grouper", False):
+        wrapped = monkey_patch._create_prefix_grouper_wrapper(fn)
+        wrapped._verl_prefix_grouper = True
+        ALL_ATTENTION_FUNCTIONS[ATTN_NAME] = wrapped

@@ -1,0 +1,140 @@
+"""Test-only shims that let verl 0.8.0's real ``ActorRolloutRefWorker`` (both engines, with
+their real ``__init__``, model build, optimizer and ``update_actor``) run on a CPU in an
+fp32 gloo world of one. ``benchmarks/verl_actor.py --tiny`` installs them; nothing here is
+library code.
+
+What each shim stands in for (all hardware or fp32 gaps, none changes the math):
+
+* ``EngineRegistry``: verl registers its engines for ``cuda``/``npu`` only; the same classes
+  are registered for ``cpu``.
+* ``torch.cpu`` memory statistics verl logs (``memory_reserved`` ...) return 0; pinning host
+  memory (FSDP2's CPU offload policy, which verl gives every forward-only engine) is a no-op.
+* Megatron: ``torch.cuda.current_device`` -> "cpu" and the RNG tracker (``megatron_shims``);
+  mbridge's ``get_model`` calls ``module.cuda()`` (a no-op here); mbridge hard-codes the TE
+  layer spec, redirected to megatron's local layers converted by ``to_tree_spec`` (the only
+  THD attention that runs on CPU: with plain packed params it is per-sequence causal
+  attention, so the stock run is still verl's stock forward); mbridge's Qwen2 weight-name
+  table learns the local spec's two norm names (TE fuses them into the linear layers); the
+  no-pipelining schedule allocates a CUDA counter (``cpu_forward_backward_func``); megatron's
+  optimizer, grad-norm and multi-tensor helpers allocate ``device="cuda"`` tensors
+  (redirected to the CPU); verl's ``McoreEngineConfig`` accepts only bf16/fp16 and its
+  optimizer config forces ``bf16`` (fp32 allowed here: exactness is checked in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CUDA_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+
+
+class _CpuTorch:
+    """``torch`` as a megatron module sees it: factories asked for ``device="cuda"`` build on
+    the CPU."""
+
+    def __getattr__(self, name):
+        fn = getattr(torch, name)
+        if name not in _CUDA_FACTORIES:
+            return fn
+
+        def call(*args, device=None, **kwargs):
+            if device is not None and str(device).startswith("cuda"):
+                device = "cpu"
+            return fn(*args, device=device, **kwargs)
+
+        return call
+
+
+def _register_engines_for_cpu() -> None:
+    from verl.workers.engine.base import EngineRegistry
+
+    import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (registers the engines)
+    import verl.workers.engine.megatron.transformer_impl  # noqa: F401
+
+    for backends in EngineRegistry._engines.values():
+        for devices in backends.values():
+            if "cuda" in devices:
+                devices.setdefault("cpu", devices["cuda"])
+
+
+def _cpu_memory_stats() -> None:
+    for name in ("memory_reserved", "memory_allocated", "max_memory_allocated", "max_memory_reserved"):
+        setattr(torch.cpu, name, lambda *args, **kwargs: 0)
+    torch.cpu.empty_cache = lambda *args, **kwargs: None
+    torch.cpu.reset_peak_memory_stats = lambda *args, **kwargs: None
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # FSDP2's ref offload policy pins
+
+
+def _megatron_fp32() -> None:
+    from verl.workers.config.engine import McoreEngineConfig
+
+    import verl.utils.megatron.optimizer as verl_optimizer
+
+    post_init = McoreEngineConfig.__post_init__
+
+    def accept_fp32(self):
+        dtype = self.dtype
+        object.__setattr__(self, "dtype", "bfloat16" if dtype == "float32" else dtype)
+        post_init(self)
+        object.__setattr__(self, "dtype", dtype)
+
+    McoreEngineConfig.__post_init__ = accept_fp32
+    optim_config = verl_optimizer.init_megatron_optim_config
+
+    def fp32_optim_config(*args, **kwargs):
+        config = optim_config(*args, **kwargs)
+        config.bf16 = False  # fp32 params: megatron's FP32Optimizer
+        return config
+
+    verl_optimizer.init_megatron_optim_config = fp32_optim_config
+
+
+def _megatron_on_cpu() -> None:
+    from mbridge.core import llm_bridge
+    from mbridge.models.qwen2 import Qwen2Bridge
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, optimizer
+    from verl.workers.engine.megatron import transformer_impl
+
+    from megatron_shims import init_cpu_megatron
+    from ps_mcore.layer_specs import to_tree_spec
+    from verl_batches import cpu_forward_backward_func
+
+    init_cpu_megatron()
+    torch.nn.Module.cuda = lambda self, device=None: self
+    stock_block_spec = llm_bridge.get_gpt_decoder_block_spec
+
+    def local_layers(config, use_transformer_engine, **kwargs):
+        return to_tree_spec(stock_block_spec(config, False, **kwargs))
+
+    llm_bridge.get_gpt_decoder_block_spec = local_layers
+    Qwen2Bridge._OTHER_MAPPING = {
+        **getattr(Qwen2Bridge, "_OTHER_MAPPING", {}),
+        "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
+    }
+    Qwen2Bridge._MLP_MAPPING = {
+        **Qwen2Bridge._MLP_MAPPING,
+        "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+    }
+    transformer_impl.get_forward_backward_func = cpu_forward_backward_func
+    for module in (optimizer, clip_grads, mcore_utils):
+        module.torch = _CpuTorch()
+
+
+def install_cpu_worker_shims() -> None:
+    """Everything above (idempotent enough for one process: call once)."""
+    _register_engines_for_cpu()
+    _cpu_memory_stats()
+    _megatron_fp32()
+    _megatron_on_cpu()
+
+
+# Megatron's FP32Optimizer clips with a CUDA-typed assert (``param.grad.type()``): the tiny
+# run sets ``optim.clip_grad=0`` (grad norms are still computed and compared).
+TINY_MEGATRON_OVERRIDES = {"optim.clip_grad": 0.0, "megatron.dtype": "float32",
+                           "megatron.use_distributed_optimizer": False}
+MEGATRON_CPU_TRANSFORMER_CONFIG = dict(
+    use_cpu_initialization=True, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+    bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+    persist_layer_norm=False,
+)
