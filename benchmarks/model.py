@@ -6,12 +6,20 @@ the LM head and per-token log-probs, unshared THD batch vs. prefix tree, every s
     torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tp 2   # or --cp 2, --tp 2 --cp 2
     torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tiny --cp 2   # CPU (gloo)
     python benchmarks/model.py --spec te                       # CUDA + transformer-engine
+    python benchmarks/model.py --builder bridge                # CUDA + TE + Megatron-Bridge
 
 ``--spec te`` (TP=CP=1): the baseline is what users run today, the STOCK TE model
 (``get_gpt_layer_with_transformer_engine_spec``: TE fused attention, fused RoPE) on the
 unshared THD batch; the tree model is ``to_tree_spec`` of the same spec with the stock model's
 weights (strict load), RoPE fusion on in both. Table: workload, ideal, TE stock ms, tree ms,
 speedup, meas/ideal, peak memory.
+
+``--builder bridge`` (TP=CP=1): the models come from Megatron-Bridge as verl 0.9.1's Megatron
+engine builds them: a Qwen2 Hugging Face checkpoint with Qwen2.5-1.5B shapes (random weights,
+bf16, written to a temporary folder), ``AutoBridge.from_hf_pretrained``, the provider's own TE
+spec (its defaults: fusions, fused RoPE); the stock model is the provider's, the tree model the
+provider with ``tree_provider_spec``; Bridge loads the checkpoint into both (every parameter
+checked). Same table as ``--spec te``.
 
 The world is one model replica (world size = tp * cp); rank 0 prints the table (its times).
 Default (local spec): one model (tree layer specs, local linear layers; no sequence
@@ -217,6 +225,8 @@ def run(args) -> str:
     shape = DecoderShape(layers=args.layers, **(TINY if args.tiny else QWEN25_15B))
     scale = 1 / 32 if args.tiny else 1.0
     init_parallel(device, args.tp, args.cp)
+    if args.builder == "bridge":
+        return run_bridge(args, shape, device, dtype)
     if args.spec == "te":
         return run_te(args, shape, device, dtype)
     model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp, backend=args.backend)
@@ -236,6 +246,23 @@ def run(args) -> str:
 def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
     """Stock TE model on the unshared THD batch vs. its tree spec on the prefix tree."""
     stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend)
+    return te_table(args, shape, device, dtype, stock, tree,
+                    f", transformer-engine spec (Qwen2.5-1.5B shapes: {_dims(shape)}, random init, bf16)")
+
+
+def run_bridge(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
+    """The provider's stock model vs its tree model, both built and loaded by Megatron-Bridge."""
+    from bridge_models import bridge_model_pair
+
+    stock, tree, versions = bridge_model_pair(shape, args.layers, args.backend)
+    return te_table(args, shape, device, dtype, stock, tree,
+                    f" built by Megatron-Bridge ({versions}; Qwen2 HF checkpoint, Qwen2.5-1.5B shapes: "
+                    f"{_dims(shape)}, random weights, bf16, the provider's TE spec and defaults)")
+
+
+def te_table(args, shape: DecoderShape, device: str, dtype: torch.dtype, stock, tree, model: str) -> str:
+    """The ``--spec te`` / ``--builder bridge`` table: stock TE model on the unshared THD batch
+    vs the tree model on the prefix tree."""
     headers = ["workload", "N", "T", "ideal", "TE stock ms", "tree ms", "speedup", "meas/ideal",
                "TE stock MiB", "tree MiB", "mem ratio", "max |dlogp|"]
 
@@ -246,7 +273,7 @@ def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
 
     rows = workload_rows(args, shape, lambda seqs: Steps(tree, seqs, device, base_model=stock), row)
     title = _title(
-        f", transformer-engine spec (Qwen2.5-1.5B shapes: {_dims(shape)}, random init, bf16)",
+        model,
         "STOCK TE spec (TE fused attention, fused RoPE) on the unshared THD batch",
         "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype, "models", args.backend)
     return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
@@ -261,9 +288,12 @@ def main() -> None:
     p.add_argument("--backend", default="auto", help="tree attention backend of the tree model (config.tree_attention_backend)")
     p.add_argument("--spec", choices=("local", "te"), default="local",
                    help="te: stock TE model (baseline) vs to_tree_spec(TE spec); CUDA + TE, TP=CP=1")
+    p.add_argument("--builder", choices=("direct", "bridge"), default="direct",
+                   help="bridge: both models built by Megatron-Bridge from an HF checkpoint (its TE spec); "
+                        "CUDA + TE + Megatron-Bridge, TP=CP=1")
     args = parse_model_benchmark_args(p, "benchmarks/model.py")
-    if args.spec == "te" and (args.tiny or args.tp > 1 or args.cp > 1):
-        sys.exit("--spec te runs on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
+    if (args.spec == "te" or args.builder == "bridge") and (args.tiny or args.tp > 1 or args.cp > 1):
+        sys.exit("--spec te / --builder bridge run on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
     report = run(args)
     if dist.get_rank() == 0:
         write_report(report, args.out)

@@ -87,7 +87,7 @@ import gsm8k_like  # noqa: E402
 import verl_flash_fallback  # noqa: E402
 
 from ps_mcore.flops import DecoderShape  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 from ps_mcore.planner import plan_prefix_tree  # noqa: E402
 from ps_mcore.table import format_table  # noqa: E402
 
@@ -373,7 +373,7 @@ def compose_config(engine: str, model_dir: str, config: str, settings: RunSettin
 def patchsets(config: str):
     """ps-mcore's patchsets installed for ``ps`` (uninstalled otherwise and afterwards)."""
     from ps_mcore import setup
-    from ps_mcore.integrations.verl080.config import reset_actor_setting
+    from ps_mcore.integrations.verl_common.config import reset_actor_setting
 
     setup.uninstall()
     reset_actor_setting()
