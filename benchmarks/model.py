@@ -7,6 +7,7 @@ per-token log-probs, unshared THD batch vs. prefix tree, every standard workload
     torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tiny --cp 2   # CPU (gloo)
     python benchmarks/model.py --spec te                       # CUDA + transformer-engine
     python benchmarks/model.py --spec te --arch gpt-oss-20b gemma3-4b --minibatch-budget 32768
+    python benchmarks/model.py --builder bridge                # CUDA + TE + Megatron-Bridge
 
 ``--arch`` (one table, a row per family and workload; :data:`ARCHS`): ``qwen2.5-1.5b`` (the
 default: Qwen2.5-1.5B layer shapes, 4 layers), ``gpt-oss-20b`` (GPT-OSS-20B layer shapes,
@@ -29,6 +30,13 @@ e.g. no attention backend for learnable sinks on THD with this cuDNN), the table
 that architecture's baseline is the tree model on the unshared batch as a plan without sharing
 (column ``baseline``). Table: workload, ideal, base ms, tree ms, speedup, meas/ideal, peak
 memory.
+
+``--builder bridge`` (TP=CP=1, the default architecture): the models come from Megatron-Bridge
+as verl 0.9.1's Megatron engine builds them: a Qwen2 Hugging Face checkpoint with Qwen2.5-1.5B
+shapes (random weights, bf16, written to a temporary folder), ``AutoBridge.from_hf_pretrained``,
+the provider's own TE spec (its defaults: fusions, fused RoPE); the stock model is the
+provider's, the tree model the provider with ``tree_provider_spec``; Bridge loads the checkpoint
+into both (every parameter checked). Same table as ``--spec te``.
 
 The world is one model replica (world size = tp * cp); rank 0 prints the table (its times).
 Default (local spec): one model (tree layer specs, local linear layers; no sequence
@@ -440,6 +448,8 @@ def run(args) -> str:
         from megatron_shims import allow_local_expert_bias_backward, enable_cpu_moe
 
         enable_cpu_moe(), allow_local_expert_bias_backward()
+    if args.builder == "bridge":
+        return run_bridge(args, device, dtype)
     if args.spec == "te":
         return run_te(args, device, dtype)
     rows = [r for arch in args.arch for r in _local_rows(args, arch, device, dtype, scale)]
@@ -501,11 +511,9 @@ def te_backends_selected(run: Callable[[], object]) -> tuple[object, list[str]]:
         dpa_utils.get_attention_backend = original
 
 
-def _te_rows(args, arch: str, device: str, dtype: torch.dtype, row) -> tuple[list[list], str | None]:
-    """One architecture's rows (and the note on its baseline: TE's attention backends, or why
-    stock TE cannot run it)."""
-    shape = arch_shape(arch, args.layers)
-    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend, arch=arch)
+def _te_rows(args, arch: str, shape: DecoderShape, stock, tree, device: str) -> tuple[list[list], str]:
+    """One architecture's rows of the TE table (stock model vs tree model, same weights) and the
+    note on its baseline: TE's attention backends, or why stock TE cannot run it."""
     refusal, backends = te_backends_selected(lambda: stock_te_refusal(stock, shape, device))
     note = f"{arch}: stock TE attention backends: {'; '.join(backends) or 'not seen'}"
     base_model, baseline = stock, "TE stock"
@@ -519,35 +527,58 @@ def _te_rows(args, arch: str, device: str, dtype: torch.dtype, row) -> tuple[lis
     def make(seqs):
         return Steps(tree, seqs, device, base_model=base_model)
 
+    def row(name, m, steps):
+        return [name, m.stats["N"], m.stats["T"], m.stats["dedup"], m.ideal, m.base_ms, m.tree_ms, m.speedup,
+                m.speedup / m.ideal, m.base_mib, m.tree_mib, m.tree_mib / m.base_mib, steps.max_logprob_diff()]
+
     arch_rows = workload_rows(args, shape, make, row) + minibatch_rows(args, shape, make, row)
     return [[arch, baseline] + r for r in arch_rows], note
+
+
+def _built_te_rows(args, arch: str, device: str, dtype: torch.dtype) -> tuple[list[list], str]:
+    shape = arch_shape(arch, args.layers)
+    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend, arch=arch)
+    return _te_rows(args, arch, shape, stock, tree, device)
+
+
+def te_table(args, device: str, dtype: torch.dtype, rows: list[list], notes: list[str], model: str) -> str:
+    """The ``--spec te`` / ``--builder bridge`` table: stock TE model on the unshared THD batch
+    vs the tree model on the prefix tree, a row per architecture and workload."""
+    headers = ["model", "baseline", "workload", "N", "T", "dedup", "ideal", "base ms", "tree ms", "speedup",
+               "meas/ideal", "base MiB", "tree MiB", "mem ratio", "max |dlogp|"]
+    title = _title(
+        model, "STOCK TE spec (TE fused attention with TE's window and sinks, fused RoPE) on the unshared "
+        "THD batch (TE stock)", "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype,
+        "models", args.backend)
+    title += ("; ideal counts the windowed layers' (query, key) pairs inside their window; "
+              "grpo-minibatch: one whole mini-batch, micro-batches queued (baseline vs tree micro-batch counts)")
+    notes_text = "".join(f"\n\n* {n}" for n in notes)
+    return f"{title}\n\n{environment()}{notes_text}\n\n{markdown_table(headers, rows)}\n"
 
 
 def run_te(args, device: str, dtype: torch.dtype) -> str:
     """Stock TE model on the unshared THD batch vs. its tree spec on the prefix tree, per
     architecture; where stock TE cannot run the architecture's attention on THD batches, the
     baseline is the tree model on the unshared batch as a plan without sharing (same kernels)."""
-    headers = ["model", "baseline", "workload", "N", "T", "dedup", "ideal", "base ms", "tree ms", "speedup",
-               "meas/ideal", "base MiB", "tree MiB", "mem ratio", "max |dlogp|"]
-
-    def row(name, m, steps):
-        return [name, m.stats["N"], m.stats["T"], m.stats["dedup"], m.ideal, m.base_ms, m.tree_ms, m.speedup,
-                m.speedup / m.ideal, m.base_mib, m.tree_mib, m.tree_mib / m.base_mib, steps.max_logprob_diff()]
-
     rows, notes = [], []
     for arch in args.arch:
-        arch_rows, note = _te_rows(args, arch, device, dtype, row)
-        rows += arch_rows
-        notes += [note] if note else []
-        torch.cuda.empty_cache()  # the models are gone with _te_rows' frame
-    title = _title(
-        f", transformer-engine spec (shapes: {_shapes(args)}; random init, bf16)",
-        "STOCK TE spec (TE fused attention, fused RoPE) on the unshared THD batch (TE stock)",
-        "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype, "models", args.backend)
-    title += ("; ideal counts the windowed layers' (query, key) pairs inside their window; "
-              "grpo-minibatch: one whole mini-batch, micro-batches queued (baseline vs tree micro-batch counts)")
-    notes_text = "".join(f"\n\n* {n}" for n in notes)
-    return f"{title}\n\n{environment()}{notes_text}\n\n{markdown_table(headers, rows)}\n"
+        arch_rows, note = _built_te_rows(args, arch, device, dtype)
+        rows, notes = rows + arch_rows, notes + [note]
+        torch.cuda.empty_cache()  # the models are gone with _built_te_rows' frame
+    return te_table(args, device, dtype, rows, notes,
+                    f", transformer-engine spec (shapes: {_shapes(args)}; random init, bf16)")
+
+
+def run_bridge(args, device: str, dtype: torch.dtype) -> str:
+    """The provider's stock model vs its tree model, both built and loaded by Megatron-Bridge."""
+    from bridge_models import bridge_model_pair
+
+    shape = arch_shape(DEFAULT_ARCH, args.layers)
+    stock, tree, versions = bridge_model_pair(shape, shape.layers, args.backend)
+    rows, note = _te_rows(args, DEFAULT_ARCH, shape, stock, tree, device)
+    return te_table(args, device, dtype, rows, [note],
+                    f" built by Megatron-Bridge ({versions}; Qwen2 HF checkpoint, Qwen2.5-1.5B shapes: "
+                    f"{_dims(shape)}, random weights, bf16, the provider's TE spec and defaults)")
 
 
 def main() -> None:
@@ -567,9 +598,14 @@ def main() -> None:
     p.add_argument("--backend", default="auto", help="tree attention backend of the tree model (config.tree_attention_backend)")
     p.add_argument("--spec", choices=("local", "te"), default="local",
                    help="te: stock TE model (baseline) vs to_tree_spec(TE spec); CUDA + TE, TP=CP=1")
+    p.add_argument("--builder", choices=("direct", "bridge"), default="direct",
+                   help="bridge: both models built by Megatron-Bridge from an HF checkpoint (its TE spec); "
+                        "CUDA + TE + Megatron-Bridge, TP=CP=1, the default --arch")
     args = parse_model_benchmark_args(p, "benchmarks/model.py")
-    if args.spec == "te" and (args.tiny or args.tp > 1 or args.cp > 1):
-        sys.exit("--spec te runs on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
+    if (args.spec == "te" or args.builder == "bridge") and (args.tiny or args.tp > 1 or args.cp > 1):
+        sys.exit("--spec te / --builder bridge run on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
+    if args.builder == "bridge" and args.arch != [DEFAULT_ARCH]:
+        sys.exit(f"--builder bridge builds the {DEFAULT_ARCH} Qwen2 checkpoint only")
     if args.spec == "local" and not args.tiny and "gpt-oss-20b" in args.arch:
         sys.exit("gpt-oss-20b runs with --spec te on the GPU: megatron-core's local experts cannot "
                  "backward through expert biases at TP=1 (an in-place add on an autograd view)")

@@ -48,6 +48,18 @@ def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1, vpp: int | None = N
                                  virtual_pipeline_model_parallel_size=vpp)
 
 
+def init_gpu_megatron() -> None:
+    """The GPU tests' world: NCCL world 1 (an in-process store), megatron parallel state of one
+    rank, megatron's CUDA RNG tracker."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
 def tiny_config(kind: str = "qwen2", **overrides):
     """Tiny fp32 TransformerConfig. qwen2: GQA 4/2 heads, qkv bias, RMSNorm, SwiGLU.
     qwen3: GQA 6/2 heads, head dim 10 (decoupled from hidden/heads), qk-layernorm.

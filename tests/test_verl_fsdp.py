@@ -1,4 +1,4 @@
-"""verl 0.8.0 FSDP engines, patched (patchset ``verl080_fsdp``) vs stock, on real transformers
+"""verl's FSDP engines (0.8.0: patchset ``verl080_fsdp``; 0.9.1: ``verl091_fsdp``), patched vs stock, on real transformers
 models (tiny random Qwen2: GQA, qkv bias; fp32, CPU, sdpa as the stock attention).
 
 verl's real ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` run their real
@@ -26,17 +26,18 @@ pytest.importorskip("verl")
 transformers = pytest.importorskip("transformers")
 
 from verl_batches import RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
+from verl_helpers import fsdp_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations import patching  # noqa: E402
-from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.integrations.verl080 import fsdp as fsdp_glue  # noqa: E402
-from ps_mcore.integrations.verl080.fsdp import tree_model_inputs  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.integrations.verl_common import fsdp as fsdp_glue  # noqa: E402
+from ps_mcore.integrations.verl_common.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.fsdp import tree_model_inputs  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 from ps_mcore.fsdp_bridge import hf_attention  # noqa: E402
 from ps_mcore.attention import tree_attention  # noqa: E402
 
-PATCHSET = "verl080_fsdp"
+PATCHSET = fsdp_patchset()
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
 # Fixed-size micro-batches of batches already in group order: prefix-aware micro-batching is
 # verl's own there, so fallback runs must be bit-identical to stock over several micro-batches.
@@ -384,7 +385,7 @@ def test_fallback_ulysses_sp_flag_on_engine(impl):
 
 def _partitions(impl, engine, data):
     """The FSDP module's ``prepare_micro_batches`` as ``forward_backward_batch`` calls it."""
-    from ps_mcore.integrations.verl080.engine import with_engine_context
+    from ps_mcore.integrations.verl_common.engine import with_engine_context
 
     def forward_backward_batch(_engine):
         return impl.prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)[1]

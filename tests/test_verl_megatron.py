@@ -23,11 +23,12 @@ pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
 from verl_batches import RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens, tiny_critic  # noqa: E402
+from verl_helpers import megatron_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations import patching  # noqa: E402
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN  # noqa: E402
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN  # noqa: E402
 
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
 
@@ -62,7 +63,7 @@ def _setting(mode, **kw):
 def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=None, monkeypatch=None):
     """One forward(+backward) through the engine; returns (output, grads)."""
     if patched:
-        setup.install(["verl080_mcore0161_ms0160"])
+        setup.install([megatron_patchset()])
     else:
         setup.uninstall()
     if monkeypatch is not None and env_value is not None:
@@ -268,11 +269,11 @@ def _mbridge_engine(impl, monkeypatch, config, **engine_config):
 @pytest.mark.parametrize("enabled", ["1", "0"])
 def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
     from ps_mcore.layer_specs import TreeCoreAttention
-    from ps_mcore.integrations.verl080.megatron import has_tree_attention
+    from ps_mcore.integrations.verl_common.megatron import has_tree_attention
 
     impl, _ = env
     monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     config = tiny_config("qwen2")
     config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
     engine = _mbridge_engine(impl, monkeypatch, config)
@@ -291,7 +292,7 @@ def test_tree_path_serves_padded_bshd_configs(env):
     data = make_batch(WORKLOADS["tree"](rng), rng)
     setting = _setting("arbitrary_prefix")
     stock, g_stock = _run(impl, model, data, setting, False, _ppo())
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     engine = engine_shell(impl.MegatronEngineWithLMHead, model, setting, use_remove_padding=False)
     model.zero_grad(set_to_none=True)
     tree = engine.forward_backward_batch(data.clone(), loss_function=_ppo(), forward_only=False)
@@ -346,7 +347,7 @@ def _fallback_case(impl, model, data, match, engine_setup=None):
     Returns the patched inference output."""
 
     def run(patched, loss_fn=None):
-        setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
+        setup.install([megatron_patchset()]) if patched else setup.uninstall()
         engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("prompt_only"))
         if engine_setup is not None:
             engine_setup(engine)
@@ -471,7 +472,7 @@ def test_fallback_moe_token_dropping(env, fresh_warnings):
     (dict(), None),  # exact MoE options: the tree path runs it
 ])
 def test_moe_fallback_decision(env, options, word):
-    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal
+    from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal
 
     reason = megatron_batch_refusal(_moe_model(**options), {}, None)
     assert reason is None if word is None else word in reason, reason
@@ -549,7 +550,7 @@ def test_parallel_layout_refusals_name_the_feature(env):
     its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
     from types import SimpleNamespace
 
-    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal, tree_build_refusal
+    from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal, tree_build_refusal
 
     impl, model = env
     engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))

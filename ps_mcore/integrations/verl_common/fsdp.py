@@ -1,4 +1,4 @@
-"""verl 0.8.0 FSDP engine glue (patchset ``verl080_fsdp``): the tree forward per
+"""verl FSDP engine glue (patchsets ``verl080_fsdp``, ``verl091_fsdp``): the tree forward per
 micro-batch for ``FSDPEngineWithLMHead`` and ``FSDPEngineWithValueHead``, and the fallbacks.
 
 The engine's own seams are patched, so verl's ``forward_step`` (autocast, loss call,
@@ -23,7 +23,7 @@ metrics) runs unchanged around them:
 ``use_remove_padding`` only changes how verl's stock path lays the batch out (one packed row
 vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns the same
 layout. ``use_dynamic_bsz``: verl's ``prepare_micro_batches`` in the FSDP engine module is
-replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.microbatch`).
+replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl_common.microbatch`).
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
@@ -44,15 +44,15 @@ import torch
 
 from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
-from ps_mcore.integrations.verl080.batch import (
+from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
     lm_head_batch_refusal,
     nested_like,
     sequence_lengths,
     uniform_temperature,
 )
-from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN
-from ps_mcore.integrations.verl080.engine import (
+from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN
+from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
     install_engine_micro_batching,
@@ -60,7 +60,7 @@ from ps_mcore.integrations.verl080.engine import (
     prefix_aware,
     run_step_with_context,
 )
-from ps_mcore.integrations.verl080.schedule import scheduler_for
+from ps_mcore.integrations.verl_common.schedule import scheduler_for
 from ps_mcore.logprobs import token_logprobs
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
@@ -293,7 +293,8 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 
 def install_verl_fsdp_patches(patcher) -> None:
-    """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
+    """Every FSDP-engine patch (patchsets ``verl080_fsdp`` and ``verl091_fsdp``: the seams are
+    the same in both releases)."""
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
     patcher.wrap(lm, "forward_step", fsdp_forward_step)
