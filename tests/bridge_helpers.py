@@ -56,7 +56,7 @@ def prepare_cpu_bridge(monkeypatch=None) -> None:
     rest of the process), the CPU TE specs and ``Module.cuda`` a no-op without a GPU (Bridge
     moves a model it did not initialise on the CPU to the GPU)."""
     from mamba_shims import shim_mamba_for_cpu
-    from megatron_shims import enable_cpu_moe
+    from megatron_shims import allow_local_expert_bias_backward, enable_cpu_moe
     from te_cpu_shims import install_te_import_stub, use_cpu_te_specs
 
     monkeypatch = monkeypatch or pytest.MonkeyPatch()
@@ -64,13 +64,15 @@ def prepare_cpu_bridge(monkeypatch=None) -> None:
     use_cpu_te_specs(monkeypatch)
     shim_mamba_for_cpu()
     enable_cpu_moe()
+    allow_local_expert_bias_backward()  # GPT-OSS's expert biases in megatron's local experts
     if not torch.cuda.is_available():
         monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, device=None: self)
 
 
 def hf_config(family: str, layers: int | None = None):
     """The tiny HF config of a model family Megatron-Bridge 0.6.2 converts (``layers``
-    transformer layers; default 2, Nemotron-H's 4 are its pattern)."""
+    transformer layers; default 2, Nemotron-H's 4 are its pattern; GPT-OSS eager, so the HF
+    reference applies its sliding window and sinks itself)."""
     import transformers
 
     common = dict(vocab_size=VOCAB, max_position_embeddings=512, tie_word_embeddings=False)
@@ -96,10 +98,15 @@ def hf_config(family: str, layers: int | None = None):
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_num_heads=8,
             mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=64, use_mamba_kernels=False,
             time_step_min=1e-9, time_step_floor=1e-10, **common)
+    if family == "gpt_oss":  # sliding window 3 / full layers alternating, per-head sinks, MoE 4 experts top-2
+        return transformers.GptOssConfig(
+            **{"num_hidden_layers": 2, **common}, hidden_size=64, intermediate_size=24, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+            attn_implementation="eager", experts_implementation="eager")
     raise ValueError(f"unknown family {family!r}")
 
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "nemotron_h")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "nemotron_h", "gpt_oss")
 
 
 def _sharpen_(model: torch.nn.Module, seed: int) -> None:
@@ -113,6 +120,8 @@ def _sharpen_(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if name.endswith(("A_log", "dt_bias", ".D")):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".sinks"):  # GPT-OSS sink logits of both signs, some dominating
+                p.copy_(torch.linspace(-3.0, 3.0, p.numel()))
 
 
 def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | None = None,
@@ -125,7 +134,7 @@ def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | No
 
     config = hf_config(family, layers)
     arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "nemotron_h": "NemotronHForCausalLM"}[family]
+            "nemotron_h": "NemotronHForCausalLM", "gpt_oss": "GptOssForCausalLM"}[family]
     model = getattr(transformers, arch)(config).float().eval()
     _sharpen_(model, seed)
     if family == "nemotron_h":

@@ -179,21 +179,32 @@ class TELayerNormColumnParallelLinearCPU(_column_parallel_linear()):
         return super().forward(x, weight=weight, runtime_gather_output=runtime_gather_output)
 
 
-def _causal_attention(q, k, v, scale):
-    """q ``[s, hq, d]``, k/v ``[s, hk, d]`` -> ``[s, hq, dv]`` causal (GQA grouped)."""
+def _causal_attention(q, k, v, scale, window=None, sinks=None):
+    """q ``[s, hq, d]``, k/v ``[s, hk, d]`` -> ``[s, hq, dv]`` causal (GQA grouped); TE's
+    ``window_size=(left, 0)`` lets query i see keys ``i - left .. i``; ``sinks`` ``[hq]``: TE's
+    learnable / off-by-one softmax, ``exp(sink)`` added to every row's denominator."""
     group = q.size(1) // k.size(1)
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     mask = torch.ones(q.size(0), k.size(0), dtype=torch.bool, device=q.device).triu(1)
-    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    if window is not None and window[0] >= 0:
+        mask |= torch.ones_like(mask).tril(-window[0] - 1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.float()[:, None, None].expand(-1, q.size(0), 1)
+        probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
 
 class TEDotProductAttentionCPU(torch.nn.Module):
     """TE's ``DotProductAttention`` contract on CPU: causal attention on sbhd batches or THD
-    packed sequences (``cu_seqlens_q_padded`` segments, each causal), TE's checkpoint state
-    (an empty uint8 ``_extra_state``). No context parallelism, no arbitrary masks."""
+    packed sequences (``cu_seqlens_q_padded`` segments, each causal), with the layer's sliding
+    window and sink softmax as megatron's ``TEDotProductAttention`` configures TE, TE's
+    checkpoint state (an empty uint8 ``_extra_state``, the learnable ``softmax_offset``). No
+    context parallelism, no arbitrary masks."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, k_channels=None, v_channels=None, num_splits=None,
@@ -201,9 +212,20 @@ class TEDotProductAttentionCPU(torch.nn.Module):
         super().__init__()
         if config.context_parallel_size > 1:
             raise NotImplementedError("the CPU TE attention shim has no context parallelism")
+        from megatron.core.transformer.utils import is_layer_window_attention
+
         self.config = config
         self.softmax_scale = softmax_scale
         self.fp8_state = torch.empty(0, dtype=torch.uint8)
+        # as TEDotProductAttention hands them to TE: this layer's window and TE's sink logits
+        # (learnable: a float32 zeros parameter of [heads per TP rank]; off-by-one: zeros)
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self.window_size = config.window_size if windowed else None
+        heads = config.num_attention_heads // config.tensor_model_parallel_size
+        if config.softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads))
+        else:
+            self.softmax_offset = torch.zeros(heads) if config.softmax_type == "off-by-one" else None
 
     def get_extra_state(self):
         return self.fp8_state
@@ -222,12 +244,14 @@ class TEDotProductAttentionCPU(torch.nn.Module):
                 bounds = packed_seq_params.cu_seqlens_q
             bounds = bounds.tolist()
             out = torch.zeros(q.size(0), q.size(1), v.size(-1), dtype=q.dtype, device=q.device)
-            pieces = [_causal_attention(q[a:b], k[a:b], v[a:b], scale) for a, b in zip(bounds, bounds[1:])]
+            pieces = [_causal_attention(q[a:b], k[a:b], v[a:b], scale, self.window_size, self.softmax_offset)
+                      for a, b in zip(bounds, bounds[1:])]
             out = torch.cat(pieces) if bounds[-1] == q.size(0) else torch.cat(
                 pieces + [out[bounds[-1]:]])
             return out.reshape(out.size(0), -1)
         s, b = query.shape[:2]
-        outs = [_causal_attention(query[:, i], key[:, i], value[:, i], scale) for i in range(b)]
+        outs = [_causal_attention(query[:, i], key[:, i], value[:, i], scale, self.window_size, self.softmax_offset)
+                for i in range(b)]
         return torch.stack(outs, 1).reshape(s, b, -1)
 
 
@@ -329,3 +353,8 @@ def use_cpu_te_specs(monkeypatch) -> None:
     stock = hybrid_provider.get_default_hybrid_stack_spec
     monkeypatch.setattr(hybrid_provider, "get_default_hybrid_stack_spec",
                         lambda config: cpu_te_spec(stock(config)))
+    # Bridge picks a weight's TP layout by its module's class name: the CPU attention's sink
+    # logits (GPT-OSS) split by head as TEDotProductAttention's
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+
+    AutoMapping.register_module_type("TEDotProductAttentionCPU", "column")

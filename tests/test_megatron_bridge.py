@@ -1,7 +1,9 @@
 """Real Megatron-Bridge 0.6.2 on megatron-core 0.19 (CPU, gloo world 1, fp32).
 
-For each family (Qwen2, Qwen3 with qk-norm and a decoupled head dim, Qwen3-MoE, and the hybrid
-Nemotron-H: Mamba-2, attention, MLP): the test writes a tiny HF checkpoint (config +
+For each family (Qwen2, Qwen3 with qk-norm and a decoupled head dim, Qwen3-MoE, the hybrid
+Nemotron-H: Mamba-2, attention, MLP, and GPT-OSS: sliding-window and full layers, learnable
+sinks, MoE with biases, which Bridge maps to megatron-core's ``window_size`` /
+``window_attn_skip_freq`` / ``softmax_type``): the test writes a tiny HF checkpoint (config +
 safetensors), ``AutoBridge.from_hf_pretrained`` makes the provider, the provider builds the
 stock model (its own TE spec) and, with :func:`~ps_mcore.layer_specs.tree_provider_spec`, the
 tree model; Bridge loads the checkpoint into both strictly (every parameter written; exporting

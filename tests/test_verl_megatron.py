@@ -596,10 +596,10 @@ def test_windows_and_sinks_model_matches_stock(env, fresh_warnings):
 def test_model_build_with_windows_and_sinks(env, monkeypatch, fresh_warnings, window_size, tree):
     """The mbridge build of a windowed, sink-softmax model gets tree specs; a window with a
     right side (no tree form) builds stock specs with one warning naming it."""
-    from ps_mcore.integrations.verl080.megatron import has_tree_attention
+    from ps_mcore.integrations.verl_common.megatron import has_tree_attention
 
     impl, _ = env
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     config = tiny_config("qwen2-swa-sinks")
     object.__setattr__(config, "window_size", window_size)
     engine = _mbridge_engine(impl, monkeypatch, config)
@@ -610,7 +610,7 @@ def test_model_build_with_windows_and_sinks(env, monkeypatch, fresh_warnings, wi
             module = engine._build_megatron_module()
     assert has_tree_attention(module[0]) is tree
     if not tree:  # Megatron-Bridge: verl's tf_config is None until the model exists; the provider is the config
-        from ps_mcore.integrations.verl080.megatron import tree_build_refusal
+        from ps_mcore.integrations.verl_common.megatron import tree_build_refusal
 
         bridge_engine = SimpleNamespace(engine_config=engine.engine_config, tf_config=None, provider=config)
         assert "window_size=(2, 1)" in tree_build_refusal(bridge_engine)

@@ -5,7 +5,8 @@ The engine runs verl's own ``_build_tf_config`` (``AutoBridge.from_hf_pretrained
 checkpoint the test writes, verl's provider overrides) and ``_build_megatron_module`` (the
 provider builds the model, Bridge loads the HF weights); with the patchset installed the
 provider builds tree layers. Stock: the same engine built and run with the patchset
-uninstalled (the provider's own TE spec). Checked on GRPO groups, step-wise samples and a tree:
+uninstalled (the provider's own TE spec). Checkpoints: Qwen2, Qwen3-MoE and GPT-OSS (sliding
+windows, learnable sinks, MoE with biases). Checked on GRPO groups, step-wise samples and a tree:
 log-probs, entropy, the PPO loss and every gradient equal stock's, also when GRPO groups larger
 than the token budget run as one cross-micro-batch schedule; ``ENABLE_PREFIX_SHARING=0``
 (at build and at run) is stock bit for bit. Test-only shims: tests/te_cpu_shims.py (TE needs a
@@ -51,7 +52,7 @@ def impl():
     setup.uninstall()
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe", "gpt_oss"])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_hf_checkpoint(request.param, path, seed=7)

@@ -49,7 +49,12 @@ def _provider_base_spec(provider) -> Callable | Any:
 
 # Megatron-Bridge picks a parameter's tensor-parallel layout (column / row / replicated) from
 # its module's class name; tree modules that own parameters take their stock class's layout.
-_BRIDGE_LAYOUTS = {"TreeTopKRouter": "replicated"}  # TopKRouter's
+_BRIDGE_LAYOUTS = {
+    "TreeTopKRouter": "replicated",  # TopKRouter's
+    # (TE)DotProductAttention's: the learnable sink logits (softmax_offset) split over TP by head
+    "TreeCoreAttention": "column",
+    "TreeCoreAttentionTEState": "column",
+}
 
 
 def _register_with_bridge() -> None:
