@@ -10,6 +10,10 @@ One module serves every batch a GPT model sees:
   kernels (a plan without sharing whose nodes are the sequences).
 * no packed params (sbhd): causal SDPA, plus the boolean ``attention_mask`` if one is given.
 
+Every batch kind applies the layer's sliding window and attention sinks as megatron-core's own
+core attention reads them from the config (``window_size``, ``window_attn_skip_freq``,
+``softmax_type``: :func:`layer_window`, :func:`megatron_attention_refusal`).
+
 Under context parallelism (K/V all-gathered over the CP group, local queries against the
 global rows: :mod:`ps_mcore.layer_specs.parallel.context_parallel`) tree batches run in one 2*cp chunk
 layout over all packed rows; ordinary THD batches in Megatron's / verl's per-sequence chunk
