@@ -25,7 +25,9 @@ import torch.distributed as dist
 pytest.importorskip("verl")
 transformers = pytest.importorskip("transformers")
 
-from verl_batches import RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
+from verl_batches import (  # noqa: E402
+    RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, sample_temperatures, step_tokens,
+)
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
@@ -285,10 +287,17 @@ def _fallback_case(impl, model, data, setting, match, engine_setup=None, cls=Non
     assert len(tree["metrics"][TOKENS_IN]) >= 2 and step_tokens(tree) == (n, n)
 
 
-def test_fallback_per_sample_temperature_warns(impl):
-    data = _batch("grpo", 7, **FIXED_MBS)
-    data["temperature"] = torch.linspace(0.5, 1.0, data.batch_size[0])
-    _fallback_case(impl, make_model(), data, _setting("prompt_only"), "per-sample temperatures")
+@pytest.mark.parametrize("remove_padding", [True, False])
+@pytest.mark.parametrize("workload", ["grpo", "tree"])
+def test_per_sample_temperature_matches_stock(impl, workload, remove_padding):
+    """Per-sample temperatures (verl's ``[B]`` tensor) take the tree path: a shared row is
+    normalised once per distinct temperature among its samples. Log-probs, entropy, the PPO
+    loss and every gradient equal verl's stock per-sample division."""
+    data = _batch(workload, 7, use_remove_padding=remove_padding)
+    data["temperature"] = sample_temperatures(data.batch_size[0], seed=7)
+    tree = _assert_training_matches_stock(impl, make_model(), data, _setting(MODES[workload]), _ppo())
+    n, t = step_tokens(tree)
+    assert t < n  # the tree path ran
 
 
 def test_fallback_engine_subclass_overriding_seams(impl):

@@ -22,7 +22,10 @@ pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
-from verl_batches import RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens  # noqa: E402
+from verl_batches import (  # noqa: E402
+    RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch,
+    sample_temperatures, step_tokens,
+)
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
@@ -178,17 +181,25 @@ def test_fallback_when_savings_too_small(env):
     assert n == t == 30
 
 
-def test_fallback_per_sample_temperature_warns_once(env):
+@pytest.mark.parametrize("workload", ["grpo", "tree"])
+def test_per_sample_temperature_matches_stock(env, workload):
+    """Per-sample temperatures (verl's ``[B]`` tensor) take the tree path: log-probs, entropy,
+    the PPO loss and every gradient equal verl's stock per-sample division."""
     impl, model = env
     rng = np.random.default_rng(7)
-    samples = WORKLOADS["grpo"](rng)
+    samples = WORKLOADS[workload](rng)
     data = make_batch(samples, rng)
-    data["temperature"] = torch.linspace(0.5, 1.0, len(samples))
-    setting = _setting("prompt_only")
+    data["temperature"] = sample_temperatures(len(samples), seed=7)
+    setting = _setting(MODES[workload])
     stock, _ = _run(impl, model, data, setting, False)
-    with pytest.warns(UserWarning, match="per-sample temperatures"):
-        tree, _ = _run(impl, model, data, setting, True)
-    assert torch.equal(stock["model_output"]["entropy"].values(), tree["model_output"]["entropy"].values())
+    tree, _ = _run(impl, model, data, setting, True)
+    assert_outputs(stock, tree)
+    n, t = step_tokens(tree)
+    assert t < n  # the tree path ran
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    tree, g_tree = _run(impl, model, data, setting, True, _ppo())
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    assert_grads(g_stock, g_tree)
 
 
 class _ValueHead(torch.nn.Module):

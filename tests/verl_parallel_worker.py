@@ -6,7 +6,7 @@ tiny tree-spec GPTModels, on gloo (CPU) or NCCL (one GPU per rank).
 Layouts: CP=2, CP=4, TP=2 + SP, PP=2 x VPP=2 (megatron's interleaved 1F1B), CP=2 x TP=2 + SP.
 The stock run is verl's stock forward on the unshared batch (under CP the tree-spec model runs
 verl's per-sequence CP chunks); the patched run shares prefixes. Per rank: log-probs, entropy,
-the PPO loss and every local gradient of an actor; values, the value loss and every gradient
+the PPO loss and every local gradient of an actor (per-sample temperatures under CP); values, the value loss and every gradient
 of a critic; and ``ENABLE_PREFIX_SHARING=0`` against stock, bit for bit.
 
 Usage: ``torchrun --standalone --nproc_per_node N verl_parallel_worker.py LAYOUT OUT [cpu|cuda]``;
@@ -202,6 +202,10 @@ def actor_report(layout: str) -> dict:
 
     chunks = build_chunks(layout, "qwen2", seed=11)
     data = make_data(layout, 5)
+    if LAYOUTS[layout]["cp"] > 1:  # per-sample temperatures: each CP rank's tokens read their own
+        from verl_batches import sample_temperatures
+
+        data["temperature"] = sample_temperatures(data.batch_size[0], seed=5)
     setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3,
                                                              min_saved_fraction=0.0))
     loss_fn = partial(ppo_loss, config=McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2,

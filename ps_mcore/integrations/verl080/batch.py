@@ -104,23 +104,24 @@ def batch_flag(batch, key: str) -> bool:
     return bool(tu.get_non_tensor_data(batch, key=key, default=False))
 
 
-def uniform_temperature(temp) -> float | None:
-    """The one temperature of a micro-batch (verl's 1e-8 floor applied; 1.0 when unset), or
-    None when samples have different temperatures."""
+def batch_temperature(temp) -> float | torch.Tensor:
+    """A micro-batch's ``temperature`` entry as the tree path reads it, with verl's floor
+    (non-positive -> 1e-8): one float (unset: 1.0; or every sample alike), else the host
+    ``[B]`` float32 per-sample tensor."""
     if temp is None:
         return 1.0
-    values = temp.values() if getattr(temp, "is_nested", False) else torch.as_tensor(temp)
-    values = values.reshape(-1)
-    if values.numel() and not torch.all(values == values[0]):
-        return None
-    t = float(values[0]) if values.numel() else 1.0
-    return t if t > 0 else 1e-8
+    if not isinstance(temp, torch.Tensor):
+        t = float(temp)
+        return t if t > 0 else 1e-8
+    values = (temp.values() if temp.is_nested else temp).detach().reshape(-1).to("cpu", torch.float32)
+    values = torch.where(values > 0, values, torch.full_like(values, 1e-8))
+    if values.numel() == 0 or bool(torch.all(values == values[0])):
+        return float(values[0]) if values.numel() else 1.0
+    return values
 
 
-def lm_head_batch_reason(batch, temperature: float | None) -> str | None:
+def lm_head_batch_reason(batch) -> str | None:
     """Why an LM micro-batch's log-prob request cannot take the tree path (None: it can)."""
-    if temperature is None:
-        return "per-sample temperatures are not supported"
     if batch_flag(batch, "calculate_sum_pi_squared"):
         return "calculate_sum_pi_squared is not supported"
     if batch_flag(batch, "distillation_use_topk"):

@@ -12,7 +12,8 @@ metrics) runs unchanged around them:
   decoder is switched to that attention on first use (unshared calls keep its own one; the
   patchset's uninstall switches it back).
 * ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
-  :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature; value head (token
+  :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature (one float, or per
+  sample: a shared row is normalised once per distinct temperature); value head (token
   classification, ``num_labels=1``) -> ``values``. Both as jagged tensors with
   ``input_ids``'s offsets, row t holding the value for token t+1 (log-probs) or token t
   (values), as verl's stock code returns them. The last row of every sequence predicts
@@ -27,7 +28,7 @@ replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.mic
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
 rule) and for what the tree path does not support: Ulysses sequence parallelism, fused
-kernels, VLM inputs, per-sample temperatures, ``calculate_sum_pi_squared``, distillation
+kernels, VLM inputs, ``calculate_sum_pi_squared``, distillation
 top-k, position ids other than ``0..len-1``, attention dropout, trl value-head wrappers and
 engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
 back (SP, fused kernels, VLM), micro-batching stays verl's, so the stock forward keeps the
@@ -42,10 +43,10 @@ import torch
 
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
+    batch_temperature,
     lm_head_batch_reason,
     nested_like,
     sequence_lengths,
-    uniform_temperature,
 )
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
@@ -110,13 +111,6 @@ def _positions_are_offsets(batch) -> bool:
     return torch.equal(pos.values(), expected.to(pos.values().dtype))
 
 
-def micro_batch_temperature(batch) -> float | None:
-    """The micro-batch's single temperature with verl's ``clamp(min=1e-8)``, or None when
-    samples have different temperatures."""
-    temperature = uniform_temperature(batch["temperature"])
-    return None if temperature is None else max(temperature, 1e-8)
-
-
 def fsdp_fallback_reason(engine, batch) -> str | None:
     """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
     from verl.utils import tensordict_utils as tu
@@ -136,7 +130,7 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        reason = lm_head_batch_reason(batch, micro_batch_temperature(batch))
+        reason = lm_head_batch_reason(batch)
         if reason is not None:
             return reason
     return _model_reason(engine.module)
@@ -171,7 +165,7 @@ def _switch_attention(module: torch.nn.Module, patcher) -> None:
         patcher.set(config, "_attn_implementation_internal", ATTN_NAME)
 
 
-def tree_model_inputs(micro_batch, plan, temperature: float) -> tuple[dict, dict]:
+def tree_model_inputs(micro_batch, plan, temperature: float | torch.Tensor) -> tuple[dict, dict]:
     """(model inputs, output args) for one forward over ``plan``'s packed forest.
 
     Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``.
@@ -204,7 +198,7 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         if plan is None:
             return original(self, micro_batch)
         _switch_attention(self.module, patcher)
-        return tree_model_inputs(micro_batch, plan, micro_batch_temperature(source))
+        return tree_model_inputs(micro_batch, plan, batch_temperature(source["temperature"]))
 
     return prepare_model_inputs
 

@@ -27,8 +27,9 @@ schedule, that every TP / PP / CP rank holds the same plans.
 Per micro-batch it runs verl's own forward instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
-context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding, per-sample
-temperatures, ``calculate_sum_pi_squared`` and distillation top-k. Fused kernels take
+context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding,
+``calculate_sum_pi_squared`` and distillation top-k. Per-sample temperatures run on the tree
+(a shared row is normalised once per distinct temperature among its samples). Fused kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
 """
@@ -45,10 +46,10 @@ from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
+    batch_temperature,
     lm_head_batch_reason,
     nested_like,
     plan_batch,
-    uniform_temperature,
 )
 from ps_mcore.integrations.verl080.config import resolve_setting
 from ps_mcore.integrations.verl080.engine import (
@@ -82,10 +83,6 @@ def has_tree_attention(model) -> bool:
     return _HAS_TREE[inner]
 
 
-def _uniform_temperature(args: dict) -> float | None:
-    return uniform_temperature((args.get("logits_processor_args") or {}).get("temperature"))
-
-
 def megatron_fallback_reason(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
     from ps_mcore.mindspeed import mindspeed_refusal
@@ -109,7 +106,7 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
     if moe_reason is not None:  # the tree router would raise inside the model
         return f"MoE with {moe_reason} cannot be exact on a prefix tree"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        return lm_head_batch_reason(batch, _uniform_temperature(args))
+        return lm_head_batch_reason(batch)
     return None
 
 
@@ -169,7 +166,7 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     logprobs, entropy = cp_token_logprobs(
         local,
         psp,
-        temperature=_uniform_temperature(args),
+        temperature=batch_temperature(batch["temperature"]),  # one float, or [B] per sample
         compute_entropy=batch_flag(batch, "calculate_entropy"),
         tp_group=_tp_group(),
     )

@@ -12,7 +12,7 @@ import torch
 
 from ps_mcore.layer_specs.parallel.cp_collectives import SumDisjoint, check_cp_group, cp_group_or_default
 from ps_mcore.layer_specs.parallel.cp_layout import CPLayout
-from ps_mcore.logprobs import token_logprobs
+from ps_mcore.logprobs import token_logprobs, token_temperatures
 from ps_mcore.planner import TreePlan
 
 
@@ -60,7 +60,7 @@ class LocalTokenRows:
 def cp_token_logprobs(
     logits: torch.Tensor,
     packed_seq_params,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     compute_entropy: bool = False,
     tp_group=None,
     cp_group=None,
@@ -70,6 +70,7 @@ def cp_token_logprobs(
     Args:
         logits: ``[t, V_local]`` this rank's LM-head rows (a vocab shard under TP).
         packed_seq_params: the batch's ``TreePackedSeqParams`` (built with ``cp_size``).
+        temperature: one float, or ``[B]`` per sample / ``[N]`` per token of the whole plan.
         tp_group: the vocab-parallel group; cp_group: the CP group (default: Megatron's).
 
     Returns:
@@ -87,6 +88,8 @@ def cp_token_logprobs(
             f"cp_token_logprobs expects logits [{layout.num_local_rows}, V] (this CP rank's "
             f"rows), got {tuple(logits.shape)}"
         )
+    if isinstance(temperature, torch.Tensor):  # this rank's tokens' temperatures
+        temperature = token_temperatures(plan, temperature)[layout.token_index.cpu()]
     lp, ent = token_logprobs(logits, LocalTokenRows.of(plan, layout), temperature, compute_entropy, tp_group)
 
     def combine(x: torch.Tensor) -> torch.Tensor:
