@@ -197,6 +197,60 @@ def _scaled(logits, scored: ScoredRows, a: int, b: int, pa: int, pb: int, acc) -
     return x.to(acc) / _chunk_temperature(scored, pa, pb, acc)
 
 
+@dataclass(frozen=True, eq=False)
+class LabelledRows:
+    """The distinct (packed row, next-token label) pairs of a plan: what a kernel that scores
+    one label per row (verl's fused linear + log-prob/entropy kernels) runs on. A row inside a
+    node has one label; the last row of a node with k children has k, so ``U = T + sum(k - 1)``
+    over branch points.
+
+    Attributes:
+        rows: ``[U]`` packed row of each pair (sorted by row, then label).
+        labels: ``[U]`` label of each pair (a row whose tokens all end their sequence gets 0).
+        token_pair: ``[N]`` the pair each original token reads.
+        next_token_mask: ``[N]`` False at each sequence's last token (it predicts nothing).
+    """
+
+    rows: torch.Tensor
+    labels: torch.Tensor
+    token_pair: torch.Tensor
+    next_token_mask: torch.Tensor
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.rows.numel())
+
+    def to(self, device) -> "LabelledRows":
+        fields = (self.rows, self.labels, self.token_pair, self.next_token_mask)
+        return LabelledRows(*(x.to(device, non_blocking=True) for x in fields))
+
+    def per_token(self, logprobs: torch.Tensor, entropy: torch.Tensor | None = None):
+        """``[U]`` per-pair results -> ``[N]`` per token: log-probs (0 at each sequence's
+        last token, which predicts nothing) and entropy (or None)."""
+        lp = torch.where(self.next_token_mask, logprobs[self.token_pair], 0.0)
+        return lp, (None if entropy is None else entropy[self.token_pair])
+
+
+def labelled_rows(plan: TreePlan) -> LabelledRows:
+    """:class:`LabelledRows` of ``plan``, built on its host copy (no device sync)."""
+    host = plan.host
+    rows = host.unpack_index.cpu().numpy().astype(np.int64)
+    labels = host.next_token_ids.cpu().numpy().astype(np.int64)
+    mask = host.next_token_mask.cpu().numpy()
+    # a sequence's last token reads any pair of its row: one of the row's labels, else 0
+    row_label = np.zeros(plan.num_tokens, dtype=np.int64)
+    row_label[rows[mask]] = labels[mask]
+    labels = np.where(mask, labels, row_label[rows])
+    width = int(labels.max(initial=0)) + 1
+    pairs, token_pair = np.unique(rows * width + labels, return_inverse=True)
+    return LabelledRows(
+        torch.from_numpy(pairs // width),
+        torch.from_numpy(pairs % width),
+        torch.from_numpy(token_pair.reshape(-1)),
+        host.next_token_mask.cpu(),
+    ).to(plan.device)
+
+
 class TokenRows(Protocol):
     """What :func:`token_logprobs` reads: which packed row each original token reads.
 

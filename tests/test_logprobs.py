@@ -131,3 +131,38 @@ def test_temperature_changes_the_result():
     out = {t: token_logprobs(logits, plan, temperature=t, compute_entropy=True) for t in (0.3, 1.0, 2.5)}
     assert (out[0.3][1] < out[1.0][1]).all() and (out[1.0][1] < out[2.5][1]).all()  # entropy grows with t
     assert not torch.allclose(out[0.3][0], out[2.5][0])
+
+
+@pytest.mark.parametrize("name, seqs", _cases(), ids=[c[0] for c in _cases()])
+def test_labelled_rows_scored_one_label_per_row_equal_token_logprobs(name, seqs):
+    """What a kernel scoring one label per row (verl's fused linear + log-prob kernels) sees:
+    the distinct (row, next token) pairs of the plan, each scored with a plain per-row
+    ``log_softmax``; each token's pair gives its log-prob and entropy, equal to
+    ``token_logprobs``, gradients included."""
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    rows = logprobs.labelled_rows(plan)
+    # independent count: one pair per distinct (row, label) of a token that predicts something,
+    # plus one for each row read only by sequence-last tokens
+    pairs, read = set(), set()
+    for s_idx, s in enumerate(seqs):
+        start = sum(len(x) for x in seqs[:s_idx])
+        for j in range(len(s)):
+            r = int(plan.unpack_index[start + j])
+            if j + 1 < len(s):
+                pairs.add((r, s[j + 1]))
+                read.add(r)
+    only_last = set(range(plan.num_tokens)) - read
+    assert rows.num_pairs == len(pairs) + len(only_last)
+    assert set(zip(rows.rows.tolist(), rows.labels.tolist())) >= pairs
+    gen = torch.Generator().manual_seed(len(name))
+    logits = (3.0 * torch.randn(plan.num_tokens, VOCAB, generator=gen, dtype=torch.float64)).requires_grad_()
+    ref_logits = logits.detach().clone().requires_grad_()
+    logp = torch.log_softmax(logits[rows.rows] / 0.7, dim=-1)
+    lp, ent = rows.per_token(logp.gather(1, rows.labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1))
+    ref_lp, ref_ent = token_logprobs(ref_logits, plan, temperature=0.7, compute_entropy=True)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-12, atol=1e-12)
+    w = torch.randn(2, plan.num_input_tokens, generator=gen, dtype=torch.float64)
+    ((w[0] * lp).sum() + (w[1] * ent).sum()).backward()
+    ((w[0] * ref_lp).sum() + (w[1] * ref_ent).sum()).backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-10, atol=1e-10)

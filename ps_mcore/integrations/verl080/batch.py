@@ -97,11 +97,11 @@ def nested_like(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(values, offsets=like.offsets().to(values.device))
 
 
-def batch_flag(batch, key: str) -> bool:
-    """A boolean non-tensor entry of a verl micro-batch (False when absent)."""
+def batch_flag(batch, key: str, default: bool = False) -> bool:
+    """A boolean non-tensor entry of a verl micro-batch (``default`` when absent)."""
     from verl.utils import tensordict_utils as tu
 
-    return bool(tu.get_non_tensor_data(batch, key=key, default=False))
+    return bool(tu.get_non_tensor_data(batch, key=key, default=default))
 
 
 def batch_temperature(temp) -> float | torch.Tensor:

@@ -19,6 +19,9 @@ metrics) runs unchanged around them:
   (values), as verl's stock code returns them. The last row of every sequence predicts
   nothing; verl's losses never read it and the tree path returns 0 there (stock returns the
   log-prob of the next sequence's first token).
+* ``use_fused_kernels``: verl's fused forward (torch or Triton backend) runs the decoder on
+  the tree and its kernel on the plan's distinct (row, next-token) pairs
+  (:mod:`ps_mcore.integrations.verl080.fused`); log-probs and entropy come from the kernel.
 
 ``use_remove_padding`` only changes how verl's stock path lays the batch out (one packed row
 vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns the same
@@ -27,11 +30,12 @@ replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.mic
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
-rule) and for what the tree path does not support: Ulysses sequence parallelism, fused
-kernels, VLM inputs, ``calculate_sum_pi_squared``, distillation
-top-k, position ids other than ``0..len-1``, attention dropout, trl value-head wrappers and
-engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
-back (SP, fused kernels, VLM), micro-batching stays verl's, so the stock forward keeps the
+rule) and for what the tree path does not support: Ulysses sequence parallelism, VLM inputs,
+``calculate_sum_pi_squared``, distillation top-k, position ids other than ``0..len-1``,
+attention dropout, trl value-head wrappers, engine subclasses that override these seams
+(VeOmni), and fused kernels without ``use_remove_padding`` or behind a model's own fused
+forward (the VLM ones). When a whole batch is known to fall back (SP, VLM, fused kernels
+without remove-padding), micro-batching stays verl's, so the stock forward keeps the
 raw-token budget it was sized for.
 """
 
@@ -79,10 +83,10 @@ def batch_fallback_reason(batch) -> str | None:
 
     if tu.get_non_tensor_data(batch, key="sp_size", default=1) > 1:
         return _SP_REASON
-    if batch_flag(batch, "use_fused_kernels"):
+    if batch_flag(batch, "use_fused_kernels") and not batch_flag(batch, "use_remove_padding", True):
         return (
-            "use_fused_kernels=True: verl's fused forward computes the log-probs itself (set "
-            "actor_rollout_ref.model.use_fused_kernels=False to share)"
+            "use_fused_kernels=True with use_remove_padding=False (verl's fused forward returns a "
+            "response-padded layout there; set use_remove_padding=True to share)"
         )
     if "multi_modal_inputs" in batch.keys() or batch["position_ids"].dim() == 3:
         return "vision-language inputs are not supported"
@@ -133,7 +137,19 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
         reason = lm_head_batch_reason(batch)
         if reason is not None:
             return reason
+        if batch_flag(batch, "use_fused_kernels"):
+            reason = _fused_reason(engine, batch)
+            if reason is not None:
+                return reason
     return _model_reason(engine.module)
+
+
+def _fused_reason(engine, batch) -> str | None:
+    from ps_mcore.integrations.verl080.fused import fused_forward_refusal
+
+    if isinstance(batch["temperature"], torch.Tensor):
+        return "use_fused_kernels=True with a temperature tensor (verl's fused forward refuses it)"
+    return fused_forward_refusal(engine.module)
 
 
 def _model_reason(module) -> str | None:
@@ -165,8 +181,11 @@ def _switch_attention(module: torch.nn.Module, patcher) -> None:
         patcher.set(config, "_attn_implementation_internal", ATTN_NAME)
 
 
-def tree_model_inputs(micro_batch, plan, temperature: float | torch.Tensor) -> tuple[dict, dict]:
-    """(model inputs, output args) for one forward over ``plan``'s packed forest.
+def tree_model_inputs(
+    micro_batch, plan, temperature: float | torch.Tensor, fused: bool = False
+) -> tuple[dict, dict]:
+    """(model inputs, output args) for one forward over ``plan``'s packed forest; ``fused``:
+    for verl's fused forward (its kernel runs on the plan's labelled rows).
 
     Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``.
     """
@@ -177,7 +196,15 @@ def tree_model_inputs(micro_batch, plan, temperature: float | torch.Tensor) -> t
         "position_ids": plan.position_ids[None],
         "tree_plan": plan,
     }
-    return model_inputs, {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
+    output_args = {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
+    if fused:
+        from ps_mcore.integrations.verl080.fused import FUSED_ROWS_KWARG
+        from ps_mcore.logprobs import labelled_rows
+
+        rows = labelled_rows(plan)
+        model_inputs.update({FUSED_ROWS_KWARG: rows, "temperature": temperature, "return_dict": True})
+        output_args[FUSED_ROWS_KWARG] = rows
+    return model_inputs, output_args
 
 
 def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
@@ -198,21 +225,33 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         if plan is None:
             return original(self, micro_batch)
         _switch_attention(self.module, patcher)
-        return tree_model_inputs(micro_batch, plan, batch_temperature(source["temperature"]))
+        fused = batch_flag(source, "use_fused_kernels") and not _is_value_engine(self)
+        if fused:
+            from ps_mcore.integrations.verl080.fused import enable_tree_fused_forward
+
+            enable_tree_fused_forward(self.module, patcher)
+        return tree_model_inputs(micro_batch, plan, batch_temperature(source["temperature"]), fused)
 
     return prepare_model_inputs
 
 
 def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
-    """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``."""
+    """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``,
+    or from the fused kernel's ``[1, U]`` results per labelled row."""
+    from ps_mcore.integrations.verl080.fused import FUSED_ROWS_KWARG
     from ps_mcore.logprobs import token_logprobs
 
-    logprobs, entropy = token_logprobs(
-        output.logits[0],
-        output_args[PLAN_KEY],
-        temperature=output_args[TEMPERATURE_KEY],
-        compute_entropy=batch_flag(micro_batch, "calculate_entropy"),
-    )
+    compute_entropy = batch_flag(micro_batch, "calculate_entropy")
+    rows = output_args.get(FUSED_ROWS_KWARG)
+    if rows is not None:
+        logprobs, entropy = rows.per_token(output.log_probs[0], output.entropy[0] if compute_entropy else None)
+    else:
+        logprobs, entropy = token_logprobs(
+            output.logits[0],
+            output_args[PLAN_KEY],
+            temperature=output_args[TEMPERATURE_KEY],
+            compute_entropy=compute_entropy,
+        )
     result = {"log_probs": nested_like(logprobs, micro_batch["input_ids"])}
     if entropy is not None:
         result["entropy"] = nested_like(entropy, micro_batch["input_ids"])
