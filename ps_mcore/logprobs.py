@@ -255,7 +255,7 @@ class TokenRows(Protocol):
     """What :func:`token_logprobs` reads: which packed row each original token reads.
 
     A :class:`~ps_mcore.planner.TreePlan` is one; so is one CP rank's share of a plan
-    (:class:`ps_mcore.layer_specs.parallel.cp_logprobs.LocalTokenRows`).
+    (:class:`LocalTokenRows`).
 
     Attributes:
         num_tokens: T, the packed rows the logits hold (at least).
@@ -272,6 +272,48 @@ class TokenRows(Protocol):
     max_token_id: int
 
     def to(self, device) -> "TokenRows": ...
+
+
+@dataclass(frozen=True)
+class LocalTokenRows:
+    """The original tokens whose packed row is on this rank (a :class:`TokenRows`): one CP
+    rank's rows, one sequence-parallel rank's chunk.
+
+    Attributes:
+        num_tokens: t, this rank's rows.
+        unpack_index: ``[n]`` local row of each such token.
+        next_token_ids, next_token_mask: ``[n]`` their next-token labels and validity.
+        max_token_id: the largest token id of the whole plan.
+        token_index: ``[n]`` the tokens' indices among the plan's ``N`` original tokens.
+    """
+
+    num_tokens: int
+    unpack_index: torch.Tensor
+    next_token_ids: torch.Tensor
+    next_token_mask: torch.Tensor
+    max_token_id: int
+    token_index: torch.Tensor
+
+    @classmethod
+    def select(cls, plan: TreePlan, token_index: torch.Tensor, token_rows: torch.Tensor, num_rows: int):
+        """Original token ``token_index[i]`` reads local row ``token_rows[i]`` of ``num_rows``."""
+        dev = token_rows.device
+        return cls(
+            num_tokens=num_rows,
+            unpack_index=token_rows,
+            next_token_ids=plan.next_token_ids.to(dev).index_select(0, token_index),
+            next_token_mask=plan.next_token_mask.to(dev).index_select(0, token_index),
+            max_token_id=plan.max_token_id,
+            token_index=token_index,
+        )
+
+    def to(self, device) -> "LocalTokenRows":
+        if self.unpack_index.device == torch.device(device):
+            return self
+        moved = (self.unpack_index, self.next_token_ids, self.next_token_mask)
+        return LocalTokenRows(
+            self.num_tokens, *(x.to(device) for x in moved), self.max_token_id, self.token_index.to(device)
+        )
 
 
 def token_logprobs(

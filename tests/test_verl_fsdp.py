@@ -78,11 +78,12 @@ def _setting(mode, **kw):
     return PrefixSharingSetting(True, PrefixGrouperConfig(mode=mode, min_prefix_len=4, min_saved_fraction=0.0, **kw))
 
 
-def make_engine(impl, cls, model, setting):
-    """verl's engine class ``cls`` through its real ``__init__``, around ``model``."""
+def make_engine(impl, cls, model, setting, **engine_options):
+    """verl's engine class ``cls`` through its real ``__init__``, around ``model``
+    (``engine_options``: more ``FSDPEngineConfig`` fields, e.g. the Ulysses SP size)."""
     from verl.workers.config import FSDPEngineConfig
 
-    engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False)
+    engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, **engine_options)
     if setting is not None:
         object.__setattr__(engine_config, ENGINE_ATTR, setting)
     model_config = SimpleNamespace(use_remove_padding=True, lora_rank=0)
@@ -309,19 +310,6 @@ def test_fallback_engine_subclass_overriding_seams(impl):
     _fallback_case(impl, make_model(), data, _setting("arbitrary_prefix"), "Subclass overrides", cls=Subclass)
 
 
-def test_fallback_ulysses_sp_flag_on_engine(impl):
-    """``use_ulysses_sp`` on the engine: verl's stock SP input path (pad and slice for the SP
-    group, gather of the outputs) runs at an SP world of one. A real SP group of 2 needs
-    all-to-all, which gloo (CPU) lacks; the batch-level ``sp_size`` flag is checked in
-    :func:`test_whole_batch_fallback_keeps_verl_micro_batches`."""
-
-    def sp(engine):
-        engine.use_ulysses_sp = True
-
-    data = _batch("stepwise", 9, **FIXED_MBS)
-    _fallback_case(impl, make_model(), data, _setting("arbitrary_prefix"), "Ulysses", engine_setup=sp)
-
-
 def _partitions(impl, engine, data):
     """The FSDP module's ``prepare_micro_batches`` as ``forward_backward_batch`` calls it."""
     from ps_mcore.integrations.verl080.engine import with_engine_context
@@ -333,12 +321,12 @@ def _partitions(impl, engine, data):
 
 
 @pytest.mark.parametrize(
-    "flags", [dict(use_fused_kernels=True, use_remove_padding=False), dict(sp_size=2), dict(use_fused_kernels=True), {}]
+    "flags", [dict(use_fused_kernels=True, use_remove_padding=False), dict(use_fused_kernels=True), {}]
 )
 def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
-    """SP / fused kernels without remove-padding: every micro-batch runs verl's stock forward,
-    so micro-batching stays verl's (raw-token budget); otherwise (fused kernels included) it
-    is the prefix-aware one."""
+    """Fused kernels without remove-padding: every micro-batch runs verl's stock forward, so
+    micro-batching stays verl's (raw-token budget); otherwise (Ulysses SP and fused kernels
+    included) it is the prefix-aware one."""
     rng = np.random.default_rng(10)
     samples = WORKLOADS["grpo"](rng, prompts=3, group=2)
     samples = [samples[i] for i in rng.permutation(len(samples))]
@@ -348,7 +336,7 @@ def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
     stock = _partitions(impl, make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting), data)
     setup.install([PATCHSET])
     patched = _partitions(impl, make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting), data)
-    whole_batch_stock = "sp_size" in flags or flags.get("use_remove_padding") is False
+    whole_batch_stock = flags.get("use_remove_padding") is False
     assert (patched == stock) is whole_batch_stock
     uids = list(data["uid"])
     assert whole_batch_stock or all(len({uids[i] for i in part}) == 1 for part in patched)

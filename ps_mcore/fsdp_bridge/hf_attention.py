@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from ps_mcore.attention import tree_attention
+from ps_mcore.fsdp_bridge.sequence_parallel import SequenceParallelPlan
 from ps_mcore.fsdp_bridge.unwrap import unwrap_model
 from ps_mcore.planner import TreePlan
 
@@ -216,7 +217,8 @@ def prefix_tree_attention(
 
     Args:
         query: ``[1, Hq, T, D]``; key/value ``[1, Hkv, T, D]`` (HF layout, the forest as one row).
-        tree_plan: the micro-batch's plan; None runs the model's stock implementation.
+        tree_plan: the micro-batch's plan; None runs the model's stock implementation; a
+            :class:`SequenceParallelPlan`: this Ulysses rank's rows (query ``[1, Hq, c, D]``).
         tree_backend: :func:`tree_attention` backend ("auto": varlen flash on CUDA).
 
     Returns:
@@ -225,6 +227,11 @@ def prefix_tree_attention(
     if tree_plan is None:
         return _stock_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if isinstance(tree_plan, SequenceParallelPlan):  # this rank's rows: all-to-all around the call
+        return tree_plan.attend(
+            prefix_tree_attention, module, query, key, value, attention_mask,
+            scaling=scaling, dropout=dropout, tree_backend=tree_backend, **kwargs,
         )
     _check_tree_call(module, query, key, attention_mask, dropout, tree_plan, kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]

@@ -30,13 +30,17 @@ replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.mic
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
-rule) and for what the tree path does not support: Ulysses sequence parallelism, VLM inputs,
-``calculate_sum_pi_squared``, distillation top-k, position ids other than ``0..len-1``,
-attention dropout, trl value-head wrappers, engine subclasses that override these seams
-(VeOmni), and fused kernels without ``use_remove_padding`` or behind a model's own fused
-forward (the VLM ones). When a whole batch is known to fall back (SP, VLM, fused kernels
-without remove-padding), micro-batching stays verl's, so the stock forward keeps the
-raw-token budget it was sized for.
+rule) and for what the tree path does not support: VLM inputs, ``calculate_sum_pi_squared``,
+distillation top-k, position ids other than ``0..len-1``, attention dropout, trl value-head
+wrappers, engine subclasses that override these seams (VeOmni), and fused kernels without
+``use_remove_padding``, behind a model's own fused forward (the VLM ones) or with Ulysses SP.
+When a whole batch is known to fall back (VLM, fused kernels without remove-padding),
+micro-batching stays verl's, so the stock forward keeps the raw-token budget it was sized for.
+
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``): the packed tree rows
+are split over the SP ranks and the ``"prefix_tree"`` attention runs an all-to-all around
+tree attention (:mod:`ps_mcore.fsdp_bridge.sequence_parallel`); log-probs, entropy and values
+come back complete on every SP rank with verl's gradient scaling.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
@@ -64,7 +69,7 @@ from ps_mcore.integrations.verl080.engine import (
 PLAN_KEY = "ps_mcore_tree_plan"
 TEMPERATURE_KEY = "ps_mcore_temperature"
 _SEAMS = ("forward_step", "prepare_model_inputs", "prepare_model_outputs")
-_SP_REASON = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+SP_PLAN_KEY = "ps_mcore_sp_plan"
 
 
 def _impl():
@@ -81,8 +86,6 @@ def batch_fallback_reason(batch) -> str | None:
     own flags (so micro-batching can stay stock too); None if nothing rules it out."""
     from verl.utils import tensordict_utils as tu
 
-    if tu.get_non_tensor_data(batch, key="sp_size", default=1) > 1:
-        return _SP_REASON
     if batch_flag(batch, "use_fused_kernels") and not batch_flag(batch, "use_remove_padding", True):
         return (
             "use_fused_kernels=True with use_remove_padding=False (verl's fused forward returns a "
@@ -122,8 +125,6 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
 
     if _overrides_seams(engine):
         return f"{type(engine).__name__} overrides the FSDP engine's model input/output methods"
-    if getattr(engine, "use_ulysses_sp", False):
-        return _SP_REASON
     reason = batch_fallback_reason(batch)
     if reason is not None:
         return reason
@@ -149,6 +150,8 @@ def _fused_reason(engine, batch) -> str | None:
 
     if isinstance(batch["temperature"], torch.Tensor):
         return "use_fused_kernels=True with a temperature tensor (verl's fused forward refuses it)"
+    if getattr(engine, "use_ulysses_sp", False):
+        return "use_fused_kernels=True with Ulysses sequence parallelism is not supported on a tree"
     return fused_forward_refusal(engine.module)
 
 
@@ -182,21 +185,28 @@ def _switch_attention(module: torch.nn.Module, patcher) -> None:
 
 
 def tree_model_inputs(
-    micro_batch, plan, temperature: float | torch.Tensor, fused: bool = False
+    micro_batch, plan, temperature: float | torch.Tensor, fused: bool = False, sp_group=None
 ) -> tuple[dict, dict]:
     """(model inputs, output args) for one forward over ``plan``'s packed forest; ``fused``:
-    for verl's fused forward (its kernel runs on the plan's labelled rows).
+    for verl's fused forward (its kernel runs on the plan's labelled rows); ``sp_group``: the
+    Ulysses group whose ranks split the packed rows.
 
-    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``.
+    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]`` (``[1, ceil(T / sp)]`` under SP).
     """
+    from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan
+
     plan = plan.to(micro_batch["input_ids"].device)
+    sp_plan = None
+    if sp_group is not None and dist.get_world_size(sp_group) > 1:
+        sp_plan = sequence_parallel_plan(plan, sp_group)
+    rows = (lambda x: x) if sp_plan is None else sp_plan.local
     model_inputs = {
-        "input_ids": plan.input_ids[None],
+        "input_ids": rows(plan.input_ids)[None],
         "attention_mask": None,
-        "position_ids": plan.position_ids[None],
-        "tree_plan": plan,
+        "position_ids": rows(plan.position_ids)[None],
+        "tree_plan": plan if sp_plan is None else sp_plan,
     }
-    output_args = {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
+    output_args = {PLAN_KEY: plan, TEMPERATURE_KEY: temperature, SP_PLAN_KEY: sp_plan}
     if fused:
         from ps_mcore.integrations.verl080.fused import FUSED_ROWS_KWARG
         from ps_mcore.logprobs import labelled_rows
@@ -230,7 +240,8 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
             from ps_mcore.integrations.verl080.fused import enable_tree_fused_forward
 
             enable_tree_fused_forward(self.module, patcher)
-        return tree_model_inputs(micro_batch, plan, batch_temperature(source["temperature"]), fused)
+        sp_group = getattr(self, "ulysses_parallel_group", None) if getattr(self, "use_ulysses_sp", False) else None
+        return tree_model_inputs(micro_batch, plan, batch_temperature(source["temperature"]), fused, sp_group)
 
     return prepare_model_inputs
 
@@ -243,8 +254,14 @@ def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.T
 
     compute_entropy = batch_flag(micro_batch, "calculate_entropy")
     rows = output_args.get(FUSED_ROWS_KWARG)
+    sp_plan = output_args[SP_PLAN_KEY]
     if rows is not None:
         logprobs, entropy = rows.per_token(output.log_probs[0], output.entropy[0] if compute_entropy else None)
+    elif sp_plan is not None:
+        from ps_mcore.fsdp_bridge.sequence_parallel import sp_token_logprobs
+
+        temperature = output_args[TEMPERATURE_KEY]
+        logprobs, entropy = sp_token_logprobs(output.logits[0], sp_plan, temperature, compute_entropy)
     else:
         logprobs, entropy = token_logprobs(
             output.logits[0],
@@ -260,8 +277,12 @@ def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.T
 
 def tree_value_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
     """``values`` ``[B, j]`` jagged from a token-classification head's ``[1, T, 1]`` logits."""
-    plan = output_args[PLAN_KEY]
-    values = plan.unpack(output.logits[0].squeeze(-1))
+    plan, sp_plan, values = output_args[PLAN_KEY], output_args[SP_PLAN_KEY], output.logits[0].squeeze(-1)
+    if sp_plan is not None:
+        from ps_mcore.fsdp_bridge.sequence_parallel import sp_gather_rows
+
+        values = sp_gather_rows(values, sp_plan)
+    values = plan.unpack(values)
     return {"values": nested_like(values, micro_batch["input_ids"])}
 
 
