@@ -459,25 +459,78 @@ def test_moe_fallback_decision(env, options, word):
     assert reason is None if word is None else word in reason, reason
 
 
-def test_fallback_multi_token_prediction(env, fresh_warnings):
-    """A real megatron-core MTP block (1 layer) with verl's MTP ``_postprocess`` patch, and
-    the engine's ``model_config.mtp`` enabled for training: verl's stock forward passes labels
-    and loss masks to the model, which adds the MTP loss (its metric shows up)."""
+def _mtp_model(depths: int, detach: bool, seed: int = 5):
+    """A real megatron-core MTP block (``depths`` layers, tree specs like the decoder's) with
+    verl's MTP patches, as ``MegatronEngine`` applies them (``patch_engine_mtp``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from verl.models.mcore.mtp_patch import patch_postprocess
+    from verl.models.mcore.mtp_patch import patch_mtp_layer_get_embeddings, patch_postprocess
 
-    impl, _ = env
-    cfg = tiny_config("qwen2", mtp_num_layers=1)
+    cfg = tiny_config("qwen2", mtp_num_layers=depths)
     spec = _tree_spec(cfg)
     model = build_gpt(cfg, spec, mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
-    randomize_(model, seed=5)
-    patch_postprocess(model)  # what MegatronEngine._build_megatron_module does with MTP on
+    randomize_(model, seed=seed)
+    patch_postprocess(model)
+    if detach:
+        patch_mtp_layer_get_embeddings(model)
+    return model
 
-    def mtp(engine):
-        engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True)
 
-    tree = _fallback_case(impl, model, _fallback_batch(21), "multi-token prediction (MTP)", mtp)
-    assert any(key.startswith("mtp_losses/") for key in tree["metrics"])
+def _mtp_run(impl, model, data, patched, detach, loss_fn=None):
+    setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("arbitrary_prefix"))
+    engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True, detach_encoder=detach)
+    model.zero_grad(set_to_none=True)
+    out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+    return out, {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("depths, detach", [(1, False), (2, False), (2, True)], ids=["d1", "d2", "d2-detach"])
+def test_multi_token_prediction_matches_stock(env, fresh_warnings, depths, detach):
+    """MTP training on the tree: each depth's rows follow every sample's own path (a shared
+    row predicts once per distinct continuation, weighted by the samples behind it). Against
+    verl's stock MTP (megatron's block, rolled ids / labels / mask per sequence) on the
+    unshared batch: log-probs, entropy, the PPO loss, every gradient (MTP layers, embedding
+    and decoder, which the MTP loss reaches unless ``detach_encoder``) and the logged MTP
+    losses. Branching tree, GRPO groups and step-wise samples, several micro-batches."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    impl, _ = env
+    MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depth count
+    model = _mtp_model(depths, detach)
+    rng = np.random.default_rng(30 + depths)
+    samples = WORKLOADS["tree"](rng) + WORKLOADS["grpo"](rng, prompts=1) + WORKLOADS["stepwise"](rng, steps=3)
+    # fixed micro-batches of whole groups (the same in both runs: the logged MTP loss is a mean
+    # of per-micro-batch means)
+    data = make_batch(samples, rng, temperature=0.9, use_dynamic_bsz=False, micro_batch_size_per_gpu=6)
+    stock, _ = _mtp_run(impl, model, data, False, detach)
+    tree, _ = _mtp_run(impl, model, data, True, detach)
+    assert_outputs(stock, tree)
+    n, t = step_tokens(tree)
+    assert t < n and len(tree["metrics"][TOKENS_IN]) >= 2  # the tree path ran, several micro-batches
+    stock_t, g_stock = _mtp_run(impl, model, data, False, detach, _ppo())
+    tree_t, g_tree = _mtp_run(impl, model, data, True, detach, _ppo())
+    np.testing.assert_allclose(tree_t["loss"], stock_t["loss"], rtol=RTOL)  # per micro-batch
+    mtp_keys = sorted(k for k in stock_t["metrics"] if k.startswith("mtp_losses/"))
+    assert len(mtp_keys) == depths and mtp_keys == sorted(k for k in tree_t["metrics"] if k.startswith("mtp_losses/"))
+    for key in mtp_keys:
+        np.testing.assert_allclose(np.sum(tree_t["metrics"][key]), np.sum(stock_t["metrics"][key]), rtol=RTOL)
+    assert g_stock.keys() == g_tree.keys()
+    assert_grads([g_stock[k] for k in g_stock], [g_tree[k] for k in g_stock])
+    # the MTP loss really reached the MTP layers (and, without detach, the decoder's embedding)
+    assert all(float(g.abs().max()) > 0 for k, g in g_tree.items() if k.startswith("mtp."))
+
+
+def test_multi_token_prediction_layout_refusal_names_it(env):
+    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason
+
+    model = _mtp_model(1, False)
+    model.config.num_moe_experts = 4  # only the decision is checked: the model is not run
+    try:
+        reason = megatron_fallback_reason(model, {"mtp_enable_train": True}, None)
+    finally:
+        model.config.num_moe_experts = None
+    assert "multi-token prediction (MTP) training" in reason and "MoE" in reason
+    assert megatron_fallback_reason(model, {"mtp_enable_train": True, "logits_processor": None}, None) is None
 
 
 class _VisionLanguageStandIn(torch.nn.Module):

@@ -27,7 +27,8 @@ schedule, that every TP / PP / CP rank holds the same plans.
 Per micro-batch it runs verl's own forward instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
-context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding,
+context parallelism (``local_cp_size``), VLM inputs, MTP training outside what
+:mod:`~ps_mcore.integrations.verl080.mtp` runs (TP/CP/PP, MoE MTP layers), fp8 padding,
 ``calculate_sum_pi_squared`` and distillation top-k. Per-sample temperatures run on the tree
 (a shared row is normalised once per distinct temperature among its samples). Fused kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
@@ -36,6 +37,7 @@ verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from typing import Any, Callable
@@ -95,7 +97,11 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
     if args.get("vision_model") or args.get("multi_modal_inputs"):
         return "vision-language inputs are not supported"
     if args.get("mtp_enable_train"):
-        return "multi-token prediction (MTP) training is not supported"
+        from ps_mcore.integrations.verl080.mtp import mtp_refusal
+
+        mtp_reason = mtp_refusal(_unwrap(model))
+        if mtp_reason is not None:
+            return f"multi-token prediction (MTP) training: {mtp_reason} is not supported on a tree"
     if getattr(_unwrap(model).config, "fp8", None):
         return "fp8 (its THD padding rules) is not supported"
     if not has_tree_attention(model):
@@ -137,7 +143,18 @@ def tree_packed_params(plan):
     )
 
 
-def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) -> Any:
+def _mtp_context(model, plan, input_ids: torch.Tensor, args: dict, engine):
+    """The tree MTP loss around the model call when verl trains MTP (else nothing)."""
+    if not args.get("mtp_enable_train") or not _unwrap(model).post_process:
+        return contextlib.nullcontext()
+    from ps_mcore.integrations.verl080.mtp import full_loss_mask, tree_mtp_training
+
+    mtp = getattr(getattr(engine, "model_config", None), "mtp", None)
+    detach = bool(getattr(mtp, "detach_encoder", False))
+    return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach)
+
+
+def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, engine=None) -> Any:
     """One model call on ``plan``; returns what verl's engine forward returns.
 
     Shapes: model output ``[1, T_pad / cp, V/tp]`` (LM) or ``[1, T_pad / cp, 1]`` (value
@@ -151,12 +168,13 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     plan = plan.to(device)
     psp = tree_packed_params(plan)
     set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
-    output = model(
-        input_ids=psp.cp_shard(plan.input_ids)[None],
-        attention_mask=None,
-        position_ids=psp.cp_shard(psp.position_ids)[None],
-        packed_seq_params=psp,
-    )
+    with _mtp_context(model, plan, input_ids, args, engine):
+        output = model(
+            input_ids=psp.cp_shard(plan.input_ids)[None],
+            attention_mask=None,
+            position_ids=psp.cp_shard(psp.position_ids)[None],
+            packed_seq_params=psp,
+        )
     if not _unwrap(model).post_process:
         return output  # hidden states go to the next pipeline stage as they are
     local = output[0] if psp.cp_layout is not None else output[0, : plan.num_tokens]
@@ -193,7 +211,7 @@ def tree_engine_forward(stock: Callable) -> Callable:
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
         if plan is None:
             return stock(*call_args, **call_kwargs)
-        return run_tree_forward(model, plan, input_ids, args, micro.batch)
+        return run_tree_forward(model, plan, input_ids, args, micro.batch, micro.engine)
 
     return forward
 
