@@ -56,6 +56,7 @@ from ps_mcore.integrations.verl080.batch import (
     lm_head_batch_reason,
     nested_like,
     sequence_lengths,
+    sequences,
 )
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
@@ -63,6 +64,13 @@ from ps_mcore.integrations.verl080.engine import (
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
+)
+from ps_mcore.integrations.verl080.vision import (
+    engine_image_tokens,
+    is_vision_batch,
+    route_tree_attention,
+    tree_vision_inputs,
+    vlm_refusal,
 )
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
@@ -91,8 +99,6 @@ def batch_fallback_reason(batch) -> str | None:
             "use_fused_kernels=True with use_remove_padding=False (verl's fused forward returns a "
             "response-padded layout there; set use_remove_padding=True to share)"
         )
-    if "multi_modal_inputs" in batch.keys() or batch["position_ids"].dim() == 3:
-        return "vision-language inputs are not supported"
     return None
 
 
@@ -115,7 +121,8 @@ def _positions_are_offsets(batch) -> bool:
     lens = offsets.diff()
     start = torch.repeat_interleave(offsets[:-1], lens)
     expected = torch.arange(int(offsets[-1]), device=offsets.device) - start
-    return torch.equal(pos.values(), expected.to(pos.values().dtype))
+    values = pos.values()[0] if pos.dim() == 3 else pos.values()  # 4-row VLM positions: the text row
+    return torch.equal(values, expected.to(values.dtype))
 
 
 def fsdp_fallback_reason(engine, batch) -> str | None:
@@ -132,6 +139,10 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
         return "only verl's no-padding batch layout is supported"
     if not (batch["input_ids"].is_nested and batch["position_ids"].is_nested):
         return "input_ids / position_ids are not jagged nested tensors"
+    if is_vision_batch(batch):
+        reason = vlm_refusal(engine, batch)
+        if reason is not None:
+            return reason
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
@@ -231,17 +242,28 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
         reason = fsdp_fallback_reason(self, source)
-        plan = plan_or_stock("FSDP", micro, setting, source, n, reason)
+        images = engine_image_tokens(self) if reason is None and is_vision_batch(source) else None
+        plan = plan_or_stock("FSDP", micro, setting, source, n, reason, images)
         if plan is None:
             return original(self, micro_batch)
         _switch_attention(self.module, patcher)
+        if images is not None:
+            from ps_mcore.multimodal import with_tokens
+
+            plan = with_tokens(plan, sequences(source))  # planned on image keys
+            route_tree_attention(self.module, patcher)
         fused = batch_flag(source, "use_fused_kernels") and not _is_value_engine(self)
         if fused:
             from ps_mcore.integrations.verl080.fused import enable_tree_fused_forward
 
             enable_tree_fused_forward(self.module, patcher)
         sp_group = getattr(self, "ulysses_parallel_group", None) if getattr(self, "use_ulysses_sp", False) else None
-        return tree_model_inputs(micro_batch, plan, batch_temperature(source["temperature"]), fused, sp_group)
+        inputs, output_args = tree_model_inputs(
+            micro_batch, plan, batch_temperature(source["temperature"]), fused, sp_group
+        )
+        if images is not None:
+            inputs.update(tree_vision_inputs(source, plan, images, inputs["input_ids"].device))
+        return inputs, output_args
 
     return prepare_model_inputs
 
@@ -321,7 +343,7 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
     """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
     batches whose every micro-batch runs verl's stock forward (their token budget must
     count raw tokens)."""
-    aware = prefix_aware(stock)
+    aware = prefix_aware(stock, images_of=engine_image_tokens)
 
     def prepare_micro_batches(data, *args, **kwargs):
         if batch_fallback_reason(data) is not None:
@@ -338,6 +360,9 @@ def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
     from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
 
+    from ps_mcore.integrations.verl080.vision import record_hf_attention_forwards
+
+    record_hf_attention_forwards()  # before verl patches a VLM's attention classes
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
     patcher.wrap(lm, "forward_step", fsdp_forward_step)
