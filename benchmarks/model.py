@@ -6,12 +6,17 @@ the LM head and per-token log-probs, unshared THD batch vs. prefix tree, every s
     torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tp 2   # or --cp 2, --tp 2 --cp 2
     torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tiny --cp 2   # CPU (gloo)
     python benchmarks/model.py --spec te                       # CUDA + transformer-engine
+    python benchmarks/model.py --spec te --fp8 delayed         # ... with TE's FP8 linears (recipe:
+                                                               # delayed, tensorwise, blockwise, mxfp8)
 
 ``--spec te`` (TP=CP=1): the baseline is what users run today, the STOCK TE model
 (``get_gpt_layer_with_transformer_engine_spec``: TE fused attention, fused RoPE) on the
 unshared THD batch; the tree model is ``to_tree_spec`` of the same spec with the stock model's
 weights (strict load), RoPE fusion on in both. Table: workload, ideal, TE stock ms, tree ms,
-speedup, meas/ideal, peak memory.
+speedup, meas/ideal, peak memory. ``--fp8 RECIPE`` runs both models under TE's FP8 recipe
+(``fp8="hybrid"``): the stock model on verl's FP8 THD layout (each sequence padded to 16 rows, the
+total to 128: ``ps_mcore.layer_specs.fp8.fp8_thd_layout``), the tree's packed rows padded to 128
+(``tree_row_multiple``), tree attention in bf16.
 
 The world is one model replica (world size = tp * cp); rank 0 prints the table (its times).
 One model (tree layer specs, local linear layers; no sequence parallelism: the local spec's
@@ -79,10 +84,10 @@ def init_parallel(device: str, tp: int = 1, cp: int = 1) -> None:
 
 def build_model(
     shape: DecoderShape, device: str, dtype: torch.dtype, fusions: bool, tp: int = 1, cp: int = 1,
-    spec: str = "local", backend: str = "auto",
+    spec: str = "local", backend: str = "auto", fp8: str | None = None,
 ):
     """The tree model (``spec="local"``); for ``spec="te"`` the pair (stock TE model, tree
-    model of the same spec with the stock weights)."""
+    model of the same spec with the stock weights); ``fp8``: a TE FP8 recipe for both."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -99,6 +104,7 @@ def build_model(
         bias_activation_fusion=fusions, bias_dropout_fusion=fusions, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp, context_parallel_size=cp,
+        **(dict(fp8="hybrid", fp8_recipe=fp8) if fp8 else {}),
     )
     config.tree_attention_backend = backend  # read by TreeCoreAttention (the stock model ignores it)
 
@@ -139,12 +145,13 @@ class Steps:
         from megatron.core import parallel_state as ps
 
         from ps_mcore.layer_specs import TreePackedSeqParams
+        from ps_mcore.layer_specs.fp8 import fp8_thd_layout, tree_row_multiple
 
         self.model = model
         self.base_model = model if base_model is None else base_model  # --spec te: stock TE
         self.tp_group, self.cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-        pad = 2 * cp * ps.get_tensor_model_parallel_world_size() if cp > 1 else 1
+        pad = tree_row_multiple(model.config, ps.get_tensor_model_parallel_world_size() if cp > 1 else 1, cp)
 
         def packed(plan):
             return TreePackedSeqParams.from_plan(plan, pad, cp_size=cp, cp_rank=cp_rank)
@@ -154,7 +161,14 @@ class Steps:
         assert self.flat.is_trivial  # rows = the sequences back to back, as in thd_params
         lengths = [len(s) for s in sequences]
         self.tree_psp = packed(self.plan)
-        if cp == 1:  # stock THD packing, Megatron's own RoPE
+        self.base_rows = None  # rows of the real tokens in the baseline layout (None: all rows)
+        if cp == 1 and getattr(model.config, "fp8", None):  # verl's FP8 THD layout
+            self.base_psp, self.base_rows = fp8_thd_layout(lengths, device=device)
+            total = int(self.base_psp.cu_seqlens_q[-1])
+            ids = self.flat.input_ids
+            self.base_ids = ids.new_zeros(total).index_copy(0, self.base_rows, ids)
+            self.base_pos = torch.zeros_like(self.base_ids)  # THD RoPE reads cu_seqlens, not these
+        elif cp == 1:  # stock THD packing, Megatron's own RoPE
             self.base_psp = thd_params(lengths, device)
             self.base_ids = self.flat.input_ids
             self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
@@ -176,6 +190,8 @@ class Steps:
                             packed_seq_params=psp)[0]
         if isinstance(psp, TreePackedSeqParams):
             return cp_token_logprobs(logits, psp, tp_group=self.tp_group, cp_group=self.cp_group)[0]
+        if self.base_rows is not None:
+            logits = logits.index_select(0, self.base_rows)
         return token_logprobs(logits, plan, tp_group=self.tp_group)[0]
 
     def base_logprobs(self):
@@ -237,7 +253,7 @@ def run(args) -> str:
 
 def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
     """Stock TE model on the unshared THD batch vs. its tree spec on the prefix tree."""
-    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend)
+    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend, fp8=args.fp8)
     headers = ["workload", "N", "T", "ideal", "TE stock ms", "tree ms", "speedup", "meas/ideal",
                "TE stock MiB", "tree MiB", "mem ratio", "max |dlogp|"]
 
@@ -247,9 +263,11 @@ def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
                 steps.max_logprob_diff()]
 
     rows = workload_rows(args, shape, lambda seqs: Steps(tree, seqs, device, base_model=stock), row)
+    fp8 = f", FP8 {args.fp8} recipe (hybrid) in both, tree rows padded to 128" if args.fp8 else ""
     title = _title(
-        f", transformer-engine spec (Qwen2.5-1.5B shapes: {_dims(shape)}, random init, bf16)",
-        "STOCK TE spec (TE fused attention, fused RoPE) on the unshared THD batch",
+        f", transformer-engine spec (Qwen2.5-1.5B shapes: {_dims(shape)}, random init, bf16{fp8})",
+        "STOCK TE spec (TE fused attention, fused RoPE) on the unshared THD batch"
+        + (" in verl's FP8 THD layout" if args.fp8 else ""),
         "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype, "models", args.backend)
     return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
 
@@ -263,9 +281,13 @@ def main() -> None:
     p.add_argument("--backend", default="auto", help="tree attention backend of the tree model (config.tree_attention_backend)")
     p.add_argument("--spec", choices=("local", "te"), default="local",
                    help="te: stock TE model (baseline) vs to_tree_spec(TE spec); CUDA + TE, TP=CP=1")
+    p.add_argument("--fp8", choices=("delayed", "tensorwise", "blockwise", "mxfp8"), default=None,
+                   help="TE FP8 recipe for both models (with --spec te)")
     args = parse_model_benchmark_args(p, "benchmarks/model.py")
     if args.spec == "te" and (args.tiny or args.tp > 1 or args.cp > 1):
         sys.exit("--spec te runs on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
+    if args.fp8 and args.spec != "te":
+        sys.exit("--fp8 needs --spec te (TE's FP8 linears)")
     report = run(args)
     if dist.get_rank() == 0:
         write_report(report, args.out)

@@ -412,20 +412,73 @@ def _spy(monkeypatch, module, name):
     return calls
 
 
-def test_fallback_fp8(env, monkeypatch, fresh_warnings):
-    """``config.fp8 = "e4m3"``: verl's stock forward pads THD sequences by its fp8 rules
-    (checked: ``preprocess_thd_engine(use_fp8_padding=True)``). The fp8 GEMMs themselves need
-    Transformer Engine on a GPU; the local-spec model here computes in fp32."""
+@pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
+def test_fp8_config_runs_the_tree_with_rows_padded_for_fp8(env, monkeypatch, fp8):
+    """``config.fp8``: the tree path runs, its packed rows padded to a multiple of 128 (verl's
+    FP8 THD rule: TE's FP8 GEMMs need 16-, 32- or 128-row alignment by recipe), while verl's
+    stock forward pads each sequence by its FP8 rule. The FP8 GEMMs themselves need Transformer
+    Engine on a GPU (tests/test_gpu_fp8.py); the local-spec model here computes in fp32, so
+    outputs, loss and gradients equal stock's."""
     from verl.models.mcore import model_forward
+
+    from ps_mcore.layer_specs import TreePackedSeqParams
 
     impl, _ = env
     cfg = tiny_config("qwen2")
     model = build_gpt(cfg, _tree_spec(cfg))
     randomize_(model, seed=4)
-    model.config.fp8 = "e4m3"
-    calls = _spy(monkeypatch, model_forward, "preprocess_thd_engine")
-    _fallback_case(impl, model, _fallback_batch(20), "fp8")
-    assert calls and all(c["use_fp8_padding"] for c in calls)
+    model.config.fp8 = fp8
+    stock_calls = _spy(monkeypatch, model_forward, "preprocess_thd_engine")
+    rows = []
+    from_plan = TreePackedSeqParams.from_plan.__func__
+
+    def recording(cls, plan, *args, **kwargs):
+        psp = from_plan(cls, plan, *args, **kwargs)
+        rows.append((plan.num_tokens, int(psp.position_ids.numel())))
+        return psp
+
+    monkeypatch.setattr(TreePackedSeqParams, "from_plan", classmethod(recording))
+    rng = np.random.default_rng(20)
+    data = make_batch(WORKLOADS["tree"](rng), rng, temperature=0.8)
+    setting = _setting("arbitrary_prefix")
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    tree, g_tree = _run(impl, model, data, setting, True, _ppo())
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    assert_grads(g_stock, g_tree)
+    assert stock_calls and all(c["use_fp8_padding"] for c in stock_calls)
+    assert rows and all(t_pad % 128 == 0 and t_pad - t < 128 for t, t_pad in rows)
+    n, t = step_tokens(tree)
+    assert t < n
+
+
+def test_fp8_refusals_and_row_multiple(env):
+    from types import SimpleNamespace as NS
+
+    from ps_mcore.layer_specs.fp8 import fp8_tree_refusal, tree_row_multiple
+
+    assert tree_row_multiple(NS(fp8=None), tp=2) == 2 and tree_row_multiple(NS(fp8="e4m3"), tp=2) == 256
+    assert tree_row_multiple(NS(fp8="hybrid"), tp=2, cp=2) == 8 * 128
+    assert fp8_tree_refusal(NS(fp8=None, fp8_dot_product_attention=True)) is None
+    assert "fp8_dot_product_attention" in fp8_tree_refusal(NS(fp8="e4m3", fp8_dot_product_attention=True))
+    assert "MoE" in fp8_tree_refusal(NS(fp8="e4m3", num_moe_experts=4))
+    assert fp8_tree_refusal(NS(fp8="e4m3")) is None
+
+
+@pytest.mark.parametrize("lengths", [[5, 17, 33], [128], [1, 1, 1, 200]])
+def test_fp8_thd_layout_is_verls(env, lengths):
+    """``fp8_thd_layout`` (the stock FP8 baseline of tests/test_gpu_fp8.py and the model
+    benchmark) pads like verl's own ``preprocess_thd_engine(use_fp8_padding=True)``."""
+    from verl.models.mcore.model_forward import preprocess_thd_engine
+
+    from ps_mcore.layer_specs.fp8 import fp8_thd_layout
+
+    ids = torch.nested.as_nested_tensor([torch.arange(1, n + 1) for n in lengths], layout=torch.jagged)
+    packed, verl_params, _ = preprocess_thd_engine(ids, pre_process=True, use_fp8_padding=True)
+    params, rows = fp8_thd_layout(lengths)
+    assert torch.equal(params.cu_seqlens_q_padded.cpu(), verl_params.cu_seqlens_q_padded.cpu())
+    assert torch.equal(params.cu_seqlens_q.cpu(), verl_params.cu_seqlens_q.cpu())
+    assert params.max_seqlen_q == verl_params.max_seqlen_q
+    assert torch.equal(packed.reshape(-1)[rows], ids.values())  # verl puts the tokens where we read them
 
 
 def _moe_model(seed=0, **options):

@@ -28,7 +28,9 @@ Per micro-batch it runs verl's own forward instead (warning once per reason) whe
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
 context parallelism (``local_cp_size``), VLM inputs, MTP training outside what
-:mod:`~ps_mcore.integrations.verl080.mtp` runs (TP/CP/PP, MoE MTP layers), fp8 padding,
+:mod:`~ps_mcore.integrations.verl080.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
+FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
+:mod:`ps_mcore.layer_specs.fp8`),
 ``calculate_sum_pi_squared`` and distillation top-k. Per-sample temperatures run on the tree
 (a shared row is normalised once per distinct temperature among its samples). Fused kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
@@ -102,8 +104,11 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
         mtp_reason = mtp_refusal(_unwrap(model))
         if mtp_reason is not None:
             return f"multi-token prediction (MTP) training: {mtp_reason} is not supported on a tree"
-    if getattr(_unwrap(model).config, "fp8", None):
-        return "fp8 (its THD padding rules) is not supported"
+    from ps_mcore.layer_specs.fp8 import fp8_tree_refusal
+
+    fp8_reason = fp8_tree_refusal(_unwrap(model).config)
+    if fp8_reason is not None:
+        return f"{fp8_reason} is not supported on a tree"
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
     from ps_mcore.layer_specs.modules.moe_router import tree_unsupported_reason  # MoE options a tree cannot make exact
@@ -127,17 +132,19 @@ def _tp_group():
     return mpu.get_tensor_model_parallel_group()
 
 
-def tree_packed_params(plan):
+def tree_packed_params(plan, config=None):
     """The micro-batch's ``TreePackedSeqParams`` on this rank: rows padded as verl pads THD
-    (a multiple of TP, of ``2*cp*tp`` under context parallelism), this CP rank's layout."""
+    (a multiple of TP, of ``2*cp*tp`` under context parallelism, times 128 for an FP8
+    ``config``), this CP rank's layout."""
     from megatron.core import parallel_state as mpu
 
     from ps_mcore.layer_specs import TreePackedSeqParams
+    from ps_mcore.layer_specs.fp8 import tree_row_multiple
 
     tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
     return TreePackedSeqParams.from_plan(
         plan,
-        pad_to_multiple_of=2 * cp * tp if cp > 1 else tp,
+        pad_to_multiple_of=tree_row_multiple(config, tp, cp),
         cp_size=cp,
         cp_rank=mpu.get_context_parallel_rank() if cp > 1 else 0,
     )
@@ -166,7 +173,7 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, en
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
-    psp = tree_packed_params(plan)
+    psp = tree_packed_params(plan, _unwrap(model).config)
     set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
     with _mtp_context(model, plan, input_ids, args, engine):
         output = model(
