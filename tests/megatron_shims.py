@@ -23,6 +23,19 @@ def _cpu_device():
     return "cpu"
 
 
+def init_gpu_megatron_world_1() -> None:
+    """NCCL world 1 (in-process store) + megatron parallel state at TP=1 and its CUDA RNG
+    tracker: what the single-GPU tests (tests/test_gpu_*.py) run under."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
 def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
     """gloo (world 1 in-process, or torchrun's world) + megatron parallel state with TP=tp,
     CP=cp, PP=pp (and VPP=vpp virtual stages)."""

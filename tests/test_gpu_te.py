@@ -19,9 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("transformer_engine")
 pytest.importorskip("megatron.core")
 
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
@@ -44,11 +42,9 @@ EXTRA = "decoder.layers.0.self_attention.core_attention._extra_state"
 
 @pytest.fixture(scope="module", autouse=True)
 def _nccl_world_1():
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    from megatron_shims import init_gpu_megatron_world_1
+
+    init_gpu_megatron_world_1()
     yield
 
 

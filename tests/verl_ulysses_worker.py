@@ -98,16 +98,13 @@ def actor_report(device, per_sample: bool) -> dict:
     from verl.workers.config import FSDPActorConfig
     from verl.workers.engine.fsdp import transformer_impl as impl
     from verl.workers.utils.losses import ppo_loss
-    from verl_batches import sample_temperatures, seq_last_mask, step_tokens
-
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting
+    from verl_batches import sample_temperatures, seq_last_mask, step_tokens, tree_setting
 
     model = stock_ulysses_model(seed=4, value=False, device=device)
     data = _data(5)
     if per_sample:
         data["temperature"] = sample_temperatures(data.batch_size[0], seed=5)
-    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3,
-                                                             min_saved_fraction=0.0))
+    setting = tree_setting()
     loss_fn = partial(ppo_loss, config=FSDPActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2,
                                                        entropy_coeff=0.01))
     cls = impl.FSDPEngineWithLMHead
@@ -136,15 +133,11 @@ def critic_report(device) -> dict:
     from verl.workers.engine.fsdp import transformer_impl as impl
     from verl.workers.utils.losses import value_loss
 
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting
+    from verl_batches import tree_setting, with_value_targets
 
     model = stock_ulysses_model(seed=3, value=True, device=device)
-    data = _data(8, use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
-    gen = torch.Generator().manual_seed(8)
-    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3,
-                                                             min_saved_fraction=0.0))
+    data = with_value_targets(_data(8, use_dynamic_bsz=False, micro_batch_size_per_gpu=3), seed=8)
+    setting = tree_setting()
     loss_fn = partial(value_loss, config=FSDPCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
     cls = impl.FSDPEngineWithValueHead
     stock_i, _ = _run(cls, model, data, setting, None, patched=False)
