@@ -26,6 +26,14 @@ Transformer Engine (``cudnn``; its columns print "-" where TE cannot run). Colum
 * flex (``--flex``, compiles), PG = PrefixGrouper on the GRPO workloads (torch varlen flash
   underneath; m/i against base fa); MiB = peak memory above the inputs per step.
 
+``--window W``, ``--sinks``, ``--softcap C``: the attention variants instead (sliding window,
+per-head sink logits, logit softcapping): one row per workload, per backend (varlen = torch's
+flash kernel, cudnn, fa4, flex with ``--flex``) the unshared batch with the same variant
+("base"), the tree ("tree", in auto's layout: gather-KV cut to the window where a window meets
+cascade level calls), m/i against the windowed attention-FLOP ratio, the tree's peak MiB, and
+"err": the largest relative difference (output, dq, dk, dv) of each tree column against varlen's
+tree; a backend that cannot run the variant prints "-" (the refusal goes to stderr).
+
 ``--sweep``: the kernel-choice evidence: per workload and length scale (0.5, 1, 2), the shape
 numbers the rule reads (work = pairs x Hq x D, pairs per segment), torch flash and cuDNN each
 in its own layout choice, which was faster and what the rule picks.
@@ -107,10 +115,10 @@ def prefix_grouper_step(w, hq, hkv, d, dtype):
     return fwd_bwd(lambda q, k, v: pg.forward(attn, q, k, v), (q, k, v), grad)
 
 
-def kernel_reason(unavailable_reason, hq: int, d: int, dtype) -> str | None:
+def kernel_refusal(refusal_of, hq: int, d: int, dtype) -> str | None:
     """Why a kernel's columns cannot run here (None: they can): its backend's
-    ``*_unavailable_reason`` asked about a ``[1, hq, d]`` query of ``dtype``."""
-    return unavailable_reason(torch.zeros(1, hq, d, device=DEVICE, dtype=dtype))
+    ``*_refusal`` asked about a ``[1, hq, d]`` query of ``dtype``."""
+    return refusal_of(torch.zeros(1, hq, d, device=DEVICE, dtype=dtype))
 
 
 def tree_fns(plan, scale, use_cudnn: bool, flex: bool, fa4: bool = False) -> dict:
@@ -283,9 +291,8 @@ def sweep_level_chunking(plan, step, base_ms, ideal, args) -> list:
     from ps_mcore.attention import layout as layout_mod
 
     def forget_layouts():
-        for p in (plan, plan._cache.get("host", plan)):
-            for key in [k for k in p._cache if isinstance(k, tuple) and k[0] == "cascade_layout"]:
-                del p._cache[key]
+        for p in (plan, plan.host):
+            p.memo.cascade_layouts.clear()
 
     saved = (layout_mod.MIN_LEVEL_KEY_BLOCKS, layout_mod.MIN_CHUNK_ROWS)
     out = []
@@ -313,16 +320,91 @@ def profile(step, title: str) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
-def run(args) -> str:
-    torch._dynamo.config.cache_size_limit = 64
-    from ps_mcore.attention.cudnn import cudnn_unavailable_reason
-    from ps_mcore.attention.fa4 import fa4_unavailable_reason
+VARIANT_BACKENDS = ("varlen", "cudnn", "fa4", "flex")
 
-    reason = kernel_reason(cudnn_unavailable_reason, args.heads, args.head_dim, torch.bfloat16)
+
+def variant_kwargs(args, hq: int) -> dict:
+    """``tree_attention`` keywords of the variant asked for (sinks: fixed logits of both signs)."""
+    kw = {}
+    if args.window:
+        kw["window"] = args.window
+    if args.softcap:
+        kw["softcap"] = args.softcap
+    if args.sinks:
+        kw["sinks"] = torch.linspace(-2.0, 2.0, hq, device=DEVICE)
+    return kw
+
+
+def measure_variant_workload(name: str, args) -> list:
+    """One row of the variant table (module docstring)."""
+    from ps_mcore.attention.variants import attention_variant
+
+    dtype, hq, hkv, d = torch.bfloat16, args.heads, args.kv_heads, args.head_dim
+    w = make_workload(name, seed=args.seed, scale=args.scale)
+    plan = plan_prefix_tree(w.sequences).to(DEVICE)
+    base_plan = plan_unshared(w.sequences).to(DEVICE)
+    stats = plan.stats(window=args.window)
+    n, t = stats["N"], stats["T"]
+    ideal = stats["attn_flop_ratio_window"] if args.window else stats["attn_flop_ratio"]
+    kw = variant_kwargs(args, hq)
+    qb, kb, vb = leaves((n, hq, d), (n, hkv, d), dtype, 1)
+    gb = torch.randn(n, hq, d, device=DEVICE, dtype=dtype)
+    qt, kt, vt = leaves((t, hq, d), (t, hkv, d), dtype, 2)
+    gt = torch.randn(t, hq, d, device=DEVICE, dtype=dtype)
+    variant = attention_variant(qt, kw.get("window"), kw.get("sinks"), kw.get("softcap"))
+    backends = [b for b in VARIANT_BACKENDS if b != "flex" or args.flex]
+    tree, steps = {}, {}
+    for b in backends:
+        try:
+            tree_attention(qt, kt, vt, plan, backend=b, **kw)  # a refusal surfaces here
+        except (ValueError, RuntimeError) as e:
+            log(f"  {b}: {e}")
+            continue
+        tree[b] = lambda q, k, v, b=b: tree_attention(q, k, v, plan, backend=b, **kw)
+        steps[f"base {b}"] = fwd_bwd(lambda q, k, v, b=b: tree_attention(q, k, v, base_plan, backend=b, **kw),
+                                     (qb, kb, vb), gb)
+        steps[b] = fwd_bwd(tree[b], (qt, kt, vt), gt)
+    err = largest_difference(tree, "varlen", qt, kt, vt, gt) if "varlen" in tree and len(tree) > 1 else NAN
+    ms, mem = {}, {}
+    for key, step in steps.items():
+        log(f"    {key}")
+        ms[key], mem[key] = time_ms(step, args.warmup, args.iters, queued=True), peak_mib(step)
+    row = [name, n, t, ideal, "/".join(auto_choice(qt, plan, variant))]
+    for b in VARIANT_BACKENDS:
+        base_ms, tree_ms = ms.get(f"base {b}", NAN), ms.get(b, NAN)
+        row += [base_ms, tree_ms, base_ms / tree_ms / ideal, mem.get(b, NAN)]
+    return row + [err]
+
+
+def run_variants(args) -> str:
+    headers = ["workload", "N", "T", "ideal", "auto"]
+    for b in VARIANT_BACKENDS:
+        headers += [f"base {b} ms", f"{b} ms", "m/i", f"{b} MiB"]
+    headers.append("err")
+    rows = []
+    for i, name in enumerate(args.workloads):
+        log(f"[{i + 1}/{len(args.workloads)}] {name}")
+        rows.append(measure_variant_workload(name, args))
+        torch.cuda.empty_cache()
+    what = ", ".join(f"{k} {v}" for k, v in (("window", args.window), ("softcap", args.softcap)) if v)
+    what += (", " if what else "") + ("per-head sinks" if args.sinks else "")
+    title = (f"Attention variants ({what}) only, fwd+bwd, bf16, Hq={args.heads}, Hkv={args.kv_heads}, "
+             f"D={args.head_dim}; ideal = the {'windowed ' if args.window else ''}attention-FLOP ratio")
+    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+
+
+def run(args) -> str:
+    if args.window or args.sinks or args.softcap:
+        return run_variants(args)
+    torch._dynamo.config.cache_size_limit = 64
+    from ps_mcore.attention.cudnn import cudnn_refusal
+    from ps_mcore.attention.fa4 import fa4_refusal
+
+    reason = kernel_refusal(cudnn_refusal, args.heads, args.head_dim, torch.bfloat16)
     use_cudnn = reason is None
     if not use_cudnn:
         log(f"cuDNN columns print '-': {reason}")
-    fa4 = kernel_reason(fa4_unavailable_reason, args.heads, args.head_dim, torch.bfloat16)
+    fa4 = kernel_refusal(fa4_refusal, args.heads, args.head_dim, torch.bfloat16)
     args.fa4 = fa4 is None
     if fa4:
         log(f"FA4 columns print '-': {fa4}")
@@ -379,6 +461,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also print the kernel-choice evidence (flash vs cuDNN by shape)")
     p.add_argument("--sweep-chunking", action="store_true", help="also time cascade level-chunking settings")
     p.add_argument("--profile", nargs="*", default=[], help="workloads to profile (kernel table)")
+    p.add_argument("--window", type=int, help="variant table: a sliding window of W positions")
+    p.add_argument("--sinks", action="store_true", help="variant table: per-head attention-sink logits")
+    p.add_argument("--softcap", type=float, help="variant table: logit softcapping at C")
     p.add_argument("--out", help="also write the table (markdown) here")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -12,8 +12,8 @@ step (Hq=16, Hkv=2, D=128, bf16):
 * kernels: launched per step.
 
 A step whose host ms exceeds its kernel ms is host-bound when timed alone; inside a model the
-other layers' GPU work can hide that host time (issue 15: cuDNN's and FlashAttention-4's calls
-cost the host more than torch flash's, and their kernels are faster).
+other layers' GPU work can hide that host time (cuDNN's and FlashAttention-4's calls cost the
+host more than torch flash's, and their kernels are faster).
 """
 
 from __future__ import annotations

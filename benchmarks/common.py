@@ -65,6 +65,31 @@ def peak_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+class PairedSteps:
+    """The baseline and tree fwd+bwd steps of one workload, from a subclass's
+    ``base_logprobs()`` / ``tree_logprobs()`` (``[N]`` each, batch order): loss = sum of
+    ``self.token_weights`` x log-probs; ``self.models`` are zeroed before each step."""
+
+    models: tuple
+    token_weights: torch.Tensor
+
+    def _step(self, logprobs_fn) -> None:
+        for model in self.models:
+            model.zero_grad(set_to_none=True)
+        (logprobs_fn() * self.token_weights).sum().backward()
+
+    def base_step(self) -> None:
+        self._step(self.base_logprobs)
+
+    def tree_step(self) -> None:
+        self._step(self.tree_logprobs)
+
+    @torch.no_grad()
+    def max_logprob_diff(self) -> float:
+        """Tree vs. baseline log-probs (a sanity check of the run, not a test)."""
+        return float((self.tree_logprobs() - self.base_logprobs()).abs().max())
+
+
 @dataclass
 class Measured:
     """One workload's baseline step vs tree step: plan statistics, ideal speedup, median ms and
@@ -95,7 +120,7 @@ def measure(steps, shape, warmup: int, iters: int, reset: Callable[[], object] |
     tree plan, ``shape.ideal_speedup(stats)`` the FLOP-weighted ideal. ``reset`` (e.g. the
     model's ``zero_grad``) runs after the timing and after the memory runs, so gradients left
     by one phase are not counted in the next. ``queued``: steps back to back (:func:`time_ms`)."""
-    stats = steps.plan.stats()
+    stats = steps.plan.stats(window=shape.window)  # windowed layers count windowed pairs
     base_ms = time_ms(steps.base_step, warmup, iters, queued)
     tree_ms = time_ms(steps.tree_step, warmup, iters, queued)
     if reset is not None:

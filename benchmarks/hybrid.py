@@ -123,7 +123,7 @@ def run(args) -> str:
     if not args.tiny:  # say why the first workload is slow
         print("note: the first fla calls autotune every Triton kernel they use (minutes on a fresh "
               "machine; later processes reuse Triton's on-disk cache)", flush=True)
-    rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device), decoder_row,
+    rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device, stock_thd=True), decoder_row,
                          1 / 32 if args.tiny else 1.0, reset=lambda: model.zero_grad(set_to_none=True))
     title = (
         f"megatron-core GPTModel, Qwen3-Next-like hybrid ({'tiny' if args.tiny else 'full'} shapes: "

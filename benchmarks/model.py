@@ -19,13 +19,17 @@ total to 128: ``ps_mcore.layer_specs.fp8.fp8_thd_layout``), the tree's packed ro
 (``tree_row_multiple``), tree attention in bf16.
 
 The world is one model replica (world size = tp * cp); rank 0 prints the table (its times).
-One model (tree layer specs, local linear layers; no sequence parallelism: the local spec's
-torch norms refuse it) runs both paths:
-  * baseline: the unshared batch packed as THD with standard ``PackedSeqParams`` (one segment
-    per sequence; TreeCoreAttention then runs per-sequence varlen flash, no gather; Megatron's
-    own THD RoPE). Under CP (no transformer-engine, so no stock THD ring attention) the
-    baseline is the unshared batch as a plan without sharing through the same CP path
-    (K/V all-gather, local queries);
+Default (local spec): one model (tree layer specs, local linear layers; no sequence
+parallelism: the local spec's torch norms refuse it) runs both paths:
+  * baseline: the unshared batch as a plan without sharing (``plan_unshared``: the sequences
+    back to back, one causal varlen segment each, no gather), through the same
+    ``TreePackedSeqParams`` path, kernels and RoPE as the tree, so the table shows what
+    sharing alone changes (no-sharing reads 1.00x by construction). The local spec has no
+    stock packed-sequence path to stand for: Megatron's local ``DotProductAttention`` refuses
+    packed sequences, and its unfused THD RoPE reads the bounds back to the host (six syncs
+    per layer), which made a standard-``PackedSeqParams`` baseline slower than the same rows
+    through the tree path. The stock baseline users run is ``--spec te``'s. Under CP the
+    unshared plan goes through the same CP path (K/V all-gather, local queries);
   * tree: ``TreePackedSeqParams.from_plan`` of the prefix forest (planner defaults), padded to
     2*cp*tp rows and cut into Megatron's CP chunks under CP.
 Loss: sum over tokens of a per-sample weight x token log-probs (vocab-parallel under TP,
@@ -44,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DECODER_HEADERS, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
+from common import DECODER_HEADERS, PairedSteps, decoder_row, environment, markdown_table, model_benchmark_parser, parse_model_benchmark_args, workload_rows, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
@@ -138,10 +142,14 @@ def thd_params(lengths: list[int], device: str):
                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
 
 
-class Steps:
-    """The baseline and tree fwd+bwd steps of one workload (one weight per sample)."""
+class Steps(PairedSteps):
+    """The baseline and tree fwd+bwd steps of one workload (one weight per sample).
 
-    def __init__(self, model, sequences, device, base_model=None):
+    The baseline runs ``base_model`` (default: ``model``) on the unshared batch: as standard
+    THD ``PackedSeqParams`` when ``stock_thd`` (default: when a separate stock model is given)
+    and CP=1, else as a plan without sharing through the tree path."""
+
+    def __init__(self, model, sequences, device, base_model=None, stock_thd: bool | None = None):
         from megatron.core import parallel_state as ps
 
         from ps_mcore.layer_specs import TreePackedSeqParams
@@ -149,6 +157,7 @@ class Steps:
 
         self.model = model
         self.base_model = model if base_model is None else base_model  # --spec te: stock TE
+        self.models = (model,) if base_model is None else (model, base_model)
         self.tp_group, self.cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         pad = tree_row_multiple(model.config, ps.get_tensor_model_parallel_world_size() if cp > 1 else 1, cp)
@@ -161,18 +170,20 @@ class Steps:
         assert self.flat.is_trivial  # rows = the sequences back to back, as in thd_params
         lengths = [len(s) for s in sequences]
         self.tree_psp = packed(self.plan)
+        if stock_thd is None:
+            stock_thd = base_model is not None
         self.base_rows = None  # rows of the real tokens in the baseline layout (None: all rows)
-        if cp == 1 and getattr(model.config, "fp8", None):  # verl's FP8 THD layout
+        if stock_thd and cp == 1 and getattr(self.base_model.config, "fp8", None):  # verl's FP8 THD layout
             self.base_psp, self.base_rows = fp8_thd_layout(lengths, device=device)
             total = int(self.base_psp.cu_seqlens_q[-1])
             ids = self.flat.input_ids
             self.base_ids = ids.new_zeros(total).index_copy(0, self.base_rows, ids)
             self.base_pos = torch.zeros_like(self.base_ids)  # THD RoPE reads cu_seqlens, not these
-        elif cp == 1:  # stock THD packing, Megatron's own RoPE
+        elif stock_thd and cp == 1:  # standard THD packing, Megatron's own THD RoPE
             self.base_psp = thd_params(lengths, device)
             self.base_ids = self.flat.input_ids
             self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
-        else:  # the unshared plan through the same CP path
+        else:  # the unshared plan through the same path as the tree (and under CP, the same CP path)
             self.base_psp = packed(self.flat)
             self.base_ids = self.base_psp.cp_shard(self.flat.input_ids)
             self.base_pos = self.base_psp.cp_shard(self.base_psp.position_ids)
@@ -199,22 +210,6 @@ class Steps:
 
     def tree_logprobs(self):
         return self._logprobs(self.plan, self.tree_ids, self.tree_pos, self.tree_psp)
-
-    def _step(self, logprobs_fn) -> None:
-        self.model.zero_grad(set_to_none=True)
-        self.base_model.zero_grad(set_to_none=True)
-        (logprobs_fn() * self.token_weights).sum().backward()
-
-    def base_step(self) -> None:
-        self._step(self.base_logprobs)
-
-    def tree_step(self) -> None:
-        self._step(self.tree_logprobs)
-
-    @torch.no_grad()
-    def max_logprob_diff(self) -> float:
-        """Tree vs. baseline log-probs (a sanity check of the run, not a test)."""
-        return float((self.tree_logprobs() - self.base_logprobs()).abs().max())
 
 
 def _dims(shape: DecoderShape) -> str:
@@ -246,8 +241,11 @@ def run(args) -> str:
     title = _title(
         f" ({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes: {_dims(shape)}, tree local spec, random "
         f"init, TP={args.tp}, CP={args.cp}"
-        f"{' (CP baseline: unshared plan, same CP path)' if args.cp > 1 else ''}, {str(dtype).split('.')[-1]})",
-        "unshared THD (standard PackedSeqParams)", "TreePackedSeqParams", device, dtype, "model", args.backend)
+        f", {str(dtype).split('.')[-1]})",
+        "the same model on the unshared batch as a plan without sharing (one causal varlen segment "
+        "per sequence, same kernels and RoPE path as the tree; the local spec has no stock "
+        "packed-sequence path: --spec te compares with stock TE)", "TreePackedSeqParams of the prefix "
+        "forest", device, dtype, "model", args.backend)
     return f"{title}\n\n{environment()}\n\n{markdown_table(DECODER_HEADERS, rows)}\n"
 
 

@@ -37,8 +37,10 @@ configurations; no fp32 reference).
 
 Harness settings that differ from verl's defaults, the same for every configuration:
 ``attn_implementation=varlen_fa2`` (FSDP; the machine has no flash-attn, see
-``verl_flash_fallback.py``) and TE ``attention_backend=auto`` (Megatron; verl's ``flash``
-needs flash-attn inside TE).
+``verl_flash_fallback.py``), TE ``attention_backend=auto`` (Megatron; verl's ``flash``
+needs flash-attn inside TE), and ``USE_HUB_KERNELS=0`` (transformers >= 5.2x swaps layers for
+kernels fetched from the Hugging Face hub when the ``kernels`` package is installed; offline
+that fails at ``model.train()``, and online it would change the model under both sides).
 
     python benchmarks/verl_actor.py --quick --engines fsdp          # GPU
     python benchmarks/verl_actor.py --quick --engines megatron
@@ -70,6 +72,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+os.environ.setdefault("USE_HUB_KERNELS", "0")  # module docstring: same model, no hub access
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -866,6 +870,9 @@ def tiny_run(engine: str, config: str, model_dir: str, batches: list[Batch]) -> 
     settings = RunSettings(device="cpu", max_token_len=256, lr=1e-12, tiny=True)
     with patchsets(config), prefix_grouper_driving(config):
         workers = Workers(engine, model_dir, config, settings, ref=True)
+        if engine == "fsdp" and not fsdp2_casts_inputs(workers.actor.actor.engine.module):
+            raise RuntimeError("the fsdp engine's model does not cast its forward inputs: the check would "
+                               "miss the path verl's mixed-precision policy takes on a GPU")
         workers.capture_grads()
         out = {}
         for b in batches:
@@ -877,6 +884,15 @@ def tiny_run(engine: str, config: str, model_dir: str, batches: list[Batch]) -> 
                                tokens=packed_tokens(metrics, b))
         workers.close()
     return out
+
+
+def fsdp2_casts_inputs(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 casts ``module``'s forward kwargs (verl's fsdp2 engine builds
+    ``MixedPrecisionPolicy(param_dtype=..., cast_forward_inputs=True)``; fp32 here): its hooks
+    then walk every wrapped module's kwargs, the tree call included."""
+    state = getattr(module, "_get_fsdp_state", None)
+    policy = state()._mp_policy if state is not None else None
+    return policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None
 
 
 def packed_tokens(metrics: dict, batch: Batch) -> int:

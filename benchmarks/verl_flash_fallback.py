@@ -80,14 +80,19 @@ def _pure_torch_bert_padding():
     return padding.index_first_axis, padding.pad_input, padding.rearrange, padding.unpad_input
 
 
-def install() -> None:
-    """Register ``varlen_fa2`` with transformers (attention + FA2 mask function) and, when
-    flash-attn is missing, give ``verl.utils.attention_utils`` the pure-torch padding helpers."""
+def register_attention() -> None:
+    """Register ``varlen_fa2`` with transformers (attention + FA2 mask function)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     AttentionInterface.register(ATTN_NAME, varlen_fa2_attention)
     AttentionMaskInterface.register(ATTN_NAME, flash_attention_mask)
+
+
+def install() -> None:
+    """:func:`register_attention` and, when flash-attn is missing, give
+    ``verl.utils.attention_utils`` the pure-torch padding helpers."""
+    register_attention()
     try:
         import flash_attn.bert_padding  # noqa: F401
     except ImportError:

@@ -11,7 +11,7 @@ TRAIN_FILE=${TRAIN_FILE:-$HOME/data/gsm8k/train.parquet}
 TEST_FILE=${TEST_FILE:-$HOME/data/gsm8k/test.parquet}
 NGPUS=${NGPUS:-8}
 ROLLOUT_N=${ROLLOUT_N:-8}
-# arbitrary_prefix (the seed's demo): prompts plus identical response openings are shared
+# arbitrary_prefix (the default): prompts plus identical response openings are shared
 PREFIX_GROUPER_MODE=${PREFIX_GROUPER_MODE:-arbitrary_prefix}
 PROJECT=${PROJECT:-ps_mcore_gsm8k}
 EXPERIMENT=${EXPERIMENT:-qwen2.5-0.5b-grpo-${ENGINE}-ps${ENABLE_PREFIX_SHARING:-1}}

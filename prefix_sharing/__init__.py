@@ -2,8 +2,9 @@
 
 Importing this package installs every ps-mcore patchset compatible with the installed
 stack, or only those named in ``PREFIX_SHARING_PATCHSET`` (comma separated; an unknown
-name or a missing stack raises with what was detected). It is what verl's plugin hooks
-load, in the driver and in every worker::
+name or a missing stack raises with what was detected). It imports no verl or Megatron code
+itself: each verl module is patched as the program imports it. It is what verl's plugin
+hooks load, in the driver and in every worker::
 
     VERL_USE_EXTERNAL_MODULES=prefix_sharing python -m verl.trainer.main_ppo ...
     python -m verl.trainer.main_ppo ... actor_rollout_ref.model.external_lib=prefix_sharing

@@ -1,7 +1,7 @@
-"""``prefix_sharing.setup``: the patchset controls under the name the seed documents.
+"""``prefix_sharing.setup``: the patchset controls next to the activating import.
 
     import prefix_sharing.setup as setup
-    setup.detect()                             # patchset -> None if its stack is installed, else why not
+    setup.detect()                             # patchset -> available, or not available (why)
     setup.install(setup.requested_patchsets()) # PREFIX_SHARING_PATCHSET, or every compatible one
     setup.uninstall()                          # verl exactly as before
 

@@ -5,7 +5,8 @@
     ps-mcore bench [--suite NAME] ...  the benchmarks/ suites (GPU), extra args passed through
 
 Exit codes: 0 ok; 1 a check or benchmark failed (demo parity, a suite's own error, a GPU
-suite without CUDA); 2 bad usage or bad input (analyze names the file and line / column).
+suite without CUDA); 2 bad usage or bad input (one line naming the option, or the file and
+line / column); 141 the reader closed the output pipe (e.g. ``| head``), as other Unix tools.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 import ps_mcore
+from ps_mcore import analyze, demo
+from ps_mcore.analyze import AnalyzeError
 
 SUITES = ("planner", "attention", "model", "hf")
 # Suites that need CUDA; "model" and "hf" also have a --tiny CPU smoke run.
@@ -93,27 +96,14 @@ def plain_text(doc: str) -> str:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="every standard workload through a tiny Megatron GPT, "
-                       "shared vs. unshared, with a parity check")
-    try:
-        from ps_mcore.demo import add_demo_arguments, run_demo
-    except ImportError as e:  # the demo module itself, not megatron (that is imported later)
-        reason = str(e)
-
-        def unavailable(_args) -> int:
-            print(f"ps-mcore demo: not available ({reason})", file=sys.stderr)
-            return 1
-
-        p.set_defaults(func=unavailable, parser=p)
-        return
-    p.description = plain_text(sys.modules["ps_mcore.demo"].__doc__)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_demo_arguments(p)
-    p.set_defaults(func=run_demo, parser=p)
+                       "shared vs. unshared, with a parity check",
+                       description=plain_text(demo.__doc__),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_demo_arguments(p)  # megatron-core is imported when the demo runs
+    p.set_defaults(func=demo.run_demo, parser=p)
 
 
 def _add_analyze(sub) -> None:
-    from ps_mcore import analyze
-
     p = sub.add_parser("analyze", help="how much prefix sharing would save on your rollouts",
                        description=plain_text(analyze.__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,8 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ps-mcore`` console script; returns the exit status."""
-    from ps_mcore.analyze import AnalyzeError
+    try:
+        try:
+            status = _dispatch(argv)
+        except SystemExit:  # argparse: --help, --version, usage errors
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _closed_pipe()
 
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
@@ -165,6 +166,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+SIGPIPE_STATUS = 128 + 13
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``ps-mcore analyze ... | head``): stop quietly. Python
+    flushes stdout again at exit (a second error): point it at /dev/null first."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_STATUS
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +30,104 @@ def ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     seg_begin = np.cumsum(lengths) - lengths
     return np.repeat(starts - seg_begin, lengths) + np.arange(total, dtype=np.int64)
+
+
+class PlanMemo:
+    """What is derived from one :class:`TreePlan` and kept with it (never part of its value).
+    One call's :class:`~ps_mcore.minibatch.ContextPlan` keeps its host copy, moved copies and
+    ``max_token_id`` in one the same way (:func:`plan_on`, :func:`claim_memo`).
+
+    Every layer of a micro-batch runs on the same plan, so what a kernel derives from it is
+    built once and kept here, one named field per thing. Layouts are built on the host copy
+    (``plan.host.memo``): a plan moved to the GPU by :meth:`TreePlan.to` keeps its CPU copy, so
+    building them costs no device-to-host sync; per-device copies sit on the moved plan's memo,
+    keyed by device. Owners (who reads and writes each field) are named with it.
+
+    A memo belongs to the plan values it was derived from (``source``): ``dataclasses.replace``
+    hands it on when they are the same objects and a plan with other values starts a fresh one.
+
+    Not a dataclass, nor a container, on purpose: a moved plan and its host copy link each
+    other through their memos (``host``, ``moved``), and generic walkers of a forward's inputs
+    descend into dataclasses field by field (FSDP's input cast ``_apply_to_tensors``, which
+    rebuilds them with ``dataclasses.replace``; FSDP2's post-backward hook registration). They
+    stop here: they never follow the links (a walk of a linked plan recursed without end) and
+    a plan they rebuild keeps this memo, the same object. Model kwargs carry a plan in
+    ``fsdp_bridge``'s opaque ``TreeCall``, so such walkers do not even rebuild it.
+
+    Attributes:
+        source: the plan's field values the memo was derived from (tensors held and compared
+            by identity, the rest by equality); None until a plan takes the memo.
+        host: the CPU copy a plan moved by :meth:`TreePlan.to` keeps (None: the plan is its
+            own host copy, or it was built on a device).
+        moved: ``TreePlan.to`` (:func:`plan_on`): the plan on each other device, so per-layer
+            calls copy once.
+        max_token_id: ``TreePlan.max_token_id`` (host memo): the vocabulary bound log-prob
+            kernels check, read without a device sync.
+        fingerprint: ``layer_specs.parallel.pipeline.plan_fingerprint`` (host memo): the hash
+            every model-parallel rank compares before a step.
+        cascade_layouts: ``attention.layout.cascade_layout`` per device (the CPU entry on the
+            host memo is the one build): the varlen calls of the cascade.
+        kv_copies_csr: ``attention.scatter.copies_csr`` per device: ``(row_ptr [T+1],
+            copies [C])``, the row -> context copies index of the fused dK/dV scatter-add.
+        windowed_contexts: ``attention.gather_kv.gather_context`` per ``(window, device)``:
+            each node's gather-KV context cut to a sliding window (with its CSR).
+        kernel_choice_shape: ``attention.kernel_choice.plan_shape`` (host memo): the plan's
+            shape numbers ``(pairs, rows, contexts, segments, levels, cascade)``.
+        flex_block_masks: ``attention.flex.block_mask`` per ``(device, window)``:
+            FlexAttention's ``BlockMask`` of the plan.
+        recurrent_trees: ``recurrent.tree.recurrent_tree`` per row count (``T_pad``): the
+            chains and levels every recurrent layer of the micro-batch scans.
+    """
+
+    __slots__ = (
+        "host", "moved", "max_token_id", "fingerprint", "cascade_layouts", "kv_copies_csr",
+        "windowed_contexts", "kernel_choice_shape", "flex_block_masks", "recurrent_trees", "source",
+    )
+
+    def __init__(self) -> None:
+        self.host: TreePlan | None = None
+        self.moved: dict[torch.device, TreePlan] = {}
+        self.max_token_id: int | None = None
+        self.fingerprint: int | None = None
+        self.cascade_layouts: dict[torch.device, Any] = {}
+        self.kv_copies_csr: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.windowed_contexts: dict[tuple[int, torch.device], Any] = {}
+        self.kernel_choice_shape: tuple | None = None
+        self.flex_block_masks: dict[tuple[torch.device, int | None], Any] = {}
+        self.recurrent_trees: dict[int, Any] = {}
+        self.source: tuple | None = None
+
+    def belongs_to(self, values: tuple) -> bool:
+        """Whether ``values`` (a plan's field values) are those this memo was derived from."""
+        if self.source is None:
+            return True
+        return len(values) == len(self.source) and all(
+            a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
+            for a, b in zip(values, self.source)
+        )
+
+
+_CPU = torch.device("cpu")
+
+
+def host_built(
+    plan: "TreePlan",
+    entries: Callable[[PlanMemo], dict],
+    device: torch.device | str,
+    build: Callable[["TreePlan"], Any],
+    move: Callable[[Any, torch.device], Any],
+) -> Any:
+    """``entries(plan.memo)[device]``, one per-device field of the memo: built once by
+    ``build(plan.host)`` (kept as the host memo's CPU entry), then copied to ``device`` by
+    ``move``; so every device's copy comes from one host build, without a device sync."""
+    device = torch.device(device)
+    mine = entries(plan.memo)
+    if device not in mine:
+        on_host = entries(plan.host.memo)
+        if _CPU not in on_host:
+            on_host[_CPU] = build(plan.host)
+        mine[device] = on_host[_CPU] if device.type == "cpu" else move(on_host[_CPU], device)
+    return mine[device]
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,8 +172,11 @@ class TreePlan:
     next_token_mask: torch.Tensor
     node_parent: torch.Tensor
     multiplicity: torch.Tensor
-    # Per-device copies and kernel-side caches (block masks); not part of the plan's value.
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # What kernels derive from the plan, kept with it (PlanMemo says when a copy shares it).
+    memo: PlanMemo = field(default_factory=PlanMemo, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        claim_memo(self)
 
     @property
     def num_tokens(self) -> int:
@@ -99,13 +200,10 @@ class TreePlan:
     def max_token_id(self) -> int:
         """Largest id in ``input_ids``, computed once per plan on its host copy where it has
         one (a plan moved by :meth:`to` keeps it), so a GPU plan costs no device sync."""
-        if "max_token_id" not in self._cache:
-            host = self._cache.get("host")
-            if host is not None and host is not self:
-                self._cache["max_token_id"] = host.max_token_id
-            else:
-                self._cache["max_token_id"] = int(self.input_ids.max()) if self.num_tokens else -1
-        return self._cache["max_token_id"]
+        memo = self.host.memo
+        if memo.max_token_id is None:
+            memo.max_token_id = int(self.host.input_ids.max()) if self.num_tokens else -1
+        return memo.max_token_id
 
     @property
     def device(self) -> torch.device:
@@ -115,7 +213,7 @@ class TreePlan:
     def host(self) -> "TreePlan":
         """The plan's CPU copy (a plan moved by :meth:`to` keeps it), else the plan itself:
         host-side layouts read it, so a GPU plan costs them no device-to-host sync."""
-        return self._cache.get("host", self)
+        return self.memo.host or self
 
     @property
     def is_trivial(self) -> bool:
@@ -130,20 +228,7 @@ class TreePlan:
 
     def to(self, device: torch.device | str) -> "TreePlan":
         """The plan on ``device`` (cached, so per-layer calls cost nothing after the first)."""
-        device = torch.device(device)
-        if device == self.device:
-            return self
-        key = ("to", str(device))
-        if key not in self._cache:
-            moved = {
-                f.name: getattr(self, f.name).to(device, non_blocking=True)
-                for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)
-            }
-            # Keep the host copy: layouts derived from the plan are built there (no D2H sync).
-            host = self._cache.get("host", self if self.device.type == "cpu" else None)
-            self._cache[key] = dataclasses.replace(self, _cache={} if host is None else {"host": host}, **moved)
-        return self._cache[key]
+        return plan_on(self, device)
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, ...] -> [N, ...]``; differentiable (backward is a scatter-add over shared rows)."""
@@ -153,18 +238,23 @@ class TreePlan:
             )
         return x.index_select(0, self.unpack_index.to(x.device))
 
-    def stats(self) -> dict[str, Any]:
-        """N, T, token dedup N/T, attention-FLOP ratio (unshared / tree), nodes, depth."""
+    def stats(self, window: int | None = None) -> dict[str, Any]:
+        """N, T, token dedup N/T, attention-FLOP ratio (unshared / tree), nodes, depth.
+
+        With ``window`` (a sliding window of W positions, see :func:`causal_pairs`) the
+        pairs of a windowed layer are added as ``attn_pairs_unshared_window``,
+        ``attn_pairs_tree_window`` and ``attn_flop_ratio_window``."""
         n, t = self.num_input_tokens, self.num_tokens
-        pairs = tree_pairs(self.cu_seqlens_q.cpu().numpy(), self.cu_seqlens_kv.cpu().numpy())
+        cu_q, cu_k = self.cu_seqlens_q.cpu().numpy(), self.cu_seqlens_kv.cpu().numpy()
+        pairs = tree_pairs(cu_q, cu_k)
         lens = np.asarray(self.seq_lens, dtype=np.float64)
-        unshared_pairs = float(np.sum(lens * (lens + 1) / 2))
+        unshared_pairs = float(np.sum(causal_pairs(lens, lens)))
         parent = self.node_parent.cpu().numpy()
         depth = np.ones(len(parent), dtype=np.int64)
         for v in range(len(parent)):  # parents precede children in pre-order
             if parent[v] >= 0:
                 depth[v] = depth[parent[v]] + 1
-        return {
+        out = {
             "sequences": self.num_sequences,
             "N": n,
             "T": t,
@@ -175,14 +265,70 @@ class TreePlan:
             "nodes": self.num_nodes,
             "depth": int(depth.max()) if len(depth) else 0,
         }
+        if window is not None:
+            unshared_w = float(np.sum(causal_pairs(lens, lens, window)))
+            tree_w = tree_pairs(cu_q, cu_k, window)
+            out.update(window=int(window), attn_pairs_unshared_window=unshared_w,
+                       attn_pairs_tree_window=tree_w, attn_flop_ratio_window=unshared_w / tree_w)
+        return out
 
 
-def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray) -> float:
+def claim_memo(plan, ignore: tuple[str, ...] = ()) -> None:
+    """Give ``plan`` (a frozen dataclass with a ``memo: PlanMemo`` field) the memo it was
+    built with if that memo belongs to its values, else a fresh one (:class:`PlanMemo`);
+    fields named in ``ignore`` are not part of the values (run-time state). Call from
+    ``__post_init__``."""
+    values = tuple(getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name not in ("memo", *ignore))
+    if not plan.memo.belongs_to(values):
+        object.__setattr__(plan, "memo", PlanMemo())
+    plan.memo.source = values
+
+
+def plan_on(plan, device: torch.device | str):
+    """``plan`` (a frozen dataclass with a ``memo: PlanMemo``) with every tensor field on
+    ``device``: copied once per device (kept in ``plan.memo.moved``) and keeping the host copy,
+    where layouts derived from the plan are built (no device-to-host sync)."""
+    device = torch.device(device)
+    if device == plan.device:
+        return plan
+    if device not in plan.memo.moved:
+        tensors = {
+            f.name: getattr(plan, f.name).to(device, non_blocking=True)
+            for f in dataclasses.fields(plan)
+            if isinstance(getattr(plan, f.name), torch.Tensor)
+        }
+        moved = dataclasses.replace(plan, memo=PlanMemo(), **tensors)
+        moved.memo.host = plan.memo.host or (plan if plan.device.type == "cpu" else None)
+        plan.memo.moved[device] = moved
+    return plan.memo.moved[device]
+
+
+def causal_pairs(context_end, rows, window: int | None = None) -> np.ndarray:
+    """Query-key pairs (per head) of ``rows`` query rows at positions
+    ``[context_end - rows, context_end)`` of one sample, each attending causally to the
+    positions before it and itself; with a sliding ``window`` W, only to the last W of them
+    (keys at position > p - W: the Hugging Face / FlashAttention convention). Elementwise
+    over numpy arrays; float64."""
+    end = np.asarray(context_end, dtype=np.float64)
+    start = end - np.asarray(rows, dtype=np.float64)
+    return _pairs_before(end, window) - _pairs_before(start, window)
+
+
+def _pairs_before(m: np.ndarray, window: int | None) -> np.ndarray:
+    """Pairs of the first ``m`` positions of a sample: sum over p < m of min(p + 1, W)."""
+    if window is None:
+        return m * (m + 1) / 2
+    w = float(window)
+    return np.where(m <= w, m * (m + 1) / 2, w * (w + 1) / 2 + (m - w) * w)
+
+
+def tree_pairs(cu_q: np.ndarray, cu_k: np.ndarray, window: int | None = None) -> float:
     """Query-key pairs a tree attends (per head): per node with ``q`` own rows after a context
-    of ``k`` rows (itself included), ``q * k - q * (q - 1) / 2`` (causal pairs counted once)."""
+    of ``k`` rows (itself included), ``q * k - q * (q - 1) / 2`` (causal pairs counted once);
+    with a sliding ``window``, the pairs inside it (:func:`causal_pairs`)."""
     q = np.diff(np.asarray(cu_q, dtype=np.float64))
     k = np.diff(np.asarray(cu_k, dtype=np.float64))
-    return float(np.sum(q * k - q * (q - 1) / 2))
+    return float(np.sum(causal_pairs(k, q, window)))
 
 
 # ----------------------------------------------------------------------------- validation

@@ -1,7 +1,20 @@
-"""The standard benchmark workloads (DESIGN.md section 6), as seeded generators.
+"""The standard benchmark workloads, as seeded generators.
 
-Every benchmark, the demo and many tests use these names. Lengths vary +-25% around the
-stated mean; ``scale`` shrinks every length (the CPU demo runs them at 1/16).
+Every benchmark, the demo and many tests use these names; each is one micro-batch:
+
+==================  ===========================================================================
+grpo-long-prompt    1 prompt of 4096 tokens, G = 8 responses of ~1024
+grpo-wide           1 prompt of 2048, G = 16 responses of ~512
+grpo-math           4 prompts of 256, G = 8 responses of ~768 each
+agent-tree          a prompt of 1024, 3 turns, each turn branching in 2 (response ~256 + tool
+                    output ~128): 8 root-to-leaf samples
+step-wise           one 8-step trajectory, steps of ~512 tokens (observation ~128 + action
+                    ~384); sample k = steps 1..k, each sample a prefix of the next
+no-sharing          8 unrelated sequences of ~1024
+==================  ===========================================================================
+
+Lengths marked ~ vary +-25% around the stated mean (prompts are exact); ``scale`` shrinks
+every length (the CPU demo runs them at 1/16).
 """
 
 from __future__ import annotations
@@ -11,6 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 WORKLOADS = ("grpo-long-prompt", "grpo-wide", "grpo-math", "agent-tree", "step-wise", "no-sharing")
+# Workloads several micro-batch token budgets large (16k-32k at full scale): what the
+# cross-micro-batch schedule (ps_mcore.minibatch) is for; one micro-batch cannot hold them.
+BUDGET_WORKLOADS = ("agent-long",)
+ALL_WORKLOADS = WORKLOADS + BUDGET_WORKLOADS
 
 
 @dataclass(frozen=True)
@@ -73,13 +90,23 @@ def _step_wise(g: _Gen) -> Workload:
     return Workload("step-wise", seqs, plens, [0] * len(seqs))
 
 
+def _agent_long(g: _Gen) -> Workload:
+    # A long agent history, then two turns branching in four (~4096, then ~2048 tokens each):
+    # 16 samples, T ~ 74k and N ~ 491k tokens at full scale.
+    history = g.tokens(24576, jitter=False)
+    paths = [history]
+    for mean in (4096, 2048):
+        paths = [np.concatenate([p, g.tokens(mean)]) for p in paths for _ in range(4)]
+    return Workload("agent-long", paths, [len(history)] * len(paths), [0] * len(paths))
+
+
 def _no_sharing(g: _Gen) -> Workload:
     seqs = [g.tokens(1024) for _ in range(8)]
     return Workload("no-sharing", seqs, [max(1, len(s) // 4) for s in seqs], list(range(8)))
 
 
 def make_workload(name: str, seed: int = 0, scale: float = 1.0, vocab: int = 32000) -> Workload:
-    """Build the named standard workload (see :data:`WORKLOADS`)."""
+    """Build the named standard workload (see :data:`WORKLOADS` and :data:`BUDGET_WORKLOADS`)."""
     g = _Gen(seed, scale, vocab)
     if name == "grpo-long-prompt":
         return _grpo(g, name, prompts=1, prompt_len=4096, group=8, response_len=1024)
@@ -93,4 +120,6 @@ def make_workload(name: str, seed: int = 0, scale: float = 1.0, vocab: int = 320
         return _step_wise(g)
     if name == "no-sharing":
         return _no_sharing(g)
-    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+    if name == "agent-long":
+        return _agent_long(g)
+    raise ValueError(f"unknown workload {name!r}; expected one of {ALL_WORKLOADS}")

@@ -415,3 +415,13 @@ def enable_cpu_mla() -> None:
 
     if not isinstance(multi_latent_attention.TELinear, type):
         multi_latent_attention.HAVE_TE = False
+
+
+def enable_cpu_recompute() -> None:
+    """Test-only: megatron's activation checkpointing saves and restores the CUDA RNG state
+    around the recomputed forward; on a CPU-only torch that state does not exist (the tests
+    use no dropout), so saving returns an empty tensor and restoring does nothing."""
+    from megatron.core.tensor_parallel import random
+
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    random._set_cuda_rng_state = lambda *args, **kwargs: None

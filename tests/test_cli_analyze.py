@@ -5,6 +5,7 @@ nothing else printed), the plot (a real, non-blank PNG) and the icicle layout.""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -138,6 +139,36 @@ def test_threshold_sweep_matches_the_planner(tmp_path, capsys):
                 assert _close(cell, expected), (mode, mpl, g, cell, expected)
                 seen.add(round(expected, 3))
     assert len(seen) >= 3  # the thresholds do change the dedup on this fixture
+
+
+def test_max_tokens_reports_split_vs_schedule(tmp_path, capsys):
+    """Under a budget smaller than a GRPO group, the split recomputes each group's prompt
+    per piece; the schedule computes the mini-batch's tree once (independent numbers: the
+    planner's T and the sum of each unit's pieces)."""
+    from ps_mcore.analyze.budget import first_fit_bins
+
+    rows = _rollouts(1)
+    path = _write_jsonl(tmp_path / "r.jsonl", rows)
+    budget = 120
+    rc, out, err = _run(capsys, "analyze", path, "--max-tokens", budget, "--kv-row-cost", "0.25", "-q")
+    assert rc == 0, err
+    seqs = [r["prompt"] + r["response"] for r in rows]
+    n = sum(len(s) for s in seqs)
+    [stock] = _table_rows(out, "unshared (stock)")
+    [split] = _table_rows(out, "split sharing units")
+    [sched] = _table_rows(out, "schedule across micro-batches")
+    assert int(stock[1]) == n and int(stock[4]) == first_fit_bins([len(s) for s in seqs], budget)
+    tree = plan_prefix_tree(seqs)
+    assert int(sched[1]) == tree.num_tokens < int(split[1]) < n
+    assert int(sched[4]) > 1
+    assert "micro-batch budget 120 tokens" in out
+    rc, out, err = _run(capsys, "analyze", path, "--max-tokens", 120, "--mini-batch-size", 8, "-q")
+    assert rc == 0 and "2 mini-batch(es) (8 samples each)" in out
+    with pytest.raises(SystemExit) as exit_:
+        _run(capsys, "analyze", path, "--mini-batch-size", 8)
+    assert exit_.value.code == 2 and "--mini-batch-size needs --max-tokens" in capsys.readouterr().err
+    rc, out, _ = _run(capsys, "analyze", path, "--max-tokens", 40, "-q")
+    assert "longer than the budget: unshared and split cannot run them" in out
 
 
 def test_parquet_without_prompt_split_and_uid(tmp_path, capsys):
@@ -347,6 +378,26 @@ def test_no_command_and_unknown_arguments(capsys):
     with pytest.raises(SystemExit) as e:
         main(["analyze", "x.jsonl", "--no-such-flag"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("argv,status", [
+    (["analyze", "ROLLOUTS", "-q", "--per-batch"], {141}),
+    (["--help"], {0, 141}),  # argparse itself drops a failed help write
+    (["analyze", "--help"], {0, 141}),
+])
+def test_a_closed_output_pipe_ends_quietly(tmp_path, argv, status):
+    """``ps-mcore ... | head``: the reader is gone before the output is written; the command
+    stops (SIGPIPE's status where it noticed) and prints nothing, no BrokenPipeError."""
+    path = _write_jsonl(tmp_path / "r.jsonl", _rollouts())
+    argv = [str(path) if a == "ROLLOUTS" else a for a in argv]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run([sys.executable, "-m", "ps_mcore", *argv], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120, cwd=ROOT)
+    finally:
+        os.close(write_end)
+    assert out.returncode in status and out.stderr == "", (out.returncode, out.stderr[-2000:])
 
 
 def test_demo_is_wired(capsys):
@@ -601,3 +652,36 @@ def test_the_readme_analyze_line_runs(tmp_path, capsys, monkeypatch):
     rc, out, err = _run(capsys, *argv)
     assert rc == 0, err
     assert "2 file(s), 8 sequences" in out and (tmp_path / "tree.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize("window", [1, 16])
+def test_window_counts_the_pairs_of_a_sliding_window_layer(tmp_path, capsys, window):
+    """``--window W``: one more column, the attention-FLOP ratio of a layer with a sliding
+    window of W, equal to the planner's windowed pairs summed over the micro-batches; the
+    trie sweep counts them at every threshold as planning would."""
+    rows = _rollouts()
+    path = _write_jsonl(tmp_path / "r.jsonl", [{"prompt_ids": r["prompt"], "response_ids": r["response"],
+                                                 "uid": r["uid"]} for r in rows])
+    rc, out, err = _run(capsys, "analyze", path, "--micro-batch-size", 4, "--window", window)
+    assert rc == 0, err
+    assert f"attn-FLOP ratio (window {window})" in out
+    first = {}
+    for i, r in enumerate(rows):
+        first.setdefault(r["uid"], i)
+    order = sorted(range(len(rows)), key=lambda i: (first[rows[i]["uid"]], i))
+    pu = pt = 0.0
+    for a in range(0, len(order), 4):
+        seqs = [rows[i]["prompt"] + rows[i]["response"] for i in order[a : a + 4]]
+        st = plan_prefix_tree(seqs, min_prefix_len=8, min_group_size=2).stats(window=window)
+        pu, pt = pu + st["attn_pairs_unshared_window"], pt + st["attn_pairs_tree_window"]
+    row = [r for r in _table_rows(out, "arbitrary_prefix") if len(r) == 9]
+    assert len(row) == 1 and _close(row[0][6], pu / pt), row
+    rng = np.random.default_rng(window)
+    micro = [(Rollouts("x", [np.asarray(s) for s in random_forest(rng, 8, 60)], None, None, "test"), list(range(8)))]
+    micro = [(r, list(range(len(r.sequences)))) for r, _ in micro]
+    tries = ModeTries.build(micro, "arbitrary_prefix", window=window)
+    for mpl, g in [(1, 2), (4, 2), (2, 3)]:
+        got = tries.evaluate(mpl, g)
+        st = plan_prefix_tree(micro[0][0].sequences, min_prefix_len=mpl, min_group_size=g).stats(window=window)
+        assert got.pairs_tree_window[0] == st["attn_pairs_tree_window"]
+        assert got.pairs_unshared_window[0] == st["attn_pairs_unshared_window"]

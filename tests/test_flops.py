@@ -5,6 +5,7 @@ attention term is L^2 per layer there)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,3 +77,42 @@ def test_matches_torch_flop_counter_on_qwen2():
     with FlopCounterMode(display=False) as step:
         model(input_ids=ids).logits.sum().backward()
     assert step.get_total_flops() == shape.step_flops(length, length**2)
+
+
+def test_windowed_pairs_hand_count():
+    """The same two sequences with a sliding window of 2 (each token sees itself and the one
+    before): unshared 2 * (1 + 2 + 2 + 2 + 2 + 2) = 22; tree 1 + 2 + 2 + 2 for the shared 4,
+    then 2 + 2 per branch = 15. A model with the window on 1 of its 2 layers weights each
+    layer's pairs."""
+    plan = plan_prefix_tree([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8]], min_prefix_len=1)
+    stats = plan.stats(window=2)
+    assert (stats["attn_pairs_unshared_window"], stats["attn_pairs_tree_window"]) == (22, 15)
+    assert stats["attn_flop_ratio_window"] == 22 / 15 and stats["attn_pairs_tree"] == 32
+    shape = DecoderShape(**SHAPE, window=2, window_layers=1)
+    per_layer_pair = 128 / 2
+    want = (12 * 2816 + per_layer_pair * (42 + 22)) / (8 * 2816 + per_layer_pair * (32 + 15))
+    assert shape.ideal_speedup(stats) == pytest.approx(want, rel=1e-15)
+    every_layer = DecoderShape(**SHAPE, window=2)
+    assert every_layer.ideal_speedup(stats) == pytest.approx((12 * 2816 + 128 * 22) / (8 * 2816 + 128 * 15), rel=1e-15)
+    with pytest.raises(ValueError, match=r"plan.stats\(window=2\)"):
+        shape.ideal_speedup(plan.stats())
+    with pytest.raises(ValueError, match="window_layers=3"):
+        DecoderShape(**SHAPE, window=2, window_layers=3).layer_split()
+
+
+@pytest.mark.parametrize("window", [1, 3, 10])
+def test_windowed_pairs_count_the_tree_mask(window):
+    """The pairs the FLOP ideal counts are the pairs the windowed tree mask allows (the
+    reference backend's mask), and per sample the windowed causal pairs of its length."""
+    from forests import random_forest
+
+    from ps_mcore.attention.reference import tree_mask
+
+    rng = np.random.default_rng(window)
+    for _ in range(5):
+        seqs = random_forest(rng, 10, 40)
+        plan = plan_prefix_tree(seqs, min_prefix_len=1)
+        stats = plan.stats(window=window)
+        assert stats["attn_pairs_tree_window"] == int(tree_mask(plan, window).sum())
+        brute = sum(min(p + 1, window) for s in seqs for p in range(len(s)))
+        assert stats["attn_pairs_unshared_window"] == brute

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -16,9 +15,12 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from gloo_world import run_in_gloo_world  # noqa: E402
+
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.fsdp_bridge import (  # noqa: E402
     ATTN_NAME,
+    TreeCall,
     base_implementation,
     disable_tree_attention,
     enable_tree_attention,
@@ -27,6 +29,8 @@ from ps_mcore.fsdp_bridge import (  # noqa: E402
     register_attention,
     unwrap_model,
 )
+from ps_mcore.minibatch import plan_minibatch  # noqa: E402
+from ps_mcore.schedule import ScheduleRunner  # noqa: E402
 
 VOCAB = 61
 
@@ -210,20 +214,6 @@ def test_hypothesis_forests_match_per_sequence(seqs, min_prefix_len):
     assert_tree_matches(make_model("qwen2-gqa2-d24"), seqs, min_prefix_len=min_prefix_len)
 
 
-def test_reference_backend_and_gradient_checkpointing():
-    """Checkpointed layers recompute in backward: they must still see prefix_tree."""
-    model = make_model("llama-gqa3-d16")
-    reference_model = copy.deepcopy(model)
-    seqs = random_forest(11)
-    weights = _sample_weights(seqs)
-    _, ref_lp, _, ref_grads = per_sequence_reference(reference_model, seqs, weights)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    out, grads = tree_run(model, plan, weights, backend="reference")
-    torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
-    assert_grads_close(grads, ref_grads)
-
-
 def test_sliding_window_wider_than_every_context_is_exact():
     seqs = _nasty("grpo")
     model = make_model("qwen2-gqa2-d24", use_sliding_window=True, sliding_window=64, max_window_layers=0)
@@ -242,6 +232,27 @@ def test_non_default_softmax_scale_gemma3():
     model = transformers.AutoModelForCausalLM.from_config(config).train()
     assert model.model.layers[0].self_attn.scaling != 24**-0.5
     assert_tree_matches(model, random_forest(8))
+
+
+def test_float64_model_forward_at_float64_precision():
+    """A float64 model's tree forward equals its per-sequence forward to float64 precision:
+    the CPU kernels compute float64 inputs in float64. (Gradients are compared at the usual
+    tolerance: Hugging Face's RMSNorm computes in float32 whatever the dtype, and the tree and
+    the unshared run sum shared rows' gradients at different sides of it.)"""
+    model = make_model("qwen2-gqa2-d24", attn="sdpa").double()
+    reference_model = copy.deepcopy(model)
+    seqs = random_forest(3)
+    weights = _sample_weights(seqs)
+    ref_logits, ref_lp, ref_ent, ref_grads = per_sequence_reference(reference_model, seqs, weights)
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    assert plan.num_tokens < plan.num_input_tokens
+    for backend in ("chunked", "reference"):
+        out, grads = tree_run(model, plan, weights, backend=backend)
+        assert out.logits.dtype == out.logprobs.dtype == torch.float64
+        torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out.logprobs, ref_lp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out.entropy.detach(), ref_ent, rtol=1e-12, atol=1e-12)
+        assert_grads_close(grads, ref_grads)
 
 
 def test_hidden_states_skip_the_lm_head():
@@ -287,50 +298,85 @@ def test_peft_lora_wrapper():
     assert_grads_close(grads, ref_grads)
 
 
-_FSDP_SCRIPT = textwrap.dedent(
-    """
-    import os, socket, torch, torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
-    sys_path = {path!r}
-    import sys; sys.path.insert(0, sys_path)
-    from test_fsdp_bridge import make_model, random_forest, per_sequence_reference, _sample_weights
-    from ps_mcore import plan_prefix_tree
-    from ps_mcore.fsdp_bridge import forward_tree, unwrap_model
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    seqs = random_forest(5)
-    plan = plan_prefix_tree(seqs, min_prefix_len=1)
-    for kind in ("fsdp1", "fsdp2"):
-        model = make_model("qwen2-gqa2-d24")
-        ref_logits, ref_lp, _, _ = per_sequence_reference(model, seqs, _sample_weights(seqs))
-        if kind == "fsdp1":
-            wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
-        else:
-            for layer in model.model.layers:
-                fully_shard(layer)
-            wrapped = fully_shard(model)
-        assert unwrap_model(wrapped) is model
-        out = forward_tree(wrapped, plan, compute_logprobs=True)
-        torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
-        out.logprobs.sum().backward()
-        assert all(p.grad is not None for p in wrapped.parameters())
-        print(kind, "ok")
-    dist.destroy_process_group()
-    """
-)
+_FSDP_SCRIPT = """
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+from test_fsdp_bridge import make_model, random_forest, per_sequence_reference, _sample_weights
+from ps_mcore import plan_prefix_tree
+from ps_mcore.fsdp_bridge import forward_tree, unwrap_model
+seqs = random_forest(5)
+plan = plan_prefix_tree(seqs, min_prefix_len=1)
+for kind in ("fsdp1", "fsdp2"):
+    model = make_model("qwen2-gqa2-d24")
+    ref_logits, ref_lp, _, _ = per_sequence_reference(model, seqs, _sample_weights(seqs))
+    if kind == "fsdp1":
+        wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    assert unwrap_model(wrapped) is model
+    out = forward_tree(wrapped, plan, compute_logprobs=True)
+    torch.testing.assert_close(plan.unpack(out.logits).detach(), ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    out.logprobs.sum().backward()
+    assert all(p.grad is not None for p in wrapped.parameters())
+    print(kind, "ok")
+"""
 
 
 def test_fsdp1_and_fsdp2_wrappers():
     """Real FSDP (gloo, world size 1) in a subprocess, so no process group leaks into others."""
-    import os
+    out = run_in_gloo_world(_FSDP_SCRIPT)
+    assert "fsdp1 ok" in out and "fsdp2 ok" in out
 
-    script = _FSDP_SCRIPT.format(path=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "fsdp1 ok" in proc.stdout and "fsdp2 ok" in proc.stdout
+
+_FSDP2_INPUT_CAST_SCRIPT = """
+import copy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from test_fsdp_bridge import make_model, random_forest, tree_run, _sample_weights, assert_grads_close
+from ps_mcore import plan_prefix_tree
+seqs = random_forest(7)
+weights = _sample_weights(seqs)
+for dtype in (torch.float32, torch.bfloat16):
+    model = make_model("qwen2-gqa2-d24", attn="sdpa")
+    plain = copy.deepcopy(model)  # unwrapped, parameters in the policy's dtype (buffers kept, as FSDP2 keeps them)
+    for p in plain.parameters():
+        p.data = p.data.to(dtype)
+    ref, ref_grads = tree_run(plain, plan_prefix_tree(seqs, min_prefix_len=1), weights)
+    # verl's fsdp2 engine: bf16 (or the configured) parameters, inputs cast by FSDP's hook
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    wrapped = fully_shard(model, mp_policy=policy)
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    plan.to("meta")  # the plan and its moved copy link each other, as a GPU run's plan and host copy do
+    out, grads = tree_run(wrapped, plan, weights)
+    # every layer ran on this plan: the layout its first layer built is in its own memo
+    assert torch.device("cpu") in plan.memo.cascade_layouts
+    grads = {n: g.full_tensor() for n, g in grads.items()}
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+        assert_grads_close(grads, ref_grads)
+    else:  # the same bf16 forward; gradients reduced in fp32 vs the plain model's bf16
+        assert out.logits.dtype == torch.bfloat16
+        torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+        torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=0)
+        for name, g in grads.items():
+            torch.testing.assert_close(g.to(dtype), ref_grads[name], rtol=2e-2, atol=2e-2, msg=name)
+    print(dtype, "ok")
+"""
+
+
+def test_fsdp2_input_cast_leaves_the_plan_alone():
+    """FSDP2 with a ``MixedPrecisionPolicy`` that casts forward inputs (verl's fsdp2 engine)
+    walks the model's kwargs and rebuilds dataclasses field by field: the tree call must reach
+    every layer untouched (its plan not rebuilt, so the plan's memo serves every layer, and a
+    plan linked to its moved copy does not recurse), with results equal to the unwrapped
+    model's. Real FSDP2 (gloo, world size 1) in a subprocess."""
+    out = run_in_gloo_world(_FSDP2_INPUT_CAST_SCRIPT)
+    assert "torch.float32 ok" in out and "torch.bfloat16 ok" in out
 
 
 # ----------------------------------------------------------------------------- stock fallback
@@ -407,15 +453,69 @@ def test_fallback_reports_the_base_name_to_the_stock_function():
 
 
 def test_mixed_calls_after_a_tree_forward():
-    """The switch stays on after forward_tree; the next unshared call is stock again."""
+    """forward_tree switches the model back; the next unshared call is stock again, also on a
+    model switched for good (enable_tree_attention), which forward_tree leaves switched."""
     model = make_model("qwen2-gqa2-d24", attn="sdpa").eval()
     stock = copy.deepcopy(model)
     seqs = _nasty("duplicates")
+    batch = _padded_batch(seqs + [[1, 2]], left=False)
     with torch.no_grad():
         forward_tree(model, plan_prefix_tree(seqs))
-        assert model.config._attn_implementation == ATTN_NAME
-        batch = _padded_batch(seqs + [[1, 2]], left=False)
+        assert model.config._attn_implementation == "sdpa"
         assert torch.equal(model(**batch).logits, stock(**batch).logits)
+        enable_tree_attention(model)
+        forward_tree(model, plan_prefix_tree(seqs))
+        assert model.config._attn_implementation == ATTN_NAME
+        assert torch.equal(model(**batch).logits, stock(**batch).logits)
+
+
+# ----------------------------------------------------------------------------- side effects
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_attn_implementation_is_restored_also_on_errors(attn):
+    """verl, TRL, PEFT and save_pretrained read config._attn_implementation: forward_tree
+    leaves it (and the layers' checkpoint functions) as the user set them."""
+    model = make_model("qwen3-mha-d40", attn=attn)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer = model.model.layers[0]
+    checkpoint = layer._gradient_checkpointing_func
+    plan = plan_prefix_tree(_nasty("grpo"), min_prefix_len=1)
+    out = forward_tree(model, plan, compute_logprobs=True)
+    assert model.config._attn_implementation == attn
+    assert layer._gradient_checkpointing_func is checkpoint
+    out.logprobs.sum().backward()  # recomputes the checkpointed layers
+    assert model.config._attn_implementation == attn
+    with pytest.raises(ValueError, match="unknown tree attention backend"):
+        forward_tree(model, plan, backend="no-such-kernel")  # raised inside the model forward
+    assert model.config._attn_implementation == attn
+    assert layer._gradient_checkpointing_func is checkpoint
+    assert "prefix_tree" not in model.config.to_json_string()
+
+
+@pytest.mark.parametrize("model_name, attn, backend, reentrant", [
+    ("qwen2-gqa2-d24", "sdpa", "auto", False),
+    ("qwen2-gqa2-d24", "sdpa", "auto", True),
+    ("llama-gqa3-d16", "eager", "reference", False),
+])
+def test_checkpointed_layers_recompute_with_tree_attention_after_the_switch_back(model_name, attn, backend, reentrant):
+    """Backward runs after forward_tree gave the model its own implementation back; the
+    recomputed layers must still run tree attention (sdpa would see a tree mask it cannot
+    apply). Gradients equal the unshared run's."""
+    model = make_model(model_name, attn=attn)
+    reference_model = copy.deepcopy(model)
+    seqs = random_forest(12)
+    weights = _sample_weights(seqs)
+    _, ref_lp, _, ref_grads = per_sequence_reference(reference_model, seqs, weights)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    out = forward_tree(model, plan, compute_logprobs=True, compute_entropy=True, backend=backend)
+    assert model.config._attn_implementation == attn
+    w = torch.repeat_interleave(torch.tensor(weights, dtype=torch.float64), torch.tensor(plan.seq_lens))
+    (w * (out.logprobs.double() + 0.3 * out.entropy.double())).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.testing.assert_close(out.logprobs.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads)
 
 
 # ----------------------------------------------------------------------------- registration
@@ -482,45 +582,163 @@ def test_direct_model_calls_with_a_plan_are_checked(small):
     enable_tree_attention(model)
     ids, pos = plan.input_ids[None], plan.position_ids[None]
     with torch.no_grad():
-        good = model(input_ids=ids, position_ids=pos, tree_plan=plan, use_cache=False).logits
+        good = model(input_ids=ids, position_ids=pos, tree_call=TreeCall(plan), use_cache=False).logits
         via_forward_tree = forward_tree(model, plan).logits
         assert torch.equal(good[0], via_forward_tree)
         with pytest.raises(ValueError, match="one row"):
-            model(input_ids=ids.expand(2, -1), position_ids=pos.expand(2, -1), tree_plan=plan)
+            model(input_ids=ids.expand(2, -1), position_ids=pos.expand(2, -1), tree_call=TreeCall(plan))
         with pytest.raises(ValueError, match="position_ids must be plan.position_ids"):
-            model(input_ids=ids, position_ids=torch.arange(plan.num_tokens)[None], tree_plan=plan)
+            model(input_ids=ids, position_ids=torch.arange(plan.num_tokens)[None], tree_call=TreeCall(plan))
         padding = torch.ones_like(ids)
         padding[0, -1] = 0
         with pytest.raises(ValueError, match="padding"):
-            model(input_ids=ids, position_ids=pos, attention_mask=padding, tree_plan=plan)
-        with pytest.raises(TypeError, match="TreePlan"):
-            model(input_ids=ids, position_ids=pos, tree_plan="plan")
+            model(input_ids=ids, position_ids=pos, attention_mask=padding, tree_call=TreeCall(plan))
+        with pytest.raises(TypeError, match="tree_call must be a TreeCall"):
+            model(input_ids=ids, position_ids=pos, tree_call=plan)
+        with pytest.raises(TypeError, match="TreeCall needs a TreePlan"):
+            TreeCall("plan")
+        # a bare plan would reach the stock attention, which ignores it: refused by name
+        with pytest.raises(TypeError, match="tree_plan=.*tree_call=TreeCall"):
+            model(input_ids=ids, position_ids=pos, tree_plan=plan)
+        with pytest.raises(ValueError, match="tree_plan"):
+            forward_tree(model, plan, tree_plan=plan)
 
 
-def test_training_dropout_is_refused():
+# ----------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_model_matches_eager_without_recompiling_per_plan(checkpointing):
+    """torch.compile(model) then forward_tree: the tree attention runs between the compiled
+    graphs (its host-side layouts never enter one), outputs and gradients equal the eager
+    tree run, and plans of other lengths and shapes reuse the compiled graphs; also with
+    activation checkpointing. (aot_eager: Dynamo and AOTAutograd as inductor sees them,
+    without CPU code generation.)"""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = make_model("llama-gqa3-d16", attn="sdpa", num_hidden_layers=1)
+    eager = copy.deepcopy(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    forests = [random_forest(5), _nasty("grpo"), _nasty("deep-chain")]
+    graphs = []
+    for seqs in forests:
+        plan = plan_prefix_tree(seqs, min_prefix_len=1)
+        weights = _sample_weights(seqs)
+        out, grads = tree_run(compiled, plan, weights)
+        grads = {name.removeprefix("_orig_mod."): g for name, g in grads.items()}
+        ref, ref_grads = tree_run(eager, plan, weights)
+        torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-6, atol=1e-6)
+        assert_grads_close(grads, ref_grads)
+        assert model.config._attn_implementation == "sdpa"
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert len({plan_prefix_tree(f).num_tokens for f in forests}) == 3
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs  # no recompile for new plans
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def phi3_model(resid_pdrop=0.0, attn="sdpa", seed=0):
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        resid_pdrop=resid_pdrop, embd_pdrop=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        initializer_range=0.2, attn_implementation=attn,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def _refusal(model, plan, *keys):
+    with pytest.raises(ValueError, match="shared_dropout=True") as err:
+        forward_tree(model, plan)
+    for key in keys:
+        assert key in str(err.value), str(err.value)
+    return str(err.value)
+
+
+def test_dropout_outside_attention_is_refused_per_module_kind():
+    """Every active dropout that would see a shared row, each named with its config key, in
+    one message: HF residual dropouts, a value head's classifier dropout, PEFT's lora_dropout
+    and functional dropouts (OPT's float rates)."""
+    peft = pytest.importorskip("peft")
+    plan = plan_prefix_tree(_nasty("grpo"), min_prefix_len=1)
+    msg = _refusal(phi3_model(resid_pdrop=0.1), plan, "resid_attn_dropout", "resid_mlp_dropout", "resid_pdrop")
+    assert "embd_pdrop" not in msg  # keys are matched to the sites they set
+
+    config = make_config("qwen2", 4, 2, 24, num_labels=1, classifier_dropout=0.2)
+    value_model = transformers.AutoModelForTokenClassification.from_config(config).train()
+    _refusal(value_model, plan, "dropout (p=0.2", "classifier_dropout")
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj"])
+    wrapped = peft.get_peft_model(make_model("qwen2-gqa2-d24"), lora)
+    _refusal(wrapped, plan, "q_proj.lora_dropout", "v_proj.lora_dropout", "lora_dropout (the PEFT")
+
+    opt = transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=48, num_hidden_layers=1, num_attention_heads=2,
+        word_embed_proj_dim=32, max_position_embeddings=256, dropout=0.1, attention_dropout=0.0,
+    )
+    _refusal(transformers.AutoModelForCausalLM.from_config(opt).train(), plan, "layers.*.dropout", "config key dropout")
+
+    # a dropout module switched to eval inside a training model does not run: not refused
+    value_model.dropout.eval()
+    assert forward_tree(value_model, plan).logits.shape == (plan.num_tokens, 1)
+
+
+def test_dropout_in_eval_mode_is_exact():
+    """model.eval() turns every dropout off: the tree run is the unshared one."""
+    assert_tree_matches(phi3_model(resid_pdrop=0.3).eval(), random_forest(4))
+
+
+def test_shared_dropout_opt_in():
+    """shared_dropout=True runs the dropouts on the packed rows: reproducible under a seed, a
+    mask per packed row (samples sharing a row share its mask, where the unshared run draws
+    one per sample), and on a plan without sharing exactly the stock run of the packed batch."""
+    model = phi3_model(resid_pdrop=0.3)
+    seqs = _nasty("duplicates")  # three identical samples: every row shared by all three
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+
+    def tree(seed):
+        torch.manual_seed(seed)
+        return forward_tree(model, plan, compute_logprobs=True, shared_dropout=True).logprobs
+
+    first, again, other = tree(0), tree(0), tree(1)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    with torch.no_grad():
+        assert not torch.allclose(first, forward_tree(model.eval(), plan, compute_logprobs=True).logprobs)
+    model.train()
+    per_sample = first.view(3, -1)
+    assert torch.equal(per_sample[0], per_sample[1]) and torch.equal(per_sample[0], per_sample[2])
+    torch.manual_seed(0)  # the unshared run: independent masks per sample
+    stock = [model(input_ids=torch.tensor(s)[None]).logits for s in seqs]
+    assert not torch.equal(stock[0], stock[1])
+
+    unshared = plan_prefix_tree(_nasty("no-sharing"))
+    assert unshared.is_trivial  # rows = the batch concatenated: the same masks as stock
+    torch.manual_seed(3)
+    got = forward_tree(model, unshared, shared_dropout=True).logits
+    torch.manual_seed(3)
+    want = model(**_packed_batch(_nasty("no-sharing")), use_cache=False).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_training_attention_dropout_is_refused():
+    """Attention dropout has no shared-mask variant: refused with or without the opt-in
+    (forward_tree before the forward; the attention itself on a direct model call)."""
     model = make_model(attention_dropout=0.1)  # train mode
     plan = plan_prefix_tree(_nasty("grpo"))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        forward_tree(model, plan)
+    for shared_dropout in (False, True):
+        with pytest.raises(ValueError, match="attention dropout is not supported.*attention_dropout to 0"):
+            forward_tree(model, plan, shared_dropout=shared_dropout)
+    enable_tree_attention(model)
+    with pytest.raises(NotImplementedError, match="attention dropout"):
+        model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], tree_call=TreeCall(plan))
     model.eval()
     assert forward_tree(model, plan).logits.shape == (plan.num_tokens, VOCAB)
-
-
-def test_narrow_sliding_window_is_refused():
-    model = make_model(use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        forward_tree(model, plan_prefix_tree(_nasty("grpo")))
-
-
-def test_softcapping_is_refused():
-    config = transformers.Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=512,
-        attn_logit_softcapping=50.0, attn_implementation="eager",
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(NotImplementedError, match="softcapping"):
-        forward_tree(model, plan_prefix_tree(_nasty("grpo")))
 
 
 def test_unsupported_attention_features_are_refused(small):
@@ -528,11 +746,61 @@ def test_unsupported_attention_features_are_refused(small):
     attn = model.model.layers[0].self_attn
     q = torch.zeros(1, 4, plan.num_tokens, 24)
     kv = torch.zeros(1, 2, plan.num_tokens, 24)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="position bias"):
+        prefix_tree_attention(attn, q, kv, kv, None, tree_call=TreeCall(plan), position_bias=torch.zeros(1, 4, 1, 1))
+    dense = torch.zeros(1, 1, plan.num_tokens, plan.num_tokens)
     with pytest.raises(ValueError, match="prepared attention mask"):
-        prefix_tree_attention(attn, q, kv, kv, torch.zeros(1, 1, plan.num_tokens, plan.num_tokens), tree_plan=plan)
+        prefix_tree_attention(attn, q, kv, kv, dense, tree_call=TreeCall(plan))
     with pytest.raises(ValueError, match="KV cache"):
-        prefix_tree_attention(attn, q, kv[:, :, :-1], kv[:, :, :-1], None, tree_plan=plan)
+        prefix_tree_attention(attn, q, kv[:, :, :-1], kv[:, :, :-1], None, tree_call=TreeCall(plan))
     with pytest.raises(NotImplementedError, match="not causal"):
-        prefix_tree_attention(attn, q, kv, kv, None, tree_plan=plan, is_causal=False)
+        prefix_tree_attention(attn, q, kv, kv, None, tree_call=TreeCall(plan), is_causal=False)
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def schedule_run(model, seqs, weights, budget, kv_row_cost, entropy_coef=0.3):
+    """A cross-micro-batch schedule of ``seqs`` on an HF model: ``forward_tree`` per call,
+    the per-sample-weighted loss per step, releases. Returns (log-probs [N], entropy [N], grads)."""
+    plan = plan_minibatch(seqs, budget, kv_row_cost=kv_row_cost, min_prefix_len=1)
+    assert plan.num_steps > 1 and any(c.kept for c in plan.calls)
+
+    def run_call(call_plan):
+        out = forward_tree(model, call_plan, return_logits=False, compute_logprobs=True, compute_entropy=True)
+        return {"log_probs": out.logprobs, "entropy": out.entropy}
+
+    model.zero_grad(set_to_none=True)
+    runner = ScheduleRunner(plan, run_call)
+    w = torch.repeat_interleave(torch.tensor(weights, dtype=torch.float64), torch.tensor(plan.tree.seq_lens))
+    lp = torch.zeros(plan.tree.num_input_tokens, dtype=torch.float64)
+    ent = torch.zeros_like(lp)
+    for j, step in enumerate(plan.steps):
+        out = runner.forward(j)
+        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
+        lp[tokens], ent[tokens] = out["log_probs"].detach().double(), out["entropy"].detach().double()
+        (w[tokens] * (out["log_probs"].double() + entropy_coef * out["entropy"].double())).sum().backward()
+        runner.release(j)
+    runner.finish()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp, ent, grads
+
+
+@pytest.mark.parametrize("name,checkpointing", [("qwen2-gqa2-d24", False), ("llama-gqa3-d16", True)])
+def test_cross_micro_batch_schedule_matches_per_sequence(name, checkpointing):
+    """Hugging Face models run a mini-batch plan through the same attention function: every
+    row once across micro-batches (a prompt longer than the budget kept as a K/V chain), equal
+    to each sequence alone; with activation checkpointing too."""
+    model = make_model(name)
+    reference_model = copy.deepcopy(model)
+    rng = np.random.default_rng(5)
+    prompt = _tokens(rng, 30)
+    seqs = [prompt + _tokens(rng, int(rng.integers(2, 8))) for _ in range(4)] + random_forest(12)
+    weights = _sample_weights(seqs)
+    _, ref_lp, ref_ent, ref_grads = per_sequence_reference(reference_model, seqs, weights)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lp, ent, grads = schedule_run(model, seqs, weights, budget=12, kv_row_cost=0.2)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent.double(), rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads)

@@ -1,8 +1,9 @@
 """GPU-only backends (varlen, flex; cudnn and fa4 where TE / flash-attn-4 are installed) vs.
-per-sequence causal attention. Skips without CUDA;
-run on the device: ``python -m pytest -q tests/test_gpu_attention.py``."""
+per-sequence causal attention. Skips without CUDA: ``python -m pytest -q tests/test_gpu_attention.py``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -29,28 +30,28 @@ def check(plan, backend, hq, hkv, d, dtype, seed=0, tol=1e-2):
         assert rel(a, b) < 2 * tol, f"d{name} rel err {rel(a, b)}"
 
 
-def _te_reason() -> str | None:
+def _te_refusal() -> str | None:
     """Why the cuDNN backend cannot run on this machine (None: TE and CUDA are there)."""
     if not torch.cuda.is_available():
         return "needs CUDA"
-    from ps_mcore.attention.cudnn import static_unavailable_reason
+    from ps_mcore.attention.cudnn import cudnn_static_refusal
 
-    return static_unavailable_reason("cuda", torch.bfloat16, 128)
-
-
-needs_te = pytest.mark.skipif(_te_reason() is not None, reason=f"cuDNN backend: {_te_reason()}")
+    return cudnn_static_refusal("cuda", torch.bfloat16, 128)
 
 
-def _fa4_reason() -> str | None:
+needs_te = pytest.mark.skipif(_te_refusal() is not None, reason=f"cuDNN backend: {_te_refusal()}")
+
+
+def _fa4_refusal() -> str | None:
     """Why the fa4 backend cannot run on this machine (None: the package and an SM90+ GPU are there)."""
     if not torch.cuda.is_available():
         return "needs CUDA"
-    from ps_mcore.attention.fa4 import fa4_unavailable_reason
+    from ps_mcore.attention.fa4 import fa4_refusal
 
-    return fa4_unavailable_reason(torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16))
+    return fa4_refusal(torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16))
 
 
-needs_fa4 = pytest.mark.skipif(_fa4_reason() is not None, reason=f"fa4 backend: {_fa4_reason()}")
+needs_fa4 = pytest.mark.skipif(_fa4_refusal() is not None, reason=f"fa4 backend: {_fa4_refusal()}")
 # The fused kernels beside torch flash: cuDNN through TE, FlashAttention-4 (each skips without its package).
 FUSED = [pytest.param("cudnn", marks=needs_te), pytest.param("fa4", marks=needs_fa4)]
 ALL = ["varlen", "flex", *FUSED]
@@ -130,9 +131,9 @@ def test_cudnn_layouts_on_chains_and_deep_trees(monkeypatch, layout):
     (gather-KV with the fused scatter-add), against the float64 unshared computation."""
     from ps_mcore.attention import backends, cudnn
 
-    monkeypatch.setattr(backends, "_cudnn", lambda q, k, v, plan, s: cudnn.cudnn_tree_attention(q, k, v, plan, s, layout))
-    monkeypatch.setitem(backends.ATTENTION_BACKENDS, "cudnn", backends.AttentionBackend(
-        "cudnn", attend=backends._cudnn, gather_kv_kernel=backends._cudnn_kernel, check=backends._check_cudnn))
+    monkeypatch.setitem(backends.ATTENTION_BACKENDS, "cudnn", dataclasses.replace(
+        backends.ATTENTION_BACKENDS["cudnn"],
+        attend=lambda q, k, v, plan, s: cudnn.cudnn_tree_attention(q, k, v, plan, s, layout)))
     step_wise = [list(range(37 * (j + 1))) for j in range(6)]
     check(plan_prefix_tree(step_wise, min_prefix_len=1), "cudnn", 8, 2, 128, torch.bfloat16)
     deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]
@@ -162,10 +163,10 @@ def test_cudnn_other_head_dims_exact_or_refused_clearly(d):
     """cuDNN's head-dim support depends on its version: every multiple of 8 up to 128 either
     runs exactly or is refused by the backend's check with cuDNN's reason (never a crash
     inside the step)."""
-    from ps_mcore.attention.cudnn import cudnn_unavailable_reason
+    from ps_mcore.attention.cudnn import cudnn_refusal
 
     q = torch.zeros(8, 4, d, device="cuda", dtype=torch.bfloat16)
-    reason = cudnn_unavailable_reason(q)
+    reason = cudnn_refusal(q)
     plan = plan_prefix_tree(nasty_forests()["grpo"], min_prefix_len=1)
     if reason is None:
         check(plan, "cudnn", 4, 2, d, torch.bfloat16)
@@ -184,7 +185,7 @@ def test_cudnn_refuses_head_dims_cudnn_cannot_take():
         resolve_backend("cudnn", torch.zeros(8, 4, 64, device="cuda"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or _te_reason() is None, reason="needs CUDA without TE")
+@pytest.mark.skipif(not torch.cuda.is_available() or _te_refusal() is None, reason="needs CUDA without TE")
 def test_cudnn_without_te_is_refused_and_auto_stays_flash():
     from ps_mcore.workloads import make_workload
 
@@ -197,7 +198,7 @@ def test_cudnn_without_te_is_refused_and_auto_stays_flash():
 
 @needs_te
 def test_auto_picks_cudnn_by_shape():
-    """The shape rule on the device: the long GRPO prompt and agent-tree run cuDNN gather-KV,
+    """The shape rule on the GPU: the long GRPO prompt and agent-tree run cuDNN gather-KV,
     step-wise the chain's one causal cuDNN call; grpo-wide keeps flash's cascade (memory) and
     no-sharing flash (host cost); without a plan (CP) auto means flash."""
     from ps_mcore.attention import auto_choice
@@ -220,3 +221,150 @@ def test_cudnn_kernel_serves_context_parallelism():
     from ps_mcore.attention.cudnn import CUDNN_KERNEL
 
     assert cp_kernel("cudnn", torch.zeros(8, 4, 64, device="cuda", dtype=torch.bfloat16)) is CUDNN_KERNEL
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def _row_error(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Largest absolute error of each row (first dim) of ``x`` against float64 ``ref``."""
+    return (x.double().cpu() - ref.double().cpu()).abs().reshape(x.size(0), -1).amax(1)
+
+
+def variant_check(plan, backend, hq, hkv, d, dtype, seed=0, **variant):
+    """The tree against the float64 unshared computation, row by row, next to the stock run:
+    the same backend and variant on the unshared batch (every sample its own rows; gradients
+    of a shared row summed in float64). Each output row, each gradient row of q/k/v and each
+    head's sink gradient: the tree's error is at most twice the stock run's plus one rounding
+    of the row (2^-8 of its largest value in bf16, 2^-11 in fp16), and below 2^-5 of the
+    largest value of its tensor (so a stock run that is wrong too cannot carry it)."""
+    from attention_oracle import random_qkv, random_sinks, unshared_attention
+
+    from ps_mcore import plan_unshared, tree_attention
+
+    plan = plan.to("cuda")
+    use_sinks = variant.pop("sinks", False)
+    q, k, v = random_qkv(plan, hq, hkv, d, dtype, "cuda", seed)
+    sinks = random_sinks(hq, "cuda", seed) if use_sinks else None
+    leaves = (q, k, v) + ((sinks,) if use_sinks else ())
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    weight = torch.randn(plan.num_input_tokens, hq, d, generator=g, dtype=torch.float64)
+
+    out = plan.unpack(tree_attention(q, k, v, plan, backend=backend, sinks=sinks, **variant))
+    tree_grads = torch.autograd.grad((out.double() * weight.cuda()).sum(), leaves)
+
+    base = plan_unshared([[0] * n for n in plan.seq_lens]).to("cuda")
+    unpacked = [plan.unpack(x).detach().requires_grad_() for x in (q, k, v)]
+    base_sinks = sinks.detach().clone().requires_grad_() if use_sinks else None
+    stock = tree_attention(*unpacked, base, backend=backend, sinks=base_sinks, **variant)
+    stock_leaves = tuple(unpacked) + ((base_sinks,) if use_sinks else ())
+    per_copy = torch.autograd.grad((stock.double() * weight.cuda()).sum(), stock_leaves)
+    index = plan.unpack_index.cpu()
+    stock_grads = [torch.zeros(x.shape, dtype=torch.float64).index_add_(0, index, gx.double().cpu())
+                   for x, gx in zip((q, k, v), per_copy[:3])] + list(per_copy[3:])
+
+    cpu_leaves = [x.detach().cpu().double().requires_grad_() for x in leaves]
+    ref = unshared_attention(*cpu_leaves[:3], plan.to("cpu"), sinks=cpu_leaves[3] if use_sinks else None, **variant)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), cpu_leaves)
+
+    rounding = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    pairs = [("out", out, stock, ref)] + [
+        (f"d{n}", a, b, c) for n, a, b, c in zip(("q", "k", "v", "sinks"), tree_grads, stock_grads, ref_grads)]
+    for name, got, base_got, want in pairs:
+        if name == "dsinks":
+            got, base_got, want = got[:, None], base_got[:, None], want[:, None]
+        err, base_err = _row_error(got, want), _row_error(base_got, want)
+        row_scale = want.abs().reshape(want.size(0), -1).amax(1)
+        bound = 2 * base_err + rounding * row_scale
+        worst = int(torch.argmax(err - bound))
+        assert torch.all(err <= bound), (
+            f"{name} row {worst}: tree error {err[worst]:.3g} > 2 x stock {base_err[worst]:.3g} + rounding")
+        assert float(err.max()) <= 2.0**-5 * float(want.abs().max()), f"{name}: tree error {float(err.max()):.3g}"
+
+
+def _variant_forests(max_len=300):
+    rng = np.random.default_rng(11)
+    step_wise = [list(range(37 * (j + 1))) for j in range(6)]
+    return [step_wise] + [random_forest(rng, max_seqs=12, max_len=max_len) for _ in range(2)]
+
+
+def _runs_head_dim(backend, d):
+    return backend != "fa4" or d in FA4_HEAD_DIMS
+
+
+VARIANT_CASES = [dict(window=1), dict(window=17), dict(window=128), dict(sinks=True),
+                 dict(window=64, sinks=True), dict(softcap=20.0), dict(softcap=5.0, sinks=True, window=33)]
+
+
+@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize("variant", VARIANT_CASES, ids=lambda v: "-".join(f"{k}{v[k]}" for k in v))
+def test_variants_every_backend(backend, variant):
+    """Sliding windows (1, shorter than the branches, and 128 inside contexts of up to 300),
+    sinks of both signs and softcapping; a backend whose kernel lacks one refuses it by name."""
+    from ps_mcore.attention import ATTENTION_BACKENDS
+    from ps_mcore.attention.variants import attention_variant
+
+    q = torch.zeros(1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    wanted = attention_variant(q, variant.get("window"), 0.0 if variant.get("sinks") else None, variant.get("softcap"))
+    refusal = ATTENTION_BACKENDS[backend].variant_refusal(q, wanted)
+    if backend == "cudnn" and refusal is None:
+        from ps_mcore.attention.cudnn import cudnn_refusal
+
+        refusal = cudnn_refusal(q, wanted.window is not None, wanted.sinks is not None)
+    for i, seqs in enumerate(_variant_forests()):
+        plan = plan_prefix_tree(seqs, min_prefix_len=4)
+        if refusal is not None:
+            with pytest.raises(ValueError, match="does not implement|refused"):
+                variant_check(plan, backend, 8, 2, 128, torch.bfloat16, i, **dict(variant))
+            continue
+        variant_check(plan, backend, 8, 2, 128, torch.bfloat16, i, **dict(variant))
+
+
+@pytest.mark.parametrize("backend", ["varlen", "flex", *FUSED])
+def test_variants_gqa_head_dims_fp16(backend):
+    for hq, hkv, d, dtype in [(7, 1, 64, torch.float16), (4, 4, 96, torch.bfloat16)]:
+        if not _runs_head_dim(backend, d):
+            continue
+        variant = dict(window=40, sinks=True)
+        plan = plan_prefix_tree(random_forest(np.random.default_rng(d), max_seqs=10, max_len=200), min_prefix_len=2)
+        variant_check(plan, backend, hq, hkv, d, dtype, **variant)
+
+
+@pytest.mark.parametrize("backend", ["varlen", pytest.param("fa4", marks=needs_fa4)])
+@pytest.mark.parametrize("cascade, min_chunk", [(False, 1024), (True, 1024), (True, 16)])
+def test_variants_in_both_layouts(monkeypatch, backend, cascade, min_chunk):
+    """Sinks added once after the cascade's merges (in place and chunked level calls); a
+    window in the chain self call or, with level calls, gather-KV cut to the window."""
+    monkeypatch.setattr("ps_mcore.attention.layout.cascade_pays", lambda plan, layout: cascade)
+    monkeypatch.setattr("ps_mcore.attention.layout.MIN_CHUNK_ROWS", min_chunk)
+    for i, seqs in enumerate(_variant_forests(400)):
+        plan = plan_prefix_tree(seqs, min_prefix_len=2)
+        variant_check(plan, backend, 8, 2, 128, torch.bfloat16, i, sinks=True)
+        variant_check(plan, backend, 8, 2, 128, torch.bfloat16, i, window=50, sinks=True)
+
+
+def test_auto_runs_softcap_where_the_flash_kernel_has_none():
+    from ps_mcore.attention import ATTENTION_BACKENDS
+    from ps_mcore.attention.variants import attention_variant
+
+    q = torch.zeros(4, 2, 64, device="cuda", dtype=torch.bfloat16)
+    capped = attention_variant(q, softcap=10.0)
+    want = "flex" if ATTENTION_BACKENDS["varlen"].variant_refusal(q, capped) else "varlen"
+    assert resolve_backend("auto", q, None, capped) == want
+    assert resolve_backend("auto", q, None, attention_variant(q, window=8, sinks=0.0)) == "varlen"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_qkv_as_sdpa_does(dtype):
+    """fp32 q/k (RoPE under autocast) and a 16-bit v: cast to the autocast dtype, the flash
+    path runs, and the result is the one of the cast inputs outside autocast."""
+    from attention_oracle import random_qkv
+
+    from ps_mcore import tree_attention
+
+    plan = plan_prefix_tree(nasty_forests()["tree"], min_prefix_len=1).to("cuda")
+    q, k, v = random_qkv(plan, 8, 2, 64, torch.float32, "cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        got = tree_attention(q, k, v.to(dtype), plan, window=5, sinks=0.0)
+    want = tree_attention(q.to(dtype), k.to(dtype), v.to(dtype), plan, window=5, sinks=0.0)
+    assert got.dtype == dtype and torch.equal(got, want)

@@ -29,7 +29,7 @@ pytest.importorskip("verl.utils.kernel.linear_cross_entropy")
 from verl.models.transformers import dense_common  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
-from ps_mcore.fsdp_bridge import enable_tree_attention  # noqa: E402
+from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention  # noqa: E402
 from ps_mcore.integrations.verl080.fused import FUSED_ROWS_KWARG, triton_fused_kernel, tree_fused_forward  # noqa: E402
 from ps_mcore.logprobs import labelled_rows  # noqa: E402
 from ps_mcore.workloads import make_workload  # noqa: E402
@@ -94,7 +94,7 @@ def _tree(model, seqs):
     enable_tree_attention(model)
     out = forward(
         model, input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], attention_mask=None,
-        tree_plan=plan, temperature=TEMPERATURE, return_dict=True, **{FUSED_ROWS_KWARG: rows},
+        tree_call=TreeCall(plan), temperature=TEMPERATURE, return_dict=True, **{FUSED_ROWS_KWARG: rows},
     )
     return rows.per_token(out.log_probs[0], out.entropy[0])
 

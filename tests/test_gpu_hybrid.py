@@ -1,8 +1,7 @@
 """flash-linear-attention's varlen kernels as the tree kernels (GPU only): the gated delta rule
 (GDN) and ``chunk_simple_gla`` (Mamba-2's SSD), vs. each sequence alone through the fp64
-recurrences (one Triton config per fla kernel: tests/fla_shims.py). Skips without CUDA or fla;
-run on the device:
-``python -m pytest -q tests/test_gpu_hybrid.py`` (with fla-core on the path)."""
+recurrences (one Triton config per fla kernel: tests/fla_shims.py). Skips without CUDA or fla
+(installing fla and Triton: dependency/README.md): ``python -m pytest -q tests/test_gpu_hybrid.py``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """GPU + transformer-engine: TE-spec MoE (grouped GEMM, alltoall) and MLA models, the stock TE
 model on the unshared THD batch vs ``to_tree_spec`` of the same spec on the prefix tree (bf16).
 The tree's log-prob error against an fp32 reference must be no larger than the stock model's
-(plus bf16 slack). Skips without CUDA or TE; run on the device (TE recipe:
-../shared/device/te/README.md): ``python -m pytest -q tests/test_gpu_moe_mla.py``."""
+(plus bf16 slack). Skips without CUDA or Transformer Engine (``pip install --no-build-isolation
+"transformer_engine[pytorch]"``): ``python -m pytest -q tests/test_gpu_moe_mla.py``."""
 
 from __future__ import annotations
 

@@ -144,6 +144,14 @@ def test_refusals(models):
     hidden = torch.zeros(psp.num_local_rows, 1, 64)
     with pytest.raises(NotImplementedError, match="context parallelism"):
         tree.decoder.layers[0].self_attention(hidden, None, packed_seq_params=psp)
+    gdn = tree.decoder.layers[0].self_attention
+    assert isinstance(gdn, TreeGatedDeltaNet)
+    gdn.config.hidden_dropout = 0.1  # the layer drops the mixer's output on the packed rows
+    try:
+        with pytest.raises(ValueError, match="config.hidden_dropout to 0.*shared_dropout=True"):
+            gdn(hidden[: plan.num_tokens], None, packed_seq_params=TreePackedSeqParams.from_plan(plan))
+    finally:
+        gdn.config.hidden_dropout = 0.0
 
 
 # ------------------------------------------------------------- megatron-core 0.16's MambaStack

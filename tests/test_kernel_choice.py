@@ -5,6 +5,7 @@ wiring is checked here and only the kernel itself on the GPU (tests/test_gpu_att
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -14,7 +15,7 @@ from attention_oracle import random_qkv, unshared_attention
 from forests import nasty_forests, random_forest
 
 from ps_mcore import plan_prefix_tree, plan_unshared, tree_attention
-from ps_mcore.attention import auto_choice, cudnn, fa4, kernel_choice, resolve_backend
+from ps_mcore.attention import auto_choice, backends, cudnn, fa4, kernel_choice, resolve_backend
 from ps_mcore.attention.gather_kv import MATH_KERNEL
 from ps_mcore.attention.kernel_choice import CUDNN_MIN_WORK, PlanShape, plan_shape, prefers_cudnn
 from ps_mcore.planner import tree_pairs
@@ -64,7 +65,7 @@ def test_plan_shape_is_cached_on_the_host_plan():
     plan = plan_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 5, 6]], min_prefix_len=1)
     s = plan_shape(plan, 4, 64)
     assert (s.rows, s.context_rows, s.segments) == (plan.num_tokens, plan.kv_index.numel(), plan.num_nodes)
-    assert "kernel_choice_shape" in plan._cache and plan_shape(plan, 4, 64) == s
+    assert plan.memo.kernel_choice_shape is not None and plan_shape(plan, 4, 64) == s
 
 
 def test_cudnn_refuses_clearly_off_cuda():
@@ -89,21 +90,21 @@ def test_fa4_refuses_head_dims_whose_gradients_it_got_wrong(d):
     q, k, v = random_qkv(plan, 4, 2, d, torch.bfloat16)
     with pytest.raises(ValueError, match=f"runs head dims 64, 96, 128, 160, 192, 256 \\(got {d}"):
         tree_attention(q, k, v, plan, backend="fa4")
-    assert fa4.fa4_unavailable_reason(q.float()).startswith("it needs fp16 or bf16")
+    assert fa4.fa4_refusal(q.float()).startswith("it needs fp16 or bf16")
 
 
-def test_static_reasons_name_the_problem(monkeypatch):
+def test_static_refusals_name_the_problem(monkeypatch):
     bf16 = torch.bfloat16
-    assert "fp16 or bf16" in cudnn.static_unavailable_reason("cuda", torch.float32, 128)
-    assert "multiple of 8" in cudnn.static_unavailable_reason("cuda", bf16, 100)
-    assert "at most 128" in cudnn.static_unavailable_reason("cuda", bf16, 192)
+    assert "fp16 or bf16" in cudnn.cudnn_static_refusal("cuda", torch.float32, 128)
+    assert "multiple of 8" in cudnn.cudnn_static_refusal("cuda", bf16, 100)
+    assert "at most 128" in cudnn.cudnn_static_refusal("cuda", bf16, 192)
     monkeypatch.setattr(cudnn, "_te_fused_attn", lambda: "transformer_engine's fused attention is not importable (X)")
-    assert "transformer_engine" in cudnn.static_unavailable_reason("cuda", bf16, 128)
+    assert "transformer_engine" in cudnn.cudnn_static_refusal("cuda", bf16, 128)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE installed")
-def test_without_te_the_reason_says_so():
-    assert "transformer_engine" in cudnn.static_unavailable_reason("cuda", torch.bfloat16, 128)
+def test_without_te_the_refusal_says_so():
+    assert "transformer_engine" in cudnn.cudnn_static_refusal("cuda", torch.bfloat16, 128)
     with pytest.raises(RuntimeError, match="cuDNN tree attention: transformer_engine"):
         cudnn._te()
 
@@ -144,7 +145,8 @@ def fake_te(monkeypatch):
                                 "dqkv_layout", "attn_bias_type", "attn_mask_type", "window_size",
                                 "cu_seqlens_q_padded", "cu_seqlens_kv_padded"})
     monkeypatch.setattr(cudnn, "_te_fused_attn", lambda: found)
-    monkeypatch.setattr(cudnn, "require_cudnn", lambda q: None)  # the check wants CUDA
+    cudnn_entry = backends.ATTENTION_BACKENDS["cudnn"]  # its check wants CUDA
+    monkeypatch.setitem(backends.ATTENTION_BACKENDS, "cudnn", dataclasses.replace(cudnn_entry, check=None))
     return found
 
 

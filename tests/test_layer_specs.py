@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from torch.distributed.utils import _apply_to_tensors
 
 pytest.importorskip("megatron.core")
 
@@ -34,8 +35,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, TreeSelfAttention, get_gpt_decoder_block_tree_spec,
-    get_gpt_layer_local_tree_spec, get_gpt_layer_with_tree_attention_spec, to_tree_spec,
-    tree_layer_spec, tree_layer_spec_from,
+    get_gpt_layer_local_tree_spec, get_gpt_layer_with_tree_attention_spec, megatron_dropout_refusal,
+    to_tree_spec, tree_layer_spec, tree_layer_spec_from,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -102,8 +103,8 @@ def models(request):
     return cfg, stock, tree
 
 
-def _tree_logits(model, plan, pad_to_multiple_of=1):
-    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of)
+def _tree_logits(model, plan, pad_to_multiple_of=1, **psp_kw):
+    psp = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of, **psp_kw)
     logits = model(
         input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
         attention_mask=None, packed_seq_params=psp,
@@ -180,6 +181,34 @@ def test_tree_forward_backward_matches_unshared(models, forest):
     assert_grads_close(_grads(tree), ref_grads)
 
 
+@pytest.mark.parametrize("forest", ["random0", "prefix_of_another", "deep_chain"])
+def test_float64_model_at_float64_precision(forest):
+    """A float64 GPTModel (softmax in fp64 too): logits, log-probs and every gradient of a
+    per-sample-weighted loss equal the stock per-sequence runs to float64 precision; the tree
+    kernels compute fp64 inputs in fp64."""
+    cfg = tiny_config("qwen2", params_dtype=torch.float64, attention_softmax_in_fp32=False)
+    stock = build_gpt(cfg, stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg))).double()
+    randomize_(stock, seed=9)
+    tree = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))).double()
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    seqs = FORESTS[forest]
+    plan = _plan(seqs)
+    w_tok = _weights(seqs, seed=4)[1].double()
+    ref_logits = _stock_logits(stock, seqs)
+    ref_lp = _ref_logprobs(ref_logits, seqs)
+    (w_tok * ref_lp).sum().backward()
+    logits = _tree_logits(tree, plan)
+    lp, _ = token_logprobs(logits, plan)
+    (w_tok * lp).sum().backward()
+    assert logits.dtype == lp.dtype == torch.float64
+    fp64 = dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(plan.unpack(logits), torch.cat(ref_logits), **fp64)
+    torch.testing.assert_close(lp, ref_lp, **fp64)
+    ref_grads, grads = _grads(stock), _grads(tree)
+    for name, r in ref_grads.items():
+        torch.testing.assert_close(grads[name], r, rtol=1e-10, atol=1e-10 * float(r.abs().max()), msg=name)
+
+
 def test_dissolved_short_prefixes_match(models):
     """With the default min_prefix_len short shared runs are duplicated, long ones shared."""
     _, stock, tree = models
@@ -205,6 +234,22 @@ def test_padding_rows_do_not_affect_real_rows(models):
     assert plan.num_tokens % 8 != 0  # really padded
     torch.testing.assert_close(out[8][0], out[1][0], **TOL)
     assert_grads_close(out[8][1], out[1][1])
+
+
+def test_packed_params_through_fsdp_input_cast(models):
+    """FSDP's mixed-precision input cast rebuilds dataclass kwargs field by field: the packed
+    params of a plan linked to its moved copy (as a GPU run's plan is) are rebuilt without
+    walking into the link, keep the plan's memo and run as the originals do."""
+    _, _, tree = models
+    plan = _plan(FORESTS["random2"])
+    plan.to("meta")  # plan.memo.moved -> the moved copy, whose memo.host -> plan
+    reference = _tree_logits(tree, plan, 8).detach()
+    psp = TreePackedSeqParams.from_plan(plan, 8)
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, {"psp": psp})["psp"]
+    assert isinstance(cast, TreePackedSeqParams) and cast is not psp and cast.plan.memo is plan.memo
+    logits = tree(input_ids=cast.pad_rows(plan.input_ids)[None], position_ids=cast.position_ids[None],
+                  attention_mask=None, packed_seq_params=cast)[0]
+    torch.testing.assert_close(logits.detach(), reference, rtol=0, atol=0)
 
 
 def test_unfused_rope_reads_host_bounds(models, monkeypatch):
@@ -318,6 +363,23 @@ def test_tree_model_on_standard_thd_batches_matches_stock(models, pad_each):
         starts = cu[:-1].tolist()
         got = torch.cat([logits[s : s + n] for s, n in zip(starts, lens)])
         torch.testing.assert_close(got, torch.cat(_stock_logits(stock, seqs)), **TOL)
+
+
+def test_thd_batch_memo_follows_the_bounds_tensor():
+    """An ordinary THD batch's segment plan is derived once per params object (every layer
+    reads the same one) and derived again when its bounds tensor is replaced: the memo holds
+    the tensor it was derived from, so no later tensor (not even one at a recycled ``id``) is
+    mistaken for it."""
+    from ps_mcore.layer_specs.packed_params import plan_for_thd
+
+    psp = PackedSeqParams(qkv_format="thd", max_seqlen_q=8, max_seqlen_kv=8)
+    for bounds in ([0, 3, 7], [0, 5, 8], [0, 1, 2, 8], [0, 3, 7]):
+        psp.cu_seqlens_q = psp.cu_seqlens_kv = None  # the old tensor is freed first
+        psp.cu_seqlens_q = psp.cu_seqlens_kv = torch.tensor(bounds, dtype=torch.int32)
+        plan = plan_for_thd(psp, 8, torch.device("cpu"))
+        lengths = [b - a for a, b in zip(bounds, bounds[1:] + [8]) if b > a]
+        assert list(plan.seq_lens) == lengths
+        assert plan_for_thd(psp, 8, torch.device("cpu")) is plan  # once per micro-batch
 
 
 # ----------------------------------------------------------------------------- spec conversion
@@ -452,6 +514,130 @@ def test_tree_layer_spec_for_megatron_bridge():
         tree_layer_spec(_fake_provider(attention_backend=local)[0])
     fused = tree_layer_spec(_fake_provider(apply_rope_fusion=True)[0])  # RoPE fusion stays on
     assert _attn(fused).module is TreeSelfAttention
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def _tree_run(model, plan, seqs, weights, **psp_kw):
+    """Logits [T, V], token log-probs [N] and the gradients of a per-sample weighted loss."""
+    psp = TreePackedSeqParams.from_plan(plan, **psp_kw)
+    logits = model(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
+                   attention_mask=None, packed_seq_params=psp)[0]
+    logprobs, _ = token_logprobs(logits, plan)
+    (weights * logprobs).sum().backward()
+    return logits.detach(), logprobs.detach(), _grads(model)
+
+
+def _dropout_model(kind="qwen2", **dropouts):
+    """A tree-spec model with megatron-core's dropout defaults (hidden 0.1) unless given, and
+    the stock local-spec model with the same weights."""
+    cfg = tiny_config(kind, **{"hidden_dropout": 0.1, **dropouts})
+    stock = build_gpt(cfg, stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg)))
+    randomize_(stock, seed=3)
+    tree = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    return stock, tree.train()
+
+
+def test_megatron_default_hidden_dropout_is_refused_naming_the_key():
+    """megatron-core's hidden_dropout default (0.1) drops the embeddings and every layer's
+    attention and MLP outputs on the packed rows: refused in training, with the key and the
+    opt-in; the whole-model check names each site, attention dropout apart."""
+    _, tree = _dropout_model()
+    assert tree.config.hidden_dropout == 0.1
+    plan = _plan(FORESTS["random1"])
+    psp = TreePackedSeqParams.from_plan(plan)
+    with pytest.raises(ValueError, match="config.hidden_dropout to 0.*shared_dropout=True"):
+        tree(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
+             attention_mask=None, packed_seq_params=psp)
+    msg = megatron_dropout_refusal(tree)
+    for part in ("embedding.embedding_dropout (p=0.1, config key config.hidden_dropout)",
+                 "decoder.layers.*.hidden_dropout (p=0.1, config key config.hidden_dropout)"):
+        assert part in msg, msg
+    assert "attention dropout" not in msg
+    assert megatron_dropout_refusal(tree, shared_dropout=True) is None
+    assert megatron_dropout_refusal(tree.eval()) is None
+
+    _, both = _dropout_model(attention_dropout=0.2)
+    msg = megatron_dropout_refusal(both, shared_dropout=True, key_prefix="override_transformer_config.")
+    assert msg.startswith("attention dropout is not supported") and "hidden_dropout" not in msg
+    assert "core_attention.dropout_p (p=0.2, config key override_transformer_config.attention_dropout)" in msg
+
+
+def test_dropout_in_eval_mode_is_exact():
+    """eval(): no dropout runs, the tree equals the stock model on every sequence."""
+    stock, tree = _dropout_model(attention_dropout=0.1)
+    seqs = FORESTS["random2"]
+    plan = _plan(seqs)
+    stock.eval(), tree.eval()
+    with torch.no_grad():
+        logits = _tree_logits(tree, plan)
+        ref = torch.cat(_stock_logits(stock, seqs))
+    torch.testing.assert_close(plan.unpack(logits), ref, **TOL)
+
+
+def test_shared_dropout_opt_in_is_seeded_and_exact_without_sharing():
+    """shared_dropout=True runs hidden dropout on the packed rows: reproducible under a seed,
+    different from eval, and on a plan without sharing (rows = the batch concatenated) the
+    same masks and numbers as megatron's own THD run of that batch."""
+    _, tree = _dropout_model()
+    seqs = FORESTS["random3"]
+    plan = _plan(seqs)
+    weights = _weights(seqs, 1)[1]
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return _tree_run(tree, plan, seqs, weights, shared_dropout=True)
+
+    (a, lp_a, g_a), (b, lp_b, g_b), (c, _, _) = run(0), run(0), run(1)
+    assert torch.equal(a, b) and torch.equal(lp_a, lp_b) and all(torch.equal(g_a[n], g_b[n]) for n in g_a)
+    assert not torch.equal(a, c)
+    with torch.no_grad():
+        assert not torch.allclose(a, _tree_logits(tree.eval(), plan))
+    tree.train()
+
+    unshared = _plan(FORESTS["no_sharing"])
+    assert unshared.is_trivial
+    torch.manual_seed(5)
+    got = _tree_logits(tree, unshared, shared_dropout=True)
+    cu = torch.tensor([0, *np.cumsum(unshared.seq_lens)], dtype=torch.int32)
+    thd = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=max(unshared.seq_lens), max_seqlen_kv=max(unshared.seq_lens))
+    positions = torch.cat([torch.arange(n) for n in unshared.seq_lens])[None]
+    torch.manual_seed(5)
+    want = tree(input_ids=unshared.input_ids[None], position_ids=positions, attention_mask=None,
+                packed_seq_params=thd)[0]
+    torch.testing.assert_close(got, want, **TOL)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def test_compiled_tree_model_matches_eager_without_recompiling_per_plan():
+    """torch.compile(GPTModel) with tree specs (megatron-core has no compile option of its
+    own): core attention and the tree RoPE preparation run between the compiled graphs,
+    outputs and gradients equal the eager model's, and plans of other lengths reuse the
+    graphs. (aot_eager: Dynamo and AOTAutograd as inductor sees them, without CPU codegen.)"""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    cfg = tiny_config("qwen2", num_layers=1)
+    model = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
+    randomize_(model, seed=7)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    graphs = []
+    for name in ("random0", "prefix_of_another", "deep_chain"):
+        seqs = FORESTS[name]
+        plan = _plan(seqs)
+        weights = _weights(seqs, 2)[1]
+        logits, logprobs, grads = _tree_run(compiled, plan, seqs, weights)
+        ref_logits, ref_logprobs, ref_grads = _tree_run(model, plan, seqs, weights)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-6, atol=1e-6)
+        assert_grads_close({n.removeprefix("_orig_mod."): g for n, g in grads.items()}, ref_grads)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs  # no recompile for new plans
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -107,6 +107,14 @@ def test_refusals_name_mamba_and_the_option(mixers):
         tree(x[: cp_psp.num_local_rows], packed_seq_params=cp_psp)
     with pytest.raises(NotImplementedError, match="Mamba.*inference"):
         tree(x, inference_context=object(), packed_seq_params=psp)
+    tree.config.hidden_dropout = 0.1  # the layer drops the mixer's output on the packed rows
+    try:
+        with pytest.raises(ValueError, match="config.hidden_dropout to 0.*shared_dropout=True"):
+            tree(x, packed_seq_params=psp)
+        opted_in = TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=4, shared_dropout=True)
+        assert tree(x, packed_seq_params=opted_in)[0].shape == x.shape
+    finally:
+        tree.config.hidden_dropout = 0.0
     cfg.tree_mamba_backend = "fla"  # not installed on the CPU test machine
     try:
         with pytest.raises(ImportError, match="tree_mamba_backend='fla'.*flash-linear-attention"):

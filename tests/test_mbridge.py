@@ -2,7 +2,7 @@
 ``_model_provider`` / ``_get_transformer_layer_spec``; the verl glue converts that spec with
 ``to_tree_spec``. Only TE is shimmed: mbridge hard-codes ``use_transformer_engine=True``, so its
 ``get_gpt_decoder_block_spec`` call is redirected to the local layers (TE needs CUDA; the GPU
-run with TE and HF weight loading is in the device notes of docs/megatron.md).
+run with TE and HF weight loading: docs/verl.md, "Which Megatron-Bridge").
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ init_cpu_megatron(1)
 
 from mbridge.core import llm_bridge  # noqa: E402
 
-from ps_mcore.layer_specs import TreeCoreAttention, to_tree_spec  # noqa: E402
+from ps_mcore.layer_specs import TreeCoreAttention, megatron_dropout_refusal, to_tree_spec  # noqa: E402
 
 
 @pytest.fixture
@@ -62,3 +62,14 @@ def test_mbridge_qwen2_tree_model_matches_its_stock_model(bridge):
     prompt = rng.integers(0, VOCAB, 12)
     seqs = [np.concatenate([prompt, rng.integers(0, VOCAB, n)]) for n in (5, 2, 9)]
     assert_tree_matches_stock(stock, tree, seqs)
+
+
+def test_verl_default_build_has_no_active_dropout(bridge):
+    """verl's default Megatron build goes through mbridge, which maps the HF config's dropouts
+    (Qwen2: attention_dropout 0.0, no hidden_dropout -> 0.0) over megatron-core's 0.1
+    defaults: a training tree model has nothing the dropout check refuses."""
+    assert bridge.config.hidden_dropout == 0.0 and bridge.config.attention_dropout == 0.0
+    stock_spec = bridge._get_transformer_layer_spec
+    bridge._get_transformer_layer_spec = lambda vp_stage=None: to_tree_spec(stock_spec(vp_stage))
+    tree = bridge._model_provider([])(True, True).train()
+    assert megatron_dropout_refusal(tree) is None

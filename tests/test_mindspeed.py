@@ -444,11 +444,11 @@ def test_unsupported_under_mindspeed(stand_in_mindspeed_state, monkeypatch):
     megatron_args = types.ModuleType(ms_state.MEGATRON_GLOBAL_VARS, "stand-in for megatron.training.global_vars")
     megatron_args._GLOBAL_ARGS = Namespace(reset_attention_mask=True)  # mindspeed_megatron's args
     monkeypatch.setitem(sys.modules, ms_state.MEGATRON_GLOBAL_VARS, megatron_args)
-    assert ms_state.mindspeed_refusal() == ms_state.RESET_ATTENTION_MASK_REASON
+    assert ms_state.mindspeed_refusal() == ms_state.RESET_ATTENTION_MASK_REFUSAL
     megatron_args._GLOBAL_ARGS.reset_attention_mask = False
     assert ms_state.mindspeed_refusal() is None
     monkeypatch.setattr(ms_state, "_context_parallel_size", lambda: 2)
-    assert ms_state.mindspeed_refusal() == ms_state.CONTEXT_PARALLEL_REASON
+    assert ms_state.mindspeed_refusal() == ms_state.CONTEXT_PARALLEL_REFUSAL
 
 
 def test_no_mindspeed_loaded_is_a_no_op():

@@ -30,6 +30,7 @@ def _targets():
         (mcore, "get_mcore_engine_forward_fn"),
         (impl, "prepare_micro_batches"),
         (impl, "postprocess_batch_func"),
+        (impl, "get_forward_backward_func"),
         (impl.MegatronEngine, "forward_backward_batch"),
         (impl.MegatronEngine, "_build_megatron_module"),
         (impl.MegatronEngineWithLMHead, "forward_step"),
@@ -58,7 +59,7 @@ def clean():
 
 def test_install_patches_and_uninstall_restores_exactly(clean):
     before = _snapshot()
-    compatible = [name for name, reason in setup.detect().items() if reason is None]
+    compatible = [name for name, status in setup.detect().items() if status.available]
     assert MCORE in compatible
     assert setup.install() == compatible
     after = _snapshot()
@@ -92,10 +93,37 @@ def test_importing_ps_mcore_patches_nothing():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
+def test_import_prefix_sharing_is_quiet_and_patches_verl_as_it_is_imported():
+    """``import prefix_sharing`` imports no verl / Megatron (seconds, and their import-time
+    notes) and prints nothing; each engine module is patched when the program imports it."""
+    code = (
+        "import sys, prefix_sharing\n"
+        f"assert prefix_sharing.INSTALLED == ['{MCORE}', 'verl080_fsdp'], prefix_sharing.INSTALLED\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('verl', 'megatron', 'transformers')]\n"
+        "assert not heavy, heavy[:5]\n"
+        "sys.stderr.write('IMPORTED\\n')\n"
+        "import verl.models.mcore as mcore\n"
+        "from verl.workers.engine.megatron import transformer_impl as mimpl\n"
+        "from verl.workers.engine.fsdp import transformer_impl as fimpl\n"
+        "from verl.workers.config import ActorConfig\n"
+        "patched = lambda f: hasattr(f, '__ps_mcore_original__') or hasattr(f, '__wrapped__')\n"
+        "targets = lambda: [mcore.get_mcore_engine_forward_fn, mimpl.MegatronEngine.forward_backward_batch,\n"
+        "                   fimpl.FSDPEngineWithLMHead.prepare_model_inputs, vars(ActorConfig)['__init__']]\n"
+        "assert all(map(patched, targets())), list(map(patched, targets()))\n"
+        "from ps_mcore.integrations import patching\n"
+        "prefix_sharing.uninstall()\n"
+        "assert not any(map(patched, targets())) and not patching._HOOKS, patching._HOOKS\n"
+        "print('ok')\n"
+    )
+    out = _python(code)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    assert out.stderr.startswith("IMPORTED\n"), out.stderr[:2000]  # nothing printed before
+
+
 def test_unknown_patchset_is_a_clear_error(clean):
     with pytest.raises(ValueError, match=r"unknown prefix-sharing patchset\(s\) \['verl999'\]") as err:
         setup.install("verl999")
-    assert f"{MCORE}: compatible" in str(err.value)
+    assert f"{MCORE}: available" in str(err.value)
     assert "verl080_fsdp: " in str(err.value)
     assert setup.installed() == []
 
@@ -114,7 +142,7 @@ def missing_stack(monkeypatch):
 def test_patchset_with_missing_stack_lists_what_was_detected(clean, missing_stack):
     with pytest.raises(RuntimeError, match=r"\['verl999_fake'\] requested but their stack is not installed") as err:
         setup.install([MCORE, missing_stack])
-    assert f"{MCORE}: compatible" in str(err.value)
+    assert f"{MCORE}: available" in str(err.value)
     assert "verl999_fake: not available (fakelib is not installed)" in str(err.value)
     assert setup.installed() == []  # nothing half-installed
 
@@ -154,7 +182,7 @@ def test_verl_plugin_hook_and_env_selection():
     bad = _python("import prefix_sharing", PREFIX_SHARING_PATCHSET="verl080_mcore099")
     assert bad.returncode != 0
     assert "unknown prefix-sharing patchset(s) ['verl080_mcore099']" in bad.stderr
-    assert f"{MCORE}: compatible" in bad.stderr
+    assert f"{MCORE}: available" in bad.stderr
 
 
 def test_auto_install_skips_a_patchset_that_fails_but_explicit_raises(clean, monkeypatch):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.distributed.utils import _apply_to_tensors
+from torch.utils import _pytree
 from attention_oracle import random_qkv, unshared_attention
 from forests import forests, nasty_forests, random_forest
 from hypothesis import HealthCheck, given, settings
@@ -90,30 +92,39 @@ def test_standard_workload_shapes():
     assert plain.num_levels == 0 and plain.num_chains == 8
 
 
-def check_exact(plan, layout, hq=4, hkv=2, d=8, seed=0):
-    q, k, v = random_qkv(plan, hq, hkv, d, torch.float32, seed=seed)
+def check_exact(plan, layout, hq=4, hkv=2, d=8, seed=0, dtype=torch.float32):
+    """Float32 inputs to float32 precision; float64 inputs (computed in float64 throughout:
+    kernel, merges, dK/dV sums) to float64 precision."""
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    q, k, v = random_qkv(plan, hq, hkv, d, dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     weight = torch.randn(plan.num_input_tokens, hq, d, generator=g, dtype=torch.float64)
     out = plan.unpack(tree_varlen_attention(q, k, v, plan, 1 / np.sqrt(d), MATH_KERNEL, layout=layout))
     ref = unshared_attention(q, k, v, plan)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     got = torch.autograd.grad((out.double() * weight).sum(), (q, k, v))
     want = torch.autograd.grad((ref * weight).sum(), (q, k, v))
     for name, a, b in zip("qkv", got, want):
-        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5, msg=f"d{name} differs")
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=f"d{name} differs")
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seqs=forests(), layout=st.sampled_from(["cascade", "gather"]), gqa=st.sampled_from([(2, 2), (6, 2)]))
-def test_both_layouts_exact_on_random_forests(level_calls, seqs, layout, gqa):
-    check_exact(plan_prefix_tree(seqs, min_prefix_len=1), layout, *gqa)
+@given(
+    seqs=forests(), layout=st.sampled_from(["cascade", "gather"]), gqa=st.sampled_from([(2, 2), (6, 2)]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_both_layouts_exact_on_random_forests(level_calls, seqs, layout, gqa, dtype):
+    check_exact(plan_prefix_tree(seqs, min_prefix_len=1), layout, *gqa, dtype=dtype)
 
 
-def test_chunked_level_calls_are_used_and_exact(level_calls):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_level_calls_are_used_and_exact(level_calls, dtype):
     plan = plan_prefix_tree(make_workload("agent-tree", scale=1 / 64).sequences, min_prefix_len=1)
     lay = build_cascade_layout(plan)
+    assert lay.num_levels == 3
     assert any(c.kv_index is not None for c in lay.calls[1:]) == (level_calls == "chunked")
-    check_exact(plan, "cascade", 6, 2, 8)
+    for layout in ("cascade", "gather"):
+        check_exact(plan, layout, 6, 2, 8, dtype=dtype)
 
 
 def test_auto_layout_follows_cascade_pays(monkeypatch):
@@ -126,7 +137,7 @@ def test_auto_layout_follows_cascade_pays(monkeypatch):
     assert not layout_mod.cascade_pays(plan, lay)
     calls = []
     monkeypatch.setattr(
-        "ps_mcore.attention.gather_kv.gather_kv_attention",
+        "ps_mcore.attention.cascade.gather_kv_attention",
         lambda *a, **k: calls.append(1) or torch.zeros_like(a[0]),
     )
     q, k, v = random_qkv(plan, 2, 1, 8, torch.float32)
@@ -157,7 +168,50 @@ def test_layout_is_cached_and_built_from_the_host_copy():
     lay = cascade_layout(moved)
     assert lay is cascade_layout(moved)
     assert all(c.cu_q.device.type == "meta" for c in lay.calls)
-    assert plan._cache[("cascade_layout", "cpu")] is cascade_layout(plan)
+    assert plan.memo.cascade_layouts[torch.device("cpu")] is cascade_layout(plan)
+    assert moved.memo.host is plan and moved.host.memo is plan.memo  # one host build
+
+
+def test_a_replaced_plan_shares_its_memo_only_with_the_same_values():
+    """``dataclasses.replace`` with the same values (torch's input casting rebuilds dataclass
+    inputs so) keeps what was derived; with other values the new plan derives afresh."""
+    import dataclasses
+
+    plan = plan_prefix_tree([[1, 2, 3, 4], [1, 2, 5]], min_prefix_len=1)
+    lay = cascade_layout(plan)
+    assert plan.max_token_id == 5 and plan.to("meta") is plan.to("meta")
+    same = dataclasses.replace(plan, seq_lens=tuple(plan.seq_lens))  # equal, not the same object
+    assert same.memo is plan.memo and cascade_layout(same) is lay
+    other = dataclasses.replace(plan, input_ids=plan.input_ids + 10)
+    assert other.memo is not plan.memo and not other.memo.cascade_layouts and not other.memo.moved
+    assert other.max_token_id == 15
+
+
+def test_input_walkers_stop_at_the_memo():
+    """Wrappers walk a forward's inputs: FSDP's mixed-precision input cast
+    (``_apply_to_tensors``: dataclasses rebuilt field by field with ``dataclasses.replace``),
+    FSDP2's collection of tensors needing gradients (dataclass fields too), pytree (a plan is
+    a leaf). A plan and its moved copy link each other through their memos: a walk must not
+    follow that link (it recursed without end), and a rebuilt plan keeps the memo."""
+    plan = plan_prefix_tree(random_forest(np.random.default_rng(3), 6, 30), min_prefix_len=1)
+    moved = plan.to("meta")  # plan.memo.moved -> moved, moved.memo.host -> plan
+    lay = cascade_layout(plan)
+
+    def cast(t):  # FSDP's _cast_fp_tensor to bf16
+        return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+    for p in (plan, moved):
+        rebuilt = _apply_to_tensors(cast, {"kwargs": [p]})["kwargs"][0]
+        assert rebuilt is not p and rebuilt.memo is p.memo and rebuilt.host.memo is plan.memo
+        assert all(getattr(rebuilt, f) is getattr(p, f) for f in ("input_ids", "kv_index", "subtree_end"))
+    assert cascade_layout(_apply_to_tensors(cast, plan)) is lay
+    assert _pytree.tree_leaves({"plan": moved, "x": [plan]}) == [moved, plan]
+    try:
+        from torch.distributed.fsdp._common_utils import collect_grad_tensors
+    except ImportError:  # older torch collects through pytree (a plan is a leaf there)
+        return
+    x = torch.zeros(2, requires_grad=True)
+    assert collect_grad_tensors(((x,), {"plan": moved, "host": plan})) == (x,)
 
 
 def test_cascade_saves_no_per_call_output():

@@ -25,8 +25,8 @@ enable_cpu_mla()
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
-from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec  # noqa: E402
-from ps_mcore.layer_specs.modules.mla import TreeMLASelfAttention, mla_unsupported_reason  # noqa: E402
+from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec, megatron_dropout_refusal  # noqa: E402
+from ps_mcore.layer_specs.modules.mla import TreeMLASelfAttention, mla_refusal  # noqa: E402
 from megatron.core.transformer import multi_latent_attention as mla_module  # noqa: E402
 
 
@@ -142,6 +142,28 @@ def test_mla_tree_rope_matters():
     assert (lp - ref)[plan.next_token_mask].abs().max() > 1e-3
 
 
+def test_mla_hidden_dropout_refused_unless_shared():
+    """hidden_dropout drops each MLA layer's output on the packed rows: refused in training
+    naming the key, run with shared_dropout=True, exact in eval."""
+    model = build_mla(mla_config(hidden_dropout=0.1)).train()
+    seqs = nasty_forests(0)["tree"]
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    coef = torch.ones(sum(len(s) for s in seqs))
+    with pytest.raises(ValueError, match="config.hidden_dropout to 0"):
+        tree(model, seqs, coef)
+    assert "decoder.layers.*.hidden_dropout" in megatron_dropout_refusal(model)
+    for shared_dropout in (True, False):
+        psp = TreePackedSeqParams.from_plan(plan, shared_dropout=shared_dropout)
+        model.train(shared_dropout)  # opted in (training), or eval
+        with torch.no_grad():
+            out = model(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
+                        attention_mask=None, packed_seq_params=psp)
+        assert torch.isfinite(out).all()
+    ref, _ = per_sequence(model, seqs, coef)  # eval: the tree is exact
+    lp, _, _ = tree(model, seqs, coef)
+    torch.testing.assert_close(lp[plan.next_token_mask], ref[plan.next_token_mask], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("option, value, word", [
     ("apply_rope_fusion", True, "apply_rope_fusion"),
     ("cache_mla_latents", True, "cache_mla_latents"),
@@ -150,7 +172,7 @@ def test_mla_tree_rope_matters():
 def test_mla_unsupported_refused(option, value, word):
     cfg = mla_config()
     setattr(cfg, option, value)  # set after validation: the config check may need TE for some
-    assert word in mla_unsupported_reason(cfg)
+    assert word in mla_refusal(cfg)
     with pytest.raises(NotImplementedError, match=word):
         TreeMLASelfAttention(cfg, submodules=None, layer_number=1)
 

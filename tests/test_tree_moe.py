@@ -24,7 +24,8 @@ from moe_cases import (  # noqa: E402
     MOE_CASES, sample_coefs, assert_same, build_moe_model, moe_config, run_tree, run_unshared,
 )
 
-from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter, tree_unsupported_reason  # noqa: E402
+from ps_mcore.layer_specs import megatron_dropout_refusal  # noqa: E402
+from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter, moe_refusal  # noqa: E402
 
 
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
@@ -48,6 +49,16 @@ def test_moe_nasty_shapes(name):
     seqs = nasty_forests(0)[name]
     coef = sample_coefs(seqs, 7)
     assert_same(run_tree(model, seqs, coef)[0], run_unshared(model, seqs, coef))
+
+
+def test_hidden_dropout_after_the_moe_layer_is_refused():
+    """The MoE layer's output goes through the bias-dropout-add with hidden_dropout: a
+    training tree batch is refused naming the key (eval is what the tests above run)."""
+    model = build_moe_model(moe_config(**MOE_CASES["aux+z/allgather"], hidden_dropout=0.1))
+    seqs = nasty_forests(0)["tree"]
+    with pytest.raises(ValueError, match="hidden_dropout.*MLP/MoE"):
+        run_tree(model, seqs, sample_coefs(seqs, 0))
+    assert "decoder.layers.*.hidden_dropout (p=0.1, config key config.hidden_dropout)" in megatron_dropout_refusal(model)
 
 
 def test_stock_router_would_be_wrong():
@@ -81,7 +92,7 @@ def test_inexact_options_refused_naming_them(option, value, word):
     if word == "sinkhorn":
         overrides["moe_aux_loss_coeff"] = 0.0
     cfg = moe_config(**overrides)
-    assert word in tree_unsupported_reason(cfg)
+    assert word in moe_refusal(cfg)
     model = build_moe_model(cfg)
     seqs = nasty_forests(0)["grpo"]
     with pytest.raises(NotImplementedError, match=word):
@@ -89,9 +100,9 @@ def test_inexact_options_refused_naming_them(option, value, word):
     run_unshared(model, seqs, sample_coefs(seqs, 0))  # the same model still runs unshared batches
 
 
-def test_supported_config_has_no_reason():
-    assert tree_unsupported_reason(moe_config(**MOE_CASES["aux+z/allgather"])) is None
-    assert tree_unsupported_reason(tiny_config("qwen2")) is None
+def test_supported_config_has_no_refusal():
+    assert moe_refusal(moe_config(**MOE_CASES["aux+z/allgather"])) is None
+    assert moe_refusal(tiny_config("qwen2")) is None
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -66,7 +66,7 @@ def test_shipped_config_composes_validates_and_instantiates(name, installed_patc
     follow_actor_setting(cfg)  # what the patched trainer init_workers does
     reset_actor_setting()  # a worker process: nothing instantiated yet
     actor, ref = _instantiate_worker_side(cfg)
-    expected = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=16)  # the seed's demo mode
+    expected = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=16)  # the GSM8K demo's mode
     assert actor.use_prefix_grouper is True and actor.prefix_grouper == expected
     setting = getattr(actor.engine, ENGINE_ATTR)
     assert setting.enabled is True and setting.config == expected
@@ -122,6 +122,9 @@ def test_stock_config_without_flag_stays_off(installed_patchsets):
         ("actor_rollout_ref.actor.prefix_grouper.min_prefix_len=0", "min_prefix_len=0"),
         ("actor_rollout_ref.actor.prefix_grouper.min_group_size=-2", "min_group_size=-2"),
         ("actor_rollout_ref.actor.prefix_grouper.min_saved_fraction=1.5", "min_saved_fraction=1.5"),
+        ("actor_rollout_ref.actor.prefix_grouper.kv_row_cost=2", "kv_row_cost=2"),
+        ("actor_rollout_ref.actor.prefix_grouper.cross_microbatch=maybe", "cross_microbatch='maybe'"),
+        ("actor_rollout_ref.actor.prefix_grouper.shared_dropout=maybe", "shared_dropout='maybe'"),
         ("+actor_rollout_ref.actor.prefix_grouper.min_prefix=4", "'min_prefix'"),
     ],
 )
@@ -160,7 +163,10 @@ def test_plus_form_fails_in_verl_without_the_patch():
 
 def test_prefix_grouper_config_is_a_mapping():
     cfg = PrefixGrouperConfig.from_any({"mode": "arbitrary_prefix", "_target_": "x"})
-    assert dict(cfg) == {"mode": "arbitrary_prefix", "min_prefix_len": 8, "min_group_size": 2, "min_saved_fraction": 0.05}
+    assert dict(cfg) == {
+        "mode": "arbitrary_prefix", "min_prefix_len": 8, "min_group_size": 2, "min_saved_fraction": 0.05,
+        "cross_microbatch": True, "kv_row_cost": None, "shared_dropout": False,
+    }
     assert PrefixGrouperConfig.from_any(None) == PrefixGrouperConfig()
     with pytest.raises(ValueError, match="must be a mapping"):
         PrefixGrouperConfig.from_any(3)

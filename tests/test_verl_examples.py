@@ -1,5 +1,5 @@
 """examples/: the run scripts' configs (Megatron and FSDP) compose and instantiate in verl
-0.8.0 (driver ``validate_config`` and the worker-side actor config) with the seed's demo
+0.8.0 (driver ``validate_config`` and the worker-side actor config) with the GSM8K demo's
 setting (``arbitrary_prefix``), and the GSM8K converter writes verl's RL format."""
 
 from __future__ import annotations

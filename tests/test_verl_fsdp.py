@@ -30,8 +30,13 @@ from verl_batches import (  # noqa: E402
 )
 
 from ps_mcore import setup  # noqa: E402
+from ps_mcore.integrations import patching  # noqa: E402
 from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl080 import fsdp as fsdp_glue  # noqa: E402
+from ps_mcore.integrations.verl080.fsdp import tree_model_inputs  # noqa: E402
 from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.fsdp_bridge import hf_attention  # noqa: E402
+from ps_mcore.attention import tree_attention  # noqa: E402
 
 PATCHSET = "verl080_fsdp"
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
@@ -53,8 +58,6 @@ def impl():
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were given, so each test sees its own."""
-    from ps_mcore.integrations import patching
-
     monkeypatch.setattr(patching, "_WARNED", set())
 
 
@@ -183,18 +186,40 @@ def test_ppo_loss_and_gradients_match_stock(impl, workload, loss_agg_mode, remov
     assert step_tokens(tree)[1] < step_tokens(tree)[0]
 
 
-def test_fsdp2_wrapped_model_matches_stock(impl):
+@pytest.mark.parametrize("cast_inputs", [False, True])
+def test_fsdp2_wrapped_model_matches_stock(impl, monkeypatch, cast_inputs):
     """The model wrapped by FSDP2's ``fully_shard`` (what verl's fsdp2 strategy builds): the
-    plan kwarg passes through FSDP's forward hooks, the wrapped decoder is found."""
-    from torch.distributed.fsdp import fully_shard
+    tree call passes through FSDP's forward hooks, the wrapped decoder is found.
+    ``cast_inputs``: the ``MixedPrecisionPolicy(..., cast_forward_inputs=True)`` verl's engine
+    builds (here with fp32 parameters, as its fp32 ``mixed_precision`` config does), whose hooks
+    walk every module's forward kwargs: every layer's attention runs on the plan the glue made,
+    and a plan linked to its moved copy, as a GPU run's plan is, passes too."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    made, seen = [], []
+
+    def linked_inputs(micro_batch, plan, *args_, **kwargs):
+        inputs, args = tree_model_inputs(micro_batch, plan, *args_, **kwargs)
+        args[fsdp_glue.PLAN_KEY].to("meta")  # host <-> moved copy, as plan.to("cuda") links them
+        made.append(args[fsdp_glue.PLAN_KEY])
+        return inputs, args
+
+    def spied_attention(q, k, v, plan, *args, **kwargs):
+        seen.append(plan)
+        return tree_attention(q, k, v, plan, *args, **kwargs)
+
+    monkeypatch.setattr(fsdp_glue, "tree_model_inputs", linked_inputs)
+    monkeypatch.setattr(hf_attention, "tree_attention", spied_attention)
+    dtype = torch.float32 if cast_inputs else None
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, cast_forward_inputs=cast_inputs)
     model = make_model(seed=2)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     data = _batch("tree", 3, temperature=0.9)
     tree = _assert_training_matches_stock(impl, model, data, _setting("arbitrary_prefix"), _ppo())
     assert step_tokens(tree)[1] < step_tokens(tree)[0]
+    assert len(seen) >= 2 * len(made) > 0 and all(any(p is m for m in made) for p in seen)
 
 
 def test_critic_values_and_value_loss_match_stock(impl):
@@ -301,6 +326,50 @@ def test_per_sample_temperature_matches_stock(impl, workload, remove_padding):
     assert t < n  # the tree path ran
 
 
+def _dropout_model(seed: int = 0) -> torch.nn.Module:
+    """Tiny Phi-3 in training mode with residual dropout (``resid_pdrop``)."""
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        resid_pdrop=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=2, attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def _seeded(engine):
+    torch.manual_seed(11)  # both runs draw the same dropout masks
+
+
+def test_fallback_active_dropout_names_the_keys(impl):
+    """A training model with residual dropout runs verl's stock forward (same masks, same
+    numbers), with one warning naming the dropouts, their key and the opt-in key."""
+    data = _batch("tree", 8, **FIXED_MBS)
+    _fallback_case(impl, _dropout_model(), data, _setting("arbitrary_prefix"), "config key resid_pdrop", engine_setup=_seeded)
+    patching._WARNED.clear()
+    with pytest.warns(UserWarning, match="resid_attn_dropout") as record:
+        _run(impl, _dropout_model(), data, _setting("arbitrary_prefix"), True, engine_setup=_seeded)
+    messages = [str(w.message) for w in record if "resid_attn_dropout" in str(w.message)]
+    assert len(messages) == 1 and "actor_rollout_ref.actor.prefix_grouper.shared_dropout=true" in messages[0]
+
+
+def test_shared_dropout_opt_in_runs_the_tree(impl, recwarn):
+    """prefix_grouper.shared_dropout=true: the tree path runs the dropouts on the packed rows
+    (reproducible under a seed, different from eval), no warning."""
+    data = _batch("tree", 8, **FIXED_MBS)
+    setting = _setting("arbitrary_prefix", shared_dropout=True)
+    model = _dropout_model()
+    first, _ = _run(impl, model, data, setting, True, engine_setup=_seeded)
+    again, _ = _run(impl, model, data, setting, True, engine_setup=_seeded)
+    assert not [w for w in recwarn if "stock forward" in str(w.message)]
+    tokens_in, tokens_packed = step_tokens(first)
+    assert tokens_packed < tokens_in
+    _bit_identical(first, again)
+    model.eval()
+    without, _ = _run(impl, model, data, setting, True)
+    assert not torch.equal(first["model_output"]["log_probs"].values(), without["model_output"]["log_probs"].values())
+
+
 def test_fallback_engine_subclass_overriding_seams(impl):
     class Subclass(impl.FSDPEngineWithLMHead):  # as VeOmni's engine: post-processes verl's inputs
         def prepare_model_inputs(self, micro_batch):
@@ -345,7 +414,11 @@ def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
 @pytest.fixture
 def fused_model(monkeypatch):
     """``make_model`` with verl's real fused forward (``patch_forward_with_backends`` swaps the
-    model class's ``forward``; restored after the test); ``backend`` "torch" runs on CPU."""
+    model class's ``forward``; restored after the test); ``backend`` "torch" runs on CPU.
+
+    The patchset is uninstalled first: its tree wrapper of the class's fused forward would
+    otherwise be undone by a later test's uninstall, putting verl's fused forward back on the
+    restored class."""
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
 
     def build(seed=6, backend="torch"):
@@ -354,7 +427,8 @@ def fused_model(monkeypatch):
         patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=backend)
         return model
 
-    return build
+    yield build
+    setup.uninstall()  # before monkeypatch restores the class (this fixture tears down first)
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
@@ -421,7 +495,7 @@ def test_fallback_fused_forward_of_another_model(impl, monkeypatch):
     setup.install([PATCHSET])
     with pytest.warns(UserWarning, match="own fused forward"):
         inputs, _ = engine.prepare_model_inputs(data)
-    assert "shift_labels" in inputs and "tree_plan" not in inputs  # verl's fused-kernel inputs
+    assert "shift_labels" in inputs and "tree_call" not in inputs  # verl's fused-kernel inputs
 
 
 def test_fallback_position_ids_not_offsets(impl):
@@ -449,7 +523,7 @@ def _snapshot(impl):
 
 def test_install_and_uninstall_restore_exactly(impl):
     setup.uninstall()
-    assert setup.detect()[PATCHSET] is None
+    assert setup.detect()[PATCHSET].available
     before = _snapshot(impl)
     assert PATCHSET in setup.install([PATCHSET])
     after = _snapshot(impl)
@@ -459,3 +533,13 @@ def test_install_and_uninstall_restore_exactly(impl):
     assert setup.install([PATCHSET]) == setup.installed() and _snapshot(impl) == after  # idempotent
     setup.uninstall()
     assert _snapshot(impl) == before  # the same objects, no new attributes
+
+
+def test_units_larger_than_the_budget_are_split_with_one_warning(impl):
+    """The FSDP engine runs no cross-micro-batch schedule: a unit larger than the token budget
+    is split into pieces (as before), saying so once; still exact."""
+    rng = np.random.default_rng(11)
+    samples = WORKLOADS["grpo"](rng, prompts=1, group=6)
+    data = make_batch(samples, rng, max_token_len_per_gpu=30)
+    with pytest.warns(UserWarning, match="no cross-micro-batch schedule.*FSDP engine runs one model call"):
+        _assert_training_matches_stock(impl, make_model(), data, _setting("prompt_only"), _ppo())

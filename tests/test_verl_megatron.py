@@ -23,11 +23,12 @@ pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
 from verl_batches import (  # noqa: E402
-    RTOL, WORKLOADS, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch,
-    sample_temperatures, step_tokens,
+    RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell,
+    make_batch, sample_temperatures, step_tokens, tiny_critic,
 )
 
 from ps_mcore import setup  # noqa: E402
+from ps_mcore.integrations import patching  # noqa: E402
 from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 from ps_mcore.integrations.verl080.trainer import TOKENS_IN  # noqa: E402
 
@@ -202,33 +203,15 @@ def test_per_sample_temperature_matches_stock(env, workload):
     assert_grads(g_stock, g_tree)
 
 
-class _ValueHead(torch.nn.Module):
-    """A value head in place of the LM head (what verl's value-model hook installs)."""
-
-    def __init__(self, hidden):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden, 1, bias=False)
-        torch.nn.init.normal_(self.linear.weight, std=0.3, generator=torch.Generator().manual_seed(0))
-
-    def forward(self, x, weight=None, runtime_gather_output=None, **_):
-        return self.linear(x), None
-
-
 def test_critic_values_and_value_loss_match_stock(env):
     impl, _ = env
-    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
     from verl.workers.config import McoreCriticConfig
     from verl.workers.utils.losses import value_loss
 
-    cfg = tiny_config("qwen3")
-    critic = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
-    randomize_(critic, seed=3)
-    critic.output_layer = _ValueHead(cfg.hidden_size)
+    critic = tiny_critic()
     rng = np.random.default_rng(8)
     data = make_batch(WORKLOADS["stepwise"](rng), rng)
-    gen = torch.Generator().manual_seed(8)  # independent of test order
-    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    add_value_targets(data)
     setting = _setting("arbitrary_prefix")
     cls = impl.MegatronEngineWithValueHead
     stock, _ = _run(impl, critic, data, setting, False, cls=cls)
@@ -358,8 +341,6 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget which one-time warnings were given, so the test sees its own."""
-    from ps_mcore.integrations import patching
-
     monkeypatch.setattr(patching, "_WARNED", set())
 
 
@@ -397,6 +378,54 @@ def _fallback_case(impl, model, data, match, engine_setup=None):
     n = int(data["input_ids"].offsets()[-1])
     assert len(tree["metrics"][TOKENS_IN]) == 3 and step_tokens(tree) == (n, n)  # stock, every micro-batch
     return tree
+
+
+def _dropout_model():
+    """megatron-core's default hidden_dropout (0.1), training mode."""
+    cfg = tiny_config("qwen2", hidden_dropout=0.1)
+    model = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(model, seed=6)
+    return model.train()
+
+
+def _seeded(engine):
+    torch.manual_seed(13)  # stock and patched runs draw the same dropout masks
+
+
+def test_fallback_hidden_dropout_names_verl_keys(env, fresh_warnings):
+    """hidden_dropout > 0 in training: verl's stock forward (same masks, same numbers), one
+    warning naming the override key that turns it off and the opt-in key."""
+    impl, _ = env
+    model = _dropout_model()
+    key = "+actor_rollout_ref.actor.megatron.override_transformer_config.hidden_dropout to 0"
+    _fallback_case(impl, model, _fallback_batch(25), key, _seeded)
+    patching._WARNED.clear()
+    with pytest.warns(UserWarning, match="embedding_dropout") as record:
+        _run(impl, model, _fallback_batch(25), _setting("prompt_only"), True)
+    messages = [str(w.message) for w in record if "embedding_dropout" in str(w.message)]
+    assert len(messages) == 1 and "actor_rollout_ref.actor.prefix_grouper.shared_dropout=true" in messages[0]
+
+
+def test_shared_dropout_opt_in_runs_the_tree(env, recwarn):
+    """prefix_grouper.shared_dropout=true: the tree path runs hidden dropout on the packed rows
+    (the packed params carry the opt-in), reproducible under a seed, different from eval."""
+    impl, _ = env
+    model = _dropout_model()
+    rng = np.random.default_rng(3)
+    data = make_batch(WORKLOADS["tree"](rng), rng)
+    setting = _setting("arbitrary_prefix", shared_dropout=True)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(21)
+        runs.append(_run(impl, model, data, setting, True)[0])
+    assert not [w for w in recwarn if "stock forward" in str(w.message)]
+    n, t = step_tokens(runs[0])
+    assert t < n
+    first, again = (r["model_output"]["log_probs"].values() for r in runs)
+    assert torch.equal(first, again)
+    model.eval()
+    without = _run(impl, model, data, setting, True)[0]["model_output"]["log_probs"].values()
+    assert not torch.equal(first, without)
 
 
 def _spy(monkeypatch, module, name):
@@ -506,9 +535,9 @@ def test_fallback_moe_token_dropping(env, fresh_warnings):
     (dict(), None),  # exact MoE options: the tree path runs it
 ])
 def test_moe_fallback_decision(env, options, word):
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason
+    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal
 
-    reason = megatron_fallback_reason(_moe_model(**options), {}, None)
+    reason = megatron_batch_refusal(_moe_model(**options), {}, None)
     assert reason is None if word is None else word in reason, reason
 
 
@@ -574,16 +603,16 @@ def test_multi_token_prediction_matches_stock(env, fresh_warnings, depths, detac
 
 
 def test_multi_token_prediction_layout_refusal_names_it(env):
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason
+    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal
 
     model = _mtp_model(1, False)
     model.config.num_moe_experts = 4  # only the decision is checked: the model is not run
     try:
-        reason = megatron_fallback_reason(model, {"mtp_enable_train": True}, None)
+        reason = megatron_batch_refusal(model, {"mtp_enable_train": True}, None)
     finally:
         model.config.num_moe_experts = None
     assert "multi-token prediction (MTP) training" in reason and "MoE" in reason
-    assert megatron_fallback_reason(model, {"mtp_enable_train": True, "logits_processor": None}, None) is None
+    assert megatron_batch_refusal(model, {"mtp_enable_train": True, "logits_processor": None}, None) is None
 
 
 class _VisionLanguageStandIn(torch.nn.Module):
@@ -637,7 +666,7 @@ def test_parallel_layout_refusals_name_the_feature(env):
     its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
     from types import SimpleNamespace
 
-    from ps_mcore.integrations.verl080.megatron import megatron_fallback_reason, tree_build_refusal
+    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal, tree_build_refusal
 
     impl, model = env
     engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))
@@ -646,6 +675,6 @@ def test_parallel_layout_refusals_name_the_feature(env):
     assert tree_build_refusal(engine) == "dynamic context parallelism"
     rng = np.random.default_rng(10)
     batch = make_batch(WORKLOADS["grpo"](rng), rng)
-    reason = megatron_fallback_reason(model, {"local_cp_size": 2}, batch)
+    reason = megatron_batch_refusal(model, {"local_cp_size": 2}, batch)
     assert reason is not None and "dynamic context parallelism (local_cp_size)" in reason
-    assert megatron_fallback_reason(model, {"logits_processor": None}, batch) is None
+    assert megatron_batch_refusal(model, {"logits_processor": None}, batch) is None

@@ -10,7 +10,7 @@ and, for SP norms, TP, as megatron's DDP does) equal verl's stock path on the un
 micro-batch differs. Under CP the stock path runs the tree-spec model on verl's per-sequence
 CP chunks (``TreeCoreAttention`` serves ordinary THD under CP), so it is an independent layout.
 
-Wall times on the 2-core dev box: CP=2 23 s, TP=2 + SP 22 s, PP=2 x VPP=2 20 s, CP=4 43 s,
+Wall times on a shared 2-core CPU: CP=2 23 s, TP=2 + SP 22 s, PP=2 x VPP=2 20 s, CP=4 43 s,
 CP=2 x TP=2 + SP 40-43 s; the two 4-process worlds are marked ``slow`` (CI's default run
 includes them).
 """

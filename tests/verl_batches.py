@@ -205,3 +205,35 @@ def step_tokens(out):
     from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
 
     return sum(out["metrics"][TOKENS_IN]), sum(out["metrics"][TOKENS_PACKED])
+
+
+class ValueHead(torch.nn.Module):
+    """A value head in place of the LM head (what verl's value-model hook installs)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, 1, bias=False)
+        torch.nn.init.normal_(self.linear.weight, std=0.3, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x, weight=None, runtime_gather_output=None, **_):
+        return self.linear(x), None
+
+
+def tiny_critic(seed: int = 3):
+    """A tiny megatron-core GPTModel (qwen3 shapes, tree specs) with a :class:`ValueHead`."""
+    from megatron_shims import build_gpt, layer_spec_args, randomize_, tiny_config
+
+    from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
+
+    cfg = tiny_config("qwen3")
+    critic = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)))
+    randomize_(critic, seed=seed)
+    critic.output_layer = ValueHead(cfg.hidden_size)
+    return critic
+
+
+def add_value_targets(data, seed: int = 8) -> None:
+    """``values`` / ``returns`` of a value-loss batch (random, on the response tokens)."""
+    gen = torch.Generator().manual_seed(seed)  # independent of test order
+    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]

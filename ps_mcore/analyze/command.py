@@ -7,9 +7,11 @@ import os
 from typing import Callable
 
 from ps_mcore.analyze import report
+from ps_mcore.analyze.budget import budget_table
 from ps_mcore.analyze.plot import _require_matplotlib, plot_plan
 from ps_mcore.analyze.progress import Progress
 from ps_mcore.analyze.read import DEFAULT_UID, AnalyzeError, expand_paths, read_rollouts
+from ps_mcore.minibatch import DEFAULT_KV_ROW_COST
 from ps_mcore.planner import MODES
 
 
@@ -51,7 +53,19 @@ def add_analyze_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="L,L,...", help="min_prefix_len values of the threshold table")
     parser.add_argument("--sweep-group-sizes", type=_int_list, default=[2, 4, 8],
                         metavar="G,G,...", help="min_group_size values of the threshold table")
+    parser.add_argument("--window", type=_positive, metavar="W",
+                        help="also count the attention pairs of a sliding-window layer of W positions "
+                        "(Gemma 3 local, GPT-OSS, Mistral layers): one more attn-FLOP ratio column")
     parser.add_argument("--per-batch", action="store_true", help="also print one row per micro-batch")
+    parser.add_argument("--max-tokens", type=_positive, metavar="N",
+                        help="micro-batch token budget: also report what each mini-batch computes "
+                        "under it, unshared vs split sharing units vs the schedule across micro-batches")
+    parser.add_argument("--mini-batch-size", type=_positive, metavar="B",
+                        help="with --max-tokens: samples per mini-batch (uid groups kept together; "
+                        "default: each file is one mini-batch)")
+    parser.add_argument("--kv-row-cost", type=float, default=DEFAULT_KV_ROW_COST, metavar="C",
+                        help="with --max-tokens: budget tokens a kept prefix K/V row costs "
+                        f"(default {DEFAULT_KV_ROW_COST:g}; see ps_mcore.minibatch.kept_kv_row_cost)")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="write a PNG of the sharing structure of one micro-batch (the name "
                         "must end in .png)")
@@ -73,6 +87,11 @@ def _check_usage(args: argparse.Namespace) -> None:
                      (("--plot-batch", args.plot_batch), ("--plot-mode", args.plot_mode)) if v is not None]
     elif not args.plot.lower().endswith(".png"):
         problems.append(f"--plot {args.plot}: the plot is a PNG; name the file OUT.png")
+    if args.max_tokens is None:
+        problems += [f"{flag} needs --max-tokens" for flag, v in
+                     (("--mini-batch-size", args.mini_batch_size),) if v is not None]
+    elif not 0 < args.kv_row_cost <= 1:
+        problems.append(f"--kv-row-cost {args.kv_row_cost:g}: must be in (0, 1]")
     if problems:
         if parser is None:
             raise AnalyzeError(problems[0])
@@ -86,7 +105,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     files = [read_rollouts(p, args.column, args.uid_column, args.tokenizer, progress)
              for p in expand_paths(args.files)]
     batches = [(r, idx) for r in files for idx in report.micro_batches(r, args.micro_batch_size)]
-    tries = report.build_tries(batches, progress)
+    tries = report.build_tries(batches, progress, getattr(args, "window", None))
     plot_job = _plot_job(args, batches, tries) if args.plot else None  # validate before printing
     out = [
         report._header(files, batches, args.micro_batch_size),
@@ -99,6 +118,10 @@ def run_analyze(args: argparse.Namespace) -> int:
         "",
         report.threshold_table(tries, args.sweep_prefix_lens, args.sweep_group_sizes),
     ]
+    if args.max_tokens is not None:
+        out += ["", f"Under a micro-batch budget of {args.max_tokens} tokens", "",
+                budget_table(files, args.max_tokens, args.mini_batch_size, args.min_prefix_len,
+                             args.min_group_size, args.kv_row_cost)]
     if args.per_batch:
         out += ["", "Per micro-batch", "",
                 report.batch_table(batches, tries, args.min_prefix_len, args.min_group_size)]

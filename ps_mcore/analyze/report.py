@@ -60,20 +60,24 @@ def plan_micro_batch(
 MODES_SHOWN = ("prompt_only", "arbitrary_prefix")
 
 
-def build_tries(batches, progress: Progress = QUIET) -> dict[str, ModeTries | None]:
-    """One trie pass per mode over all micro-batches; every table is evaluated from it."""
-    return {mode: ModeTries.build(batches, mode, progress) for mode in MODES_SHOWN}
+def build_tries(batches, progress: Progress = QUIET, window: int | None = None) -> dict[str, ModeTries | None]:
+    """One trie pass per mode over all micro-batches; every table is evaluated from it
+    (``window``: the pairs of a sliding-window layer are counted too)."""
+    return {mode: ModeTries.build(batches, mode, progress, window) for mode in MODES_SHOWN}
 
 
 # ----------------------------------------------------------------------------- tables
 
 
 def mode_table(tries: dict[str, ModeTries | None], min_prefix_len: int, min_group_size: int) -> str:
-    """Dedup, tokens saved and attention-FLOP ratio per mode (one row each)."""
+    """Dedup, tokens saved and attention-FLOP ratio per mode (one row each); with a window,
+    the ratio of a sliding-window layer in one more column."""
+    window = next((t.window for t in tries.values() if t is not None), None)
+    windowed = [] if window is None else ["-"]
     rows = []
     for mode in MODES_SHOWN:
         if tries[mode] is None:
-            rows.append([mode] + ["-"] * 6 + ["needs prompt/response columns in every file"])
+            rows.append([mode] + ["-"] * (6 + len(windowed)) + ["needs prompt/response columns in every file"])
             continue
         s = tries[mode].evaluate(min_prefix_len, min_group_size)
         d = s.dedups
@@ -81,9 +85,11 @@ def mode_table(tries: dict[str, ModeTries | None], min_prefix_len: int, min_grou
         sharing = int(np.sum(1 - 1 / d >= FALLBACK_SAVED))
         rows.append([
             mode, n, t, s.dedup, f"{100 * (1 - t / n):.1f}%", s.attn_ratio,
+            *([] if window is None else [s.attn_ratio_window]),
             f"{d.min():.2f} / {np.median(d):.2f} / {d.max():.2f}", f"{sharing}/{len(d)}",
         ])
     headers = ["mode", "N", "T", "dedup N/T", "tokens saved", "attn-FLOP ratio",
+               *([] if window is None else [f"attn-FLOP ratio (window {window})"]),
                "micro-batch dedup min / median / max",
                f"micro-batches saving >= {FALLBACK_SAVED:.0%}"]
     note = (f"A micro-batch saving less than {FALLBACK_SAVED:.0%} of its tokens runs verl's stock "

@@ -29,17 +29,20 @@ from ps_mcore.analyze.progress import QUIET, Progress
 from ps_mcore.analyze.read import Rollouts
 
 # The planner's own trie construction (private: the analysis must build exactly its trie).
-from ps_mcore.planner import _build_trie, _sorted_order_and_lcp
+from ps_mcore.planner import _build_trie, _sorted_order_and_lcp, causal_pairs
 
 
 @dataclass
 class Sharing:
-    """Per micro-batch results at one threshold setting (arrays ``[K]``, K micro-batches)."""
+    """Per micro-batch results at one threshold setting (arrays ``[K]``, K micro-batches);
+    the ``*_window`` pairs are those of a layer with the sliding window (None without one)."""
 
     N: np.ndarray  # original tokens
     T: np.ndarray  # packed tokens
     pairs_unshared: np.ndarray  # attention (query, key) pairs of the unshared batch
     pairs_tree: np.ndarray  # ... of the tree
+    pairs_unshared_window: np.ndarray | None = None
+    pairs_tree_window: np.ndarray | None = None
 
     @property
     def dedup(self) -> float:
@@ -49,6 +52,12 @@ class Sharing:
     @property
     def attn_ratio(self) -> float:
         return float(self.pairs_unshared.sum() / self.pairs_tree.sum())
+
+    @property
+    def attn_ratio_window(self) -> float | None:
+        if self.pairs_tree_window is None:
+            return None
+        return float(self.pairs_unshared_window.sum() / self.pairs_tree_window.sum())
 
     @property
     def dedups(self) -> np.ndarray:
@@ -62,7 +71,8 @@ class ModeTries:
     Node arrays ``[M]`` (every micro-batch's virtual root included, depth 0): ``batch``,
     ``parent`` (global index, -1 for roots), ``depth`` (end depth = context length),
     ``count`` (sequences through), ``ends`` (sequences ending on it); ``levels`` lists the
-    node indices per tree level (roots first); ``N`` / ``pairs_unshared`` are ``[K]``.
+    node indices per tree level (roots first); ``N`` / ``pairs_unshared`` are ``[K]``;
+    ``window``: a sliding window whose pairs are counted too (``pairs_unshared_window``).
     """
 
     batch: np.ndarray
@@ -73,10 +83,12 @@ class ModeTries:
     levels: list[np.ndarray]
     N: np.ndarray
     pairs_unshared: np.ndarray
+    window: int | None = None
+    pairs_unshared_window: np.ndarray | None = None
 
     @classmethod
     def build(cls, batches: list[tuple[Rollouts, list[int]]], mode: str,
-              progress: Progress = QUIET) -> "ModeTries | None":
+              progress: Progress = QUIET, window: int | None = None) -> "ModeTries | None":
         """None when ``mode`` is ``prompt_only`` and a file has no prompt/response split."""
         if mode == "prompt_only" and any(r.prompt_lens is None for r, _ in batches):
             return None
@@ -84,7 +96,7 @@ class ModeTries:
         parents: list[int] = []
         depths: list[int] = []
         end_nodes: list[int] = []
-        sizes, n, pairs = [], [], []
+        sizes, n, pairs, pairs_w = [], [], [], []
         offset = 0
         with progress.step(f"building tries ({mode})", len(batches), "micro-batches") as step:
             for r, idx in batches:
@@ -107,6 +119,8 @@ class ModeTries:
                 offset += len(parent)
                 n.append(sum(lens))
                 pairs.append(sum(x * (x + 1) // 2 for x in lens))
+                if window is not None:
+                    pairs_w.append(float(np.sum(causal_pairs(lens, lens, window))))
                 step.advance()
         parent = np.asarray(parents, dtype=np.int64)
         ends_a = np.bincount(np.asarray(end_nodes, dtype=np.int64), minlength=len(parent))
@@ -128,6 +142,8 @@ class ModeTries:
             levels=levels,
             N=np.asarray(n, dtype=np.int64),
             pairs_unshared=np.asarray(pairs, dtype=np.float64),
+            window=window,
+            pairs_unshared_window=np.asarray(pairs_w, dtype=np.float64) if window is not None else None,
         )
 
     def evaluate(self, min_prefix_len: int, min_group_size: int) -> Sharing:
@@ -150,4 +166,8 @@ class ModeTries:
         # a node of q rows with context d (ancestors + own): q * d - q (q - 1) / 2 pairs
         q, d = run.astype(np.float64), self.depth.astype(np.float64)
         pairs = np.bincount(self.batch, weights=copies * (q * d - q * (q - 1) / 2), minlength=k)
-        return Sharing(self.N, np.rint(tokens).astype(np.int64), self.pairs_unshared, pairs)
+        pairs_w = None
+        if self.window is not None:
+            pairs_w = np.bincount(self.batch, weights=copies * causal_pairs(d, q, self.window), minlength=k)
+        return Sharing(self.N, np.rint(tokens).astype(np.int64), self.pairs_unshared, pairs,
+                       self.pairs_unshared_window, pairs_w)

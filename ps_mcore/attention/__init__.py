@@ -1,8 +1,10 @@
 """``tree_attention(q, k, v, plan, backend)``: causal attention over a packed prefix forest.
 
 Backends:
-    reference  dense tree mask, float32 math, any device (the oracle; O(T^2) memory).
-    chunked    cascade layout (attention/layout.py) with a pure-torch kernel, any device (exact fp32 math).
+    reference  dense tree mask, any device (the oracle; O(T^2) memory).
+    chunked    cascade layout (attention/layout.py) with a pure-torch kernel, any device.
+               Both compute fp16/bf16/fp32 inputs in fp32 and fp64 inputs in fp64 (merges and
+               dK/dV sums included); the CUDA/NPU kernels take fp16/bf16 and accumulate in fp32.
     varlen     varlen FlashAttention (torch's flash kernel or flash-attn), CUDA, in the cascade
                layout (no K/V copy) or gather-KV, whichever layout.cascade_pays picks.
     flex       FlexAttention with a BlockMask from subtree ends (compiled on CUDA).
@@ -15,11 +17,17 @@ Backends:
                the plan's shape favours it (attention/kernel_choice.py); else flex on CUDA,
                else chunked.
 
+Variants (attention/variants.py): ``window=`` (sliding window along each sample's path),
+``sinks=`` (per-head sink logits), ``softcap=`` (logit softcapping). Which backend computes
+which: ``ATTENTION_BACKENDS[name].supported_features(device)``; the others refuse by name.
+
 The names map to code in one table, :mod:`ps_mcore.attention.backends` (also used by the
 context-parallel path and the layer-spec builders); add a backend there.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -36,6 +44,7 @@ from ps_mcore.attention.backends import (
     resolve_backend,
 )
 from ps_mcore.attention.gather_kv import default_scale
+from ps_mcore.attention.variants import AttentionVariant, attention_variant
 from ps_mcore.planner import TreePlan
 
 # The built-in names (the table, :data:`ATTENTION_BACKENDS`, is what the code reads).
@@ -71,6 +80,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreeP
         raise ValueError(f"q/k/v are on different devices: {q.device}, {k.device}, {v.device}")
 
 
+# Under torch.compile tree attention runs eagerly between the compiled graphs: the plan's
+# host-side layouts (numpy) and per-plan sizes are no graph material.
+@torch.compiler.disable
 def tree_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,6 +90,10 @@ def tree_attention(
     plan: TreePlan,
     backend: str = "auto",
     softmax_scale: float | None = None,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence in ``plan``, computed once per shared token.
 
@@ -88,20 +104,51 @@ def tree_attention(
         plan: the micro-batch's :class:`TreePlan` (moved to q's device, cached).
         backend: one of :data:`BACKENDS`.
         softmax_scale: defaults to ``1/sqrt(D)``.
+        window: sliding window W: a token at depth d attends to the tokens of its own sample
+            at depth > d - W (the last W positions, itself included; Hugging Face /
+            FlashAttention ``window_size=(W-1, 0)``), across branch points.
+        sinks: ``[Hq]`` attention-sink logits (GPT-OSS; Megatron ``softmax_type="learnable"``),
+            one extra term ``exp(sink)`` in every row's softmax denominator; a number gives
+            every head that logit (0: Megatron's ``"off-by-one"``). Differentiable.
+        softcap: logit softcapping (Gemma 2): scores ``c * tanh(s / c)`` after scaling.
+
+    Inside ``torch.autocast`` q/k/v are cast to the autocast dtype, as
+    ``scaled_dot_product_attention`` casts them (RoPE leaves q/k in fp32 there), and the
+    attention runs in that dtype.
 
     Returns:
         ``[T, Hq, D]`` in q's dtype. For every sequence s with rows ``r = unpack rows of s``,
-        ``out[r]`` equals causal attention over ``q[r], k[r], v[r]``.
+        ``out[r]`` equals causal attention (with the variant) over ``q[r], k[r], v[r]``.
     """
+    q, k, v = _autocast_inputs(q, k, v)
     _check_inputs(q, k, v, plan)
+    variant = attention_variant(q, window, sinks, softcap)
     scale = default_scale(q.size(-1)) if softmax_scale is None else float(softmax_scale)
-    if v.size(-1) != q.size(-1):
-        return _with_one_head_dim(q, k, v, plan, backend, scale)
-    plan = plan.to(q.device)
-    return ATTENTION_BACKENDS[resolve_backend(backend, q, plan)](q, k, v, plan, scale)
+    with _no_autocast(q.device.type):  # the kernels' own precision, as sdpa's
+        if v.size(-1) != q.size(-1):
+            return _with_one_head_dim(q, k, v, plan, backend, scale, variant)
+        plan = plan.to(q.device)
+        if variant.window is not None and variant.window >= plan.max_seqlen_kv:
+            # a window at least as long as every context masks nothing: plain causal attention
+            variant = AttentionVariant(None, variant.sinks, variant.softcap)
+        return ATTENTION_BACKENDS[resolve_backend(backend, q, plan, variant)](q, k, v, plan, scale, variant)
 
 
-def _with_one_head_dim(q, k, v, plan, backend, scale) -> torch.Tensor:
+def _no_autocast(device: str):
+    return torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext()
+
+
+def _autocast_inputs(q, k, v):
+    """q/k/v in the autocast dtype when autocast is on for their device (sdpa's autocast
+    policy); unchanged otherwise (a same-dtype ``to`` copies nothing)."""
+    device = q.device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in (q, k, v))
+
+
+def _with_one_head_dim(q, k, v, plan, backend, scale, variant) -> torch.Tensor:
     """Attention with v's head dim ``Dv`` != q/k's ``D`` (MLA) through kernels that take one
     head dim: zero-pad the narrower side to ``max(D, Dv)`` and cut the output to ``Dv``. Exact:
     zero q/k columns add nothing to q.k, zero v columns only produce output columns that are
@@ -112,7 +159,8 @@ def _with_one_head_dim(q, k, v, plan, backend, scale) -> torch.Tensor:
     else:
         q = torch.nn.functional.pad(q, (0, dv - d))
         k = torch.nn.functional.pad(k, (0, dv - d))
-    return tree_attention(q, k, v, plan, backend, scale)[..., :dv]
+    return tree_attention(q, k, v, plan, backend, scale, window=variant.window, sinks=variant.sinks,
+                          softcap=variant.softcap)[..., :dv]
 
 
 __all__ = ["BACKENDS", "tree_attention", *backends.__all__]

@@ -17,7 +17,14 @@ cuDNN is *not* used for the cascade's level calls: those need the kernel's log-s
 ``[Hq, T]`` form for the merge and segments with no key (filler rows), neither of which this
 wrapper promises. The kernel handles GQA natively (query head i reads kv head
 ``i // (Hq // Hkv)``), fp16/bf16, any softmax scale; head dims as cuDNN supports them
-(:func:`cudnn_unavailable_reason` probes the exact ``(dtype, Hq, D)`` once per device).
+(:func:`cudnn_refusal` probes the exact ``(dtype, Hq, D)`` once per device).
+
+Variants: a sliding window is TE's ``window_size=(W - 1, 0)`` with the bottom-right causal
+mask (the same band as flash); attention sinks are TE's ``softmax_type="learnable"`` with the
+sink logits as ``softmax_offset`` ``[1, Hq, 1, 1]`` (the gradient comes back from the
+backward), since cuDNN's softmax statistics are not promised in a layout the sink could be
+applied from. Both are probed once per shape like the rest (TE documents the learnable
+softmax for THD from cuDNN 9.18); cuDNN takes no logit softcap.
 
 TE is imported lazily, only on CUDA; without it the backend's check says so.
 """
@@ -29,7 +36,14 @@ import inspect
 
 import torch
 
-from ps_mcore.attention.gather_kv import VarlenKernel, unavailable_error
+from ps_mcore.attention.gather_kv import (
+    GatherContext,
+    VarlenKernel,
+    gather_kv_attention,
+    unavailable_error,
+    varlen_attention,
+)
+from ps_mcore.attention.layout import auto_layout, cascade_layout
 
 CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 # cuDNN's F16 fused attention (sm80/sm90) takes head dims that are multiples of 8 up to 256, but
@@ -72,44 +86,62 @@ def _mask(causal: bool) -> str:
     return "padding_causal_bottom_right" if causal else "padding"
 
 
-def _layout_kwargs(params, causal: bool, scale: float, **extra) -> dict:
+def _layout_kwargs(params, causal: bool, scale: float, window: int | None = None, sinks: bool = False,
+                   **extra) -> dict:
     kw = dict(
         attn_scale=scale, dropout=0.0, fast_zero_fill=True, qkv_layout="thd_thd_thd", o_format="thd",
         do_format="thd", dqkv_layout="thd_thd_thd", attn_bias_type="no_bias", attn_mask_type=_mask(causal),
-        window_size=(-1, 0) if causal else (-1, -1), **extra,
+        window_size=(window - 1, 0) if window is not None else (-1, 0) if causal else (-1, -1), **extra,
     )
+    if sinks:
+        kw["softmax_type"] = "learnable"
     # The TE versions this targets (2.16-2.20) take all of these; drop any an install lacks
-    # rather than failing on a keyword it never needed (e.g. o_format before it existed).
+    # rather than failing on a keyword it never needed (e.g. o_format before it existed) -
+    # but never one a variant needs: dropping it would compute plain attention.
+    needed = {"softmax_type"} & kw.keys()
+    if needed - params:
+        raise RuntimeError(f"this transformer_engine's fused attention takes no {sorted(needed - params)}")
     return {k: v for k, v in kw.items() if k in params}
 
 
-def _cudnn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
+def _cudnn_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True, window=None, sinks=None):
     fwd, _, backend, fwd_params, _ = _te()
+    extra = dict(cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k)
+    if sinks is not None:
+        extra["softmax_offset"] = sinks.detach().float().reshape(1, -1, 1, 1).contiguous()
     out, aux = fwd(
         True, int(max_q), int(max_k), cu_q, cu_k, q, k, v, q.dtype, backend,
-        **_layout_kwargs(fwd_params, causal, scale, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k),
+        **_layout_kwargs(fwd_params, causal, scale, window, sinks is not None, **extra),
     )
-    # aux: cuDNN's softmax statistics and rng state, handed back to the backward as they are
-    # (their layout differs across cuDNN versions; no caller here reads them).
+    # aux: cuDNN's softmax statistics and rng state (and the softmax offset), handed back to
+    # the backward as they are (their layout differs across cuDNN versions; no caller here
+    # reads them).
     return out, tuple(aux)
 
 
-def _cudnn_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
+def _cudnn_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True, window=None, sinks=None):
     _, bwd, backend, _, bwd_params = _te()
     grads = bwd(
         int(max_q), int(max_k), cu_q, cu_k, q, k, v, out, dout, q.dtype, list(aux), backend,
-        **_layout_kwargs(bwd_params, causal, scale, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k),
+        **_layout_kwargs(bwd_params, causal, scale, window, sinks is not None,
+                         cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k),
     )
-    return grads[0], grads[1], grads[2]
+    if sinks is None:
+        return grads[0], grads[1], grads[2]
+    # [dq, dk, dv, d_bias, d_softmax_offset [1, Hq, 1, 1] fp32]
+    return grads[0], grads[1], grads[2], grads[4].reshape(-1).to(sinks.dtype)
 
 
-CUDNN_KERNEL = VarlenKernel("cudnn", _cudnn_forward, _cudnn_backward)
+CUDNN_KERNEL = VarlenKernel(
+    "cudnn", _cudnn_forward, _cudnn_backward, frozenset({"window", "sinks"}), native_sinks=True,
+    missing=(("softcap", "cuDNN's fused attention (through Transformer Engine) takes no logit softcap"),),
+)
 
 
 # ----------------------------------------------------------------------------- availability
 
 
-def static_unavailable_reason(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+def cudnn_static_refusal(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
     """The checks that need no GPU: device, dtype, head dim, TE importable (None: all pass)."""
     if device_type != "cuda":
         return f"it needs a CUDA device (q is on {device_type})"
@@ -124,23 +156,25 @@ def static_unavailable_reason(device_type: str, dtype: torch.dtype, head_dim: in
     return found if isinstance(found, str) else None
 
 
-def cudnn_unavailable_reason(q: torch.Tensor) -> str | None:
-    """Why cuDNN tree attention cannot run for ``q`` ``[T, Hq, D]`` (None: it can).
+def cudnn_refusal(q: torch.Tensor, window: bool = False, sinks: bool = False) -> str | None:
+    """Why cuDNN tree attention cannot run for ``q`` ``[T, Hq, D]`` (None: it can), with a
+    sliding window and/or learnable sinks where asked.
 
-    :func:`static_unavailable_reason` first; then, once per ``(device, dtype, Hq, D)``, a tiny
-    forward + backward through TE, so a cuDNN build that refuses the shape is found here and
-    not in the middle of a training step."""
-    reason = static_unavailable_reason(q.device.type, q.dtype, q.size(-1))
+    :func:`cudnn_static_refusal` first; then, once per ``(device, dtype, Hq, D, window,
+    sinks)``, a tiny forward + backward through TE, so a cuDNN build that refuses the shape is
+    found here and not in the middle of a training step."""
+    reason = cudnn_static_refusal(q.device.type, q.dtype, q.size(-1))
     if reason is not None:
         return reason
     if torch.cuda.is_current_stream_capturing():
         return "the probe cannot run during CUDA graph capture"  # not cached: ask again later
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _probe(index, q.dtype, q.size(1), q.size(-1))
+    return _probe(index, q.dtype, q.size(1), q.size(-1), window, sinks)
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(device_index: int, dtype: torch.dtype, hq: int, d: int) -> str | None:
+def _probe(device_index: int, dtype: torch.dtype, hq: int, d: int, window: bool = False,
+           sinks: bool = False) -> str | None:
     device = torch.device("cuda", device_index)
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(24, hq, d, device=device, dtype=dtype, generator=g)
@@ -148,20 +182,24 @@ def _probe(device_index: int, dtype: torch.dtype, hq: int, d: int) -> str | None
     k, v = kv[0].contiguous(), kv[1].contiguous()
     cu_q = torch.tensor([0, 8, 24], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 16, 40], dtype=torch.int32, device=device)
+    kw = dict(window=5 if window else None, sinks=torch.zeros(hq, device=device) if sinks else None)
+    what = f"dtype {dtype}, Hq={hq}, D={d}" + (", sliding window" if window else "") + (", learnable sinks" if sinks else "")
     try:
-        out, aux = _cudnn_forward(q, k, v, cu_q, cu_k, 16, 24, d**-0.5)
-        dq, dk, dv = _cudnn_backward(torch.ones_like(out), q, k, v, out, aux, cu_q, cu_k, 16, 24, d**-0.5)
+        out, aux = _cudnn_forward(q, k, v, cu_q, cu_k, 16, 24, d**-0.5, **kw)
+        grads = _cudnn_backward(torch.ones_like(out), q, k, v, out, aux, cu_q, cu_k, 16, 24, d**-0.5, **kw)
+        dk = grads[1]
         torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001  (cuDNN / TE say why in their message)
-        return f"TE's cuDNN fused attention refused (dtype {dtype}, Hq={hq}, D={d}): {type(e).__name__}: {e}"
+        return f"TE's cuDNN fused attention refused ({what}): {type(e).__name__}: {e}"
     if out.shape != q.shape or dk.shape != k.shape or not torch.isfinite(out).all():
         return f"TE's cuDNN fused attention returned unexpected results (out {tuple(out.shape)}, dk {tuple(dk.shape)})"
     return None
 
 
-def require_cudnn(q: torch.Tensor) -> None:
-    """Raise ``ValueError`` saying why backend ``"cudnn"`` cannot run for ``q``."""
-    reason = cudnn_unavailable_reason(q)
+def require_cudnn(q: torch.Tensor, window: bool = False, sinks: bool = False) -> None:
+    """Raise ``ValueError`` saying why backend ``"cudnn"`` cannot run for ``q`` (with a
+    window / sinks where asked)."""
+    reason = cudnn_refusal(q, window, sinks)
     if reason is not None:
         raise unavailable_error("cudnn", "Transformer Engine's cuDNN fused attention", reason)
 
@@ -169,20 +207,18 @@ def require_cudnn(q: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------- tree attention
 
 
-def cudnn_tree_attention(q, k, v, plan, softmax_scale: float, layout: str = "auto") -> torch.Tensor:
+def cudnn_tree_attention(q, k, v, plan, softmax_scale: float, layout: str = "auto", variant=None) -> torch.Tensor:
     """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]`` through cuDNN.
 
     ``layout``: ``"auto"`` = the chain self call where the plan is a chain forest (no cascade
     level call), else gather-KV; ``"gather"`` forces gather-KV; ``"cascade"`` is accepted only
     for a chain forest (cuDNN does not run the cascade's level calls, see the module
-    docstring)."""
-    from ps_mcore.attention.gather_kv import _GatherKVAttention, gather_kv_attention
-    from ps_mcore.attention.layout import auto_layout, cascade_layout
-
+    docstring). ``variant``: window and sinks (:mod:`ps_mcore.attention.variants`); the
+    chain self call takes the window as it is (a chain's rows are consecutive positions)."""
     if layout not in ("auto", "cascade", "gather"):
         raise ValueError(f"unknown tree attention layout {layout!r}; expected auto, cascade or gather")
     if layout == "gather":
-        return gather_kv_attention(q, k, v, plan, softmax_scale, CUDNN_KERNEL)
+        return gather_kv_attention(q, k, v, plan, softmax_scale, CUDNN_KERNEL, variant)
     cascade = cascade_layout(plan, q.device)
     if auto_layout(plan, cascade, level_calls=False) == "gather":
         if layout == "cascade":
@@ -190,9 +226,7 @@ def cudnn_tree_attention(q, k, v, plan, softmax_scale: float, layout: str = "aut
                 f"the cuDNN kernel runs the cascade layout only on chain forests; this plan has "
                 f"{cascade.num_levels} chain level(s): use layout 'gather' or the 'varlen' backend"
             )
-        return gather_kv_attention(q, k, v, plan, softmax_scale, CUDNN_KERNEL)
+        return gather_kv_attention(q, k, v, plan, softmax_scale, CUDNN_KERNEL, variant)
     self_call = cascade.calls[0]  # one causal segment per chain, q = k = the chain's rows
-    return _GatherKVAttention.apply(
-        q, k, v, None, self_call.cu_q, self_call.cu_k, self_call.max_q, self_call.max_k,
-        softmax_scale, CUDNN_KERNEL, None,
-    )
+    in_place = GatherContext(None, self_call.cu_k, self_call.max_k)
+    return varlen_attention(q, k, v, self_call.cu_q, self_call.max_q, in_place, softmax_scale, CUDNN_KERNEL, variant)

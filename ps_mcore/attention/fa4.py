@@ -10,7 +10,7 @@ FA4 runs both tree layouts (gather-KV and the cascade, whose level calls merge b
 logsumexp) inside our own autograd functions, like torch's flash kernel.
 
 Backend ``"fa4"``: explicit only, ``auto`` does not pick it. Measured on the H200
-(2026-12-03, flash-attn-4 4.0.0b40, ``benchmarks/device/prepare_fa4.sh``, docs/benchmarks.md):
+(2026-12-03, flash-attn-4 4.0.0b40, docs/benchmarks.md):
 its kernels are the fastest there (tree steps 2.58 ms vs torch flash 4.92 and cuDNN 3.53 on
 grpo-long-prompt), and the TE-spec model with it was the fastest tree model (queued steps,
 0.99-1.02 of the FLOP ideal against stock TE); but each call costs the host ~0.5 ms (its
@@ -19,7 +19,7 @@ SM90 backward returned wrong gradients for head dims 72, 80 and 112 there (outpu
 96, 128, 160, 192 and 256 right): only :data:`FA4_HEAD_DIMS` are run, others are refused.
 Exact against the float64 unshared computation on those head dims (tests/test_gpu_attention.py).
 
-The package is imported lazily, only on CUDA; :func:`fa4_unavailable_reason` says why it
+The package is imported lazily, only on CUDA; :func:`fa4_refusal` says why it
 cannot run (not installed, GPU older than SM90, dtype, head dim). The first call of a shape
 JIT-compiles FA4's kernels (FA4 caches them).
 """
@@ -56,28 +56,39 @@ def _interface():
     return found
 
 
-def _fa4_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True):
+def _fa4_variant(window: int | None, softcap: float | None) -> dict:
+    """FA4's sliding window (bottom-right ``(W - 1, 0)``, which with ``causal`` it runs as its
+    local mask) and softcap (both in forward and backward since 4.0.0b27)."""
+    kw = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+    if softcap is not None:
+        kw["softcap"] = softcap
+    return kw
+
+
+def _fa4_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=True, window=None, softcap=None):
     fwd, _ = _interface()
     out, lse, *_ = fwd(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
-        softmax_scale=scale, causal=causal, return_lse=True,
+        softmax_scale=scale, causal=causal, return_lse=True, **_fa4_variant(window, softcap),
     )
     return out, (lse,)
 
 
-def _fa4_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True):
+def _fa4_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale, causal=True, window=None, softcap=None):
     _, bwd = _interface()
     dq, dk, dv = bwd(
         q, k, v, out, dout, aux[0], scale, causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=int(max_q), max_seqlen_k=int(max_k),
+        max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), **_fa4_variant(window, softcap),
     )[:3]
     return dq, dk, dv
 
 
-FA4_KERNEL = VarlenKernel("fa4", _fa4_forward, _fa4_backward)
+# Sinks from the returned logsumexp (FA4's own learnable_sink is not used: one sink path for
+# every kernel, and the cascade needs the sink once after its merge).
+FA4_KERNEL = VarlenKernel("fa4", _fa4_forward, _fa4_backward, frozenset({"window", "softcap", "sinks"}))
 
 
-def fa4_unavailable_reason(q: torch.Tensor) -> str | None:
+def fa4_refusal(q: torch.Tensor) -> str | None:
     """Why FA4 tree attention cannot run for ``q`` ``[T, Hq, D]`` (None: it can): dtype, head
     dim, device, capability, the package importable. A shape FA4 itself refuses raises
     from its first call with FA4's own message."""
@@ -98,6 +109,6 @@ def fa4_unavailable_reason(q: torch.Tensor) -> str | None:
 
 def require_fa4(q: torch.Tensor) -> None:
     """Raise ``ValueError`` saying why backend ``"fa4"`` cannot run for ``q``."""
-    reason = fa4_unavailable_reason(q)
+    reason = fa4_refusal(q)
     if reason is not None:
         raise unavailable_error("fa4", "FlashAttention-4, the flash-attn-4 package", reason)

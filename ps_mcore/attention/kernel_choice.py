@@ -3,7 +3,7 @@
 Both compute the same attention exactly (each tested against the unshared float64
 computation); they differ in speed by shape, and in host cost. Measured on one H200 (bf16,
 Hq=16, Hkv=2, D=128, fwd+bwd, TE 2.20 fused attention, 2026-12-03; ``benchmarks/attention.py``
-and ``benchmarks/model.py``, docs/benchmarks.md, issue 15):
+and ``benchmarks/model.py``, docs/benchmarks.md):
 
 * GPU time: cuDNN's kernels are faster on the tree of every standard workload (ms per
   step, cuDNN vs flash, each in its layout below): grpo-long-prompt 3.53 vs 4.92, grpo-wide 1.88 vs 2.52,
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ps_mcore.attention.layout import auto_layout, cascade_layout
 from ps_mcore.planner import tree_pairs
 
 # Smallest forward work (query-key pairs x query heads x head dim) at which cuDNN is chosen.
@@ -76,15 +77,13 @@ def prefers_cudnn(shape: PlanShape, min_work: float = CUDNN_MIN_WORK) -> bool:
 def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
     """The :class:`PlanShape` of ``plan`` for ``heads`` query heads of ``head_dim`` (host
     numbers cached on the plan's host copy: no device sync per layer)."""
-    from ps_mcore.attention.layout import auto_layout, cascade_layout
-
     host = plan.host
-    if "kernel_choice_shape" not in host._cache:
+    if host.memo.kernel_choice_shape is None:
         cu_q, cu_k = host.cu_seqlens_q.cpu().numpy(), host.cu_seqlens_kv.cpu().numpy()
         layout = cascade_layout(host)
-        host._cache["kernel_choice_shape"] = (
+        host.memo.kernel_choice_shape = (
             tree_pairs(cu_q, cu_k), host.num_tokens, int(cu_k[-1]), int(cu_q.size - 1),
             layout.num_levels, auto_layout(host, layout) == "cascade",
         )
-    pairs, rows, ctx, segs, levels, cascade = host._cache["kernel_choice_shape"]
+    pairs, rows, ctx, segs, levels, cascade = host.memo.kernel_choice_shape
     return PlanShape(pairs, rows, ctx, segs, levels, cascade, heads, head_dim)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ps_mcore.planner import TreePlan, ragged_arange, unary_chains
+from ps_mcore.planner import TreePlan, host_built, ragged_arange, unary_chains
 
 # Beyond this many chain levels the cascade's launches and merges cost more than copying the
 # contexts: tree_attention falls back to the gather-KV layout (see cascade_pays).
@@ -167,15 +167,10 @@ def cascade_layout(plan: TreePlan, device: torch.device | None = None) -> Cascad
 
     Built from the plan's host copy when there is one (``TreePlan.to`` keeps it), so a plan
     already on the GPU costs no device-to-host sync here."""
-    device = plan.device if device is None else torch.device(device)
-    key = ("cascade_layout", str(device))
-    if key not in plan._cache:
-        host = plan.host
-        if ("cascade_layout", "cpu") not in host._cache:
-            host._cache[("cascade_layout", "cpu")] = build_cascade_layout(host)
-        layout = host._cache[("cascade_layout", "cpu")]
-        plan._cache[key] = layout if device.type == "cpu" else layout.to(device)
-    return plan._cache[key]
+    return host_built(
+        plan, lambda memo: memo.cascade_layouts, plan.device if device is None else device,
+        build_cascade_layout, CascadeLayout.to,
+    )
 
 
 def cascade_pays(plan: TreePlan, layout: CascadeLayout) -> bool:

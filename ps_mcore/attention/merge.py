@@ -1,9 +1,9 @@
 """Log-sum-exp merge of two partial attention results, in one pass (Triton on CUDA).
 
 ``merge(oa, la, ob, lb, rows_b, out_dtype) -> (out, lse)``: oa/ob ``[T, H, D]``, la/lb ``[H, T]``
-float32 (natural-log logsumexp of each part); rows_b ``[T]`` bool marks the rows for which part
+float32, or float64 from the math kernel on float64 inputs (natural-log logsumexp of each part); rows_b ``[T]`` bool marks the rows for which part
 b had any key (elsewhere its lse is ignored, whatever the kernel wrote). Part a must have a key
-on every row. ``out = (exp(la - lse) * oa + exp(lb - lse) * ob)`` in fp32, cast to
+on every row. ``out = (exp(la - lse) * oa + exp(lb - lse) * ob)`` in lse's dtype, cast to
 ``out_dtype``; ``lse = logaddexp(la, lb)``.
 
 The torch fallback (CPU, or Triton missing) makes ~6 passes over ``[T, H, D]``; the kernel
@@ -67,7 +67,8 @@ def _triton_kernel():
 
 def merge(oa, la, ob, lb, rows_b, out_dtype):
     """See the module docstring."""
-    found = _triton_kernel() if oa.is_cuda else None
+    # The kernel computes in fp32: float64 parts (the math kernel's on fp64 inputs) merge in torch.
+    found = _triton_kernel() if oa.is_cuda and la.dtype != torch.float64 else None
     if found is None:
         return _merge_torch(oa, la, ob, lb, rows_b, out_dtype)
     kernel, pow2 = found

@@ -263,7 +263,15 @@ def _npu_backward(dout, q, k, v, out, aux, cu_q, cu_k, max_q, max_k, scale):
     return _cat(dq), _cat(dk), _cat(dv)
 
 
-NPU_KERNEL = VarlenKernel("npu_fusion_attention", _npu_forward, _npu_backward)
+NPU_KERNEL = VarlenKernel(
+    "npu_fusion_attention", _npu_forward, _npu_backward,
+    missing=(
+        ("window", "npu_fusion_attention's band mode (sparse_mode 4) is not documented for varlen TND "
+                   "segments with more keys than queries, and is unverified on Ascend hardware here"),
+        ("sinks", "npu_fusion_attention takes no sink logits and its softmax statistics are opaque"),
+        ("softcap", "npu_fusion_attention takes no logit softcap"),
+    ),
+)
 
 __all__ = [
     "NPU_KERNEL",

@@ -16,21 +16,25 @@ import warnings
 import numpy as np
 import torch
 
+from ps_mcore.planner import host_built
+
 
 def copies_csr(plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_ptr [T+1], copies [C])`` int64: the context positions holding each packed row."""
-    key = ("kv_copies_csr", str(device))
-    if key not in plan._cache:
-        host = plan.host
-        hkey = ("kv_copies_csr", "cpu")
-        if hkey not in host._cache:
-            index = host.kv_index.cpu().numpy()
-            order = np.argsort(index, kind="stable")
-            ptr = np.concatenate([[0], np.cumsum(np.bincount(index, minlength=host.num_tokens))])
-            host._cache[hkey] = (torch.from_numpy(ptr.astype(np.int64)), torch.from_numpy(order.astype(np.int64)))
-        ptr, order = host._cache[hkey]
-        plan._cache[key] = (ptr.to(device, non_blocking=True), order.to(device, non_blocking=True))
-    return plan._cache[key]
+    return host_built(plan, lambda memo: memo.kv_copies_csr, device,
+                      lambda host: build_copies_csr(host.kv_index.cpu().numpy(), host.num_tokens), move_csr)
+
+
+def move_csr(csr, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host CSR on ``device`` (asynchronous copies)."""
+    return tuple(x.to(device, non_blocking=True) for x in csr)
+
+
+def build_copies_csr(index: np.ndarray, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_ptr [num_rows+1], copies [C])`` int64 on the CPU for a gather ``index`` ``[C]``."""
+    order = np.argsort(index, kind="stable")
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(index, minlength=num_rows))])
+    return torch.from_numpy(ptr.astype(np.int64)), torch.from_numpy(order.astype(np.int64))
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +69,9 @@ _BROKEN: list[str] = []
 
 def scatter_sum_kv(dkg, dvg, kv_index, csr, shape, dtype):
     """``[C, Hkv, D]`` dK/dV of the contexts -> ``[T, Hkv, D]`` sums per packed row."""
-    found = _kernel() if (dkg.is_cuda and csr is not None and not _BROKEN) else None
+    # The fused kernel sums in fp32: float64 gradients take the index_add_ path (fp64 sums).
+    fused = dkg.is_cuda and csr is not None and not _BROKEN and dtype != torch.float64
+    found = _kernel() if fused else None
     if found is not None:
         kernel, pow2 = found
         ptr, copies = csr
@@ -78,8 +84,9 @@ def scatter_sum_kv(dkg, dvg, kv_index, csr, shape, dtype):
         except Exception as e:  # noqa: BLE001  (a Triton build problem: say so once, stay exact)
             _BROKEN.append(repr(e))
             warnings.warn(f"fused dK/dV scatter-add unavailable, using index_add_: {e!r}", stacklevel=2)
-    dk = torch.zeros(shape, dtype=torch.float32, device=dkg.device)
-    dv = torch.zeros(shape, dtype=torch.float32, device=dkg.device)
-    dk.index_add_(0, kv_index, dkg.float())
-    dv.index_add_(0, kv_index, dvg.float())
+    acc = torch.promote_types(dtype, torch.float32)  # fp32 sums, fp64 kept
+    dk = torch.zeros(shape, dtype=acc, device=dkg.device)
+    dv = torch.zeros(shape, dtype=acc, device=dkg.device)
+    dk.index_add_(0, kv_index, dkg.to(acc))
+    dv.index_add_(0, kv_index, dvg.to(acc))
     return dk.to(dtype), dv.to(dtype)

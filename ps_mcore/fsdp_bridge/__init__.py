@@ -3,16 +3,18 @@
 * :func:`register_attention` registers the ``"prefix_tree"`` attention implementation with
   transformers (explicitly: importing ps_mcore registers nothing).
 * :func:`enable_tree_attention` switches a model to it; unshared calls keep the model's own
-  implementation (flash_attention_2 / sdpa / eager), calls with ``tree_plan=`` run
-  :func:`ps_mcore.tree_attention`.
+  implementation (flash_attention_2 / sdpa / eager), calls with ``tree_call=TreeCall(plan)``
+  run :func:`ps_mcore.tree_attention`.
 * :func:`forward_tree` runs a model on a :class:`~ps_mcore.TreePlan` and returns packed
   logits / hidden states and per-token log-probs / entropy.
 """
 
+from ps_mcore.fsdp_bridge.dropout import hf_dropout_refusal
 from ps_mcore.fsdp_bridge.forward import TreeForwardOutput, forward_tree
 from ps_mcore.fsdp_bridge.hf_attention import (
     ATTN_NAME,
     DeferredMask,
+    TreeCall,
     base_implementation,
     disable_tree_attention,
     enable_tree_attention,
@@ -24,11 +26,13 @@ from ps_mcore.fsdp_bridge.unwrap import unwrap_model
 __all__ = [
     "ATTN_NAME",
     "DeferredMask",
+    "TreeCall",
     "TreeForwardOutput",
     "base_implementation",
     "disable_tree_attention",
     "enable_tree_attention",
     "forward_tree",
+    "hf_dropout_refusal",
     "prefix_tree_attention",
     "register_attention",
     "unwrap_model",

@@ -8,15 +8,18 @@ from typing import Any
 
 import torch
 
-from ps_mcore.fsdp_bridge.hf_attention import enable_tree_attention
+from ps_mcore.fsdp_bridge.dropout import hf_dropout_refusal
+from ps_mcore.fsdp_bridge.hf_attention import TreeCall
+from ps_mcore.fsdp_bridge.scope import tree_attention_scope
 from ps_mcore.fsdp_bridge.unwrap import unwrap_model
 from ps_mcore.logprobs import token_logprobs
+from ps_mcore.minibatch import ContextPlan
 from ps_mcore.planner import TreePlan
 
 # Inputs forward_tree builds itself from the plan; passing them too would contradict it.
 _RESERVED_KWARGS = (
-    "input_ids", "inputs_embeds", "position_ids", "attention_mask", "tree_plan",
-    "cache", "past_key_values", "labels",
+    "input_ids", "inputs_embeds", "position_ids", "attention_mask", "tree_call", "tree_plan",
+    "tree_backend", "cache", "past_key_values", "labels",
 )
 
 
@@ -38,8 +41,8 @@ class TreeForwardOutput:
 
 
 def _check_args(plan: Any, model_kwargs: dict, temperature: float) -> None:
-    if not isinstance(plan, TreePlan):
-        raise TypeError(f"plan must be a TreePlan, got {type(plan).__name__}")
+    if not isinstance(plan, (TreePlan, ContextPlan)):
+        raise TypeError(f"plan must be a TreePlan or a ContextPlan, got {type(plan).__name__}")
     clash = [k for k in _RESERVED_KWARGS if k in model_kwargs]
     if clash:
         raise ValueError(f"forward_tree builds {clash} from the plan; do not pass them")
@@ -81,20 +84,28 @@ def forward_tree(
     compute_entropy: bool = False,
     temperature: float = 1.0,
     backend: str = "auto",
+    shared_dropout: bool = False,
     **model_kwargs: Any,
 ) -> TreeForwardOutput:
     """Run a causal HF model once over ``plan``'s packed forest.
 
     The model (or a FSDP / DDP / PEFT / compiled wrapper of it: the wrapper's forward is
     called, so its hooks run) gets ``input_ids = plan.input_ids[None]``, ``position_ids =
-    plan.position_ids[None]`` (tree depths, so RoPE needs no patch) and ``tree_plan``; its
-    decoder is switched to ``"prefix_tree"`` attention (and stays switched: unshared calls
-    keep the stock implementation, see :func:`enable_tree_attention`).
+    plan.position_ids[None]`` (tree depths, so RoPE needs no patch) and ``tree_call`` (a
+    :class:`TreeCall` of the plan and backend, which FSDP's input casting leaves alone). Its
+    decoder runs ``"prefix_tree"`` attention for this call only: afterwards (also after an
+    exception) ``config._attn_implementation`` reads what it read before, and checkpointed
+    layers still recompute with the tree kernels in backward (:mod:`.scope`). Under
+    ``torch.compile`` the tree attention runs outside the compiled graphs (plan checks and
+    host-side layouts) and the packed length is marked dynamic, so plans of new lengths
+    reuse the compiled layers.
 
     Args:
         model: a causal LM (``*ForCausalLM``), a head model (token classification / value
             head: ``logits`` are its head output) or a bare decoder (hidden states only).
-        plan: the micro-batch's plan (moved to the model's device, cached).
+        plan: the micro-batch's plan (moved to the model's device, cached), or one call of a
+            cross-micro-batch schedule (:class:`~ps_mcore.minibatch.ContextPlan` with its
+            runtime: ``run_call`` of :class:`~ps_mcore.schedule.ScheduleRunner`).
         return_logits: keep the packed logits in the output.
         return_hidden_states: capture the decoder's last hidden state. Without logits or
             log-probs the LM head is skipped where the model supports ``logits_to_keep``.
@@ -102,6 +113,10 @@ def forward_tree(
             (each branch row normalised once).
         temperature: logits are divided by it for log-probs/entropy.
         backend: :func:`ps_mcore.tree_attention` backend.
+        shared_dropout: run active dropout (training mode) on the packed rows, one mask per
+            shared row common to the samples holding it (each sample's own mask
+            distribution is unchanged). False: such a model is refused with a message naming
+            its dropouts and their config keys. Attention dropout is refused either way.
         **model_kwargs: passed on to the model (not ``input_ids``/``attention_mask``/...).
 
     Returns:
@@ -110,11 +125,13 @@ def forward_tree(
     _check_args(plan, model_kwargs, temperature)
     inner = unwrap_model(model)
     _check_vocab(inner, plan)
+    refusal = hf_dropout_refusal(model, shared_dropout)
+    if refusal is not None:
+        raise ValueError(refusal)
     plan = plan.to(_model_device(inner))
-    enable_tree_attention(inner)
 
     need_logits = return_logits or compute_logprobs or compute_entropy
-    kwargs = dict(model_kwargs, use_cache=False, tree_plan=plan, tree_backend=backend)
+    kwargs = dict(model_kwargs, use_cache=False, tree_call=TreeCall(plan, backend))
     if not need_logits and _accepts(inner, "logits_to_keep"):
         kwargs["logits_to_keep"] = torch.zeros(0, dtype=torch.long, device=plan.device)
 
@@ -123,8 +140,12 @@ def forward_tree(
     hook = None
     if return_hidden_states and decoder is not inner:
         hook = decoder.register_forward_hook(lambda _m, _a, out: captured.append(out[0]))
+    input_ids, position_ids = plan.input_ids[None], plan.position_ids[None]
+    for rows in (input_ids, position_ids):  # T varies per plan: compiled layers stay dynamic in it
+        torch._dynamo.maybe_mark_dynamic(rows, 1)
     try:
-        out = model(input_ids=plan.input_ids[None], position_ids=plan.position_ids[None], **kwargs)
+        with tree_attention_scope(model):
+            out = model(input_ids=input_ids, position_ids=position_ids, **kwargs)
     finally:
         if hook is not None:
             hook.remove()

@@ -112,7 +112,8 @@ class SequenceParallelPlan:
         return local.to(self.plan.device)
 
     def attend(self, attention: Callable, module, query, key, value, attention_mask, **kwargs):
-        """Run ``attention`` (the tree attention function, HF signature) on the whole forest for
+        """Run ``attention`` (the tree attention function, HF signature; ``kwargs`` carry the
+        whole plan's call, ``tree_call=TreeCall(self.plan, ...)``) on the whole forest for
         this rank's heads. query ``[1, Hq, c, D]``, key/value ``[1, Hkv, c, D]`` -> output
         ``[1, c, Hq, D]``."""
         hq, hkv = query.size(1), key.size(1)
@@ -127,7 +128,7 @@ class SequenceParallelPlan:
         # [1, H, c, D] -> [1, H / sp, T_pad, D]: all rows for this rank's heads
         q, k, v = (AllToAll.apply(x, 1, 2, self.group)[:, :, :t] for x in (query, key, value))
         kwargs["position_ids"] = self.plan.position_ids[None]
-        out, _ = attention(module, q, k, v, attention_mask, tree_plan=self.plan, **kwargs)  # [1, T, H / sp, D]
+        out, _ = attention(module, q, k, v, attention_mask, **kwargs)  # [1, T, H / sp, D]
         pad = self.size * self.rows_per_rank - t
         if pad:
             out = torch.cat([out, out.new_zeros((1, pad) + tuple(out.shape[2:]))], dim=1)

@@ -39,6 +39,7 @@ from ps_mcore.layer_specs.conversion.gpt import (
     to_tree_spec,
 )
 from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
+from ps_mcore.layer_specs.modules.dropout import megatron_dropout_refusal
 from ps_mcore.layer_specs.modules.self_attention import TreeSelfAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.parallel.context_parallel import gather_cp_rows
@@ -60,6 +61,7 @@ __all__ = [
     "get_gpt_decoder_block_tree_spec",
     "get_gpt_layer_local_tree_spec",
     "get_gpt_layer_with_tree_attention_spec",
+    "megatron_dropout_refusal",
     "plan_fingerprint",
     "to_tree_spec",
     "token_logprobs",

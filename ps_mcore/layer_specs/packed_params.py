@@ -11,13 +11,14 @@ the same 2*cp chunks as the rows) and ``cp_layout`` carries this rank's share.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ps_mcore.layer_specs.parallel.cp_layout import CPLayout, build_cp_layout
+from ps_mcore.minibatch import ContextPlan
 from ps_mcore.planner import TreePlan, plan_unshared
 
 
@@ -26,21 +27,44 @@ class TreePackedSeqParams(PackedSeqParams):
     """Packed-sequence parameters of one prefix-forest micro-batch.
 
     Attributes (besides the stock ``PackedSeqParams`` fields):
-        plan: the micro-batch's :class:`TreePlan` (T packed tokens).
+        plan: the micro-batch's :class:`TreePlan` (T packed tokens), or one call of a
+            cross-micro-batch schedule (:class:`~ps_mcore.minibatch.ContextPlan`: its own rows,
+            attending also to kept context K/V).
         position_ids: ``[T_pad]`` original position of every packed row (padding rows: 0).
         cp_layout: this context-parallel rank's share of the rows (None without CP).
         multiplicity: ``[T_pad]`` int64, samples sharing each packed row (padding rows: 0);
             ``local_multiplicity()`` is this CP rank's share, sharded like the rows.
+        shared_dropout: a training model's ``hidden_dropout`` runs on the packed rows, one
+            mask per shared row common to the samples holding it (each sample's own mask
+            distribution is unchanged). False: the tree layers refuse it
+            (:mod:`ps_mcore.layer_specs.modules.dropout`).
+
+    Megatron hands this one object to every layer of the micro-batch, so what the layers
+    derive from it is kept on it, in three attributes set by ``__post_init__`` (not dataclass
+    fields: a copy made by ``dataclasses.replace``, as torch's input casting makes, derives
+    them again): ``host_bounds_twin`` (:meth:`for_unfused_rope`), ``local_multiplicity_rows``
+    (:meth:`local_multiplicity`) and ``rotary_tables`` (``(table, table[positions])`` of
+    ``modules.self_attention.tree_rotary_table``).
     """
 
-    plan: TreePlan | None = None
+    plan: TreePlan | ContextPlan | None = None
     position_ids: torch.Tensor | None = None
     cp_layout: CPLayout | None = None
     multiplicity: torch.Tensor | None = None
+    shared_dropout: bool = False
+
+    def __post_init__(self) -> None:
+        stock = getattr(super(), "__post_init__", None)
+        if stock is not None:  # megatron-core 0.19 derives seq_idx there
+            stock()
+        self.host_bounds_twin: TreePackedSeqParams | None = None
+        self.local_multiplicity_rows: torch.Tensor | None = None
+        self.rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_plan(
-        cls, plan: TreePlan, pad_to_multiple_of: int = 1, cp_size: int = 1, cp_rank: int = 0
+        cls, plan: TreePlan, pad_to_multiple_of: int = 1, cp_size: int = 1, cp_rank: int = 0,
+        shared_dropout: bool = False,
     ) -> "TreePackedSeqParams":
         """Parameters for ``plan`` (tensors on the plan's device).
 
@@ -54,9 +78,10 @@ class TreePackedSeqParams(PackedSeqParams):
             cp_size, cp_rank: the context-parallel group size and this rank. With CP the
                 T_pad rows are one THD sequence in Megatron's ``2*cp`` chunk layout: feed the
                 model ``cp_shard(plan.input_ids)``.
+            shared_dropout: opt in to dropout masks shared on shared rows (see the class).
         """
-        if not isinstance(plan, TreePlan):
-            raise TypeError(f"from_plan expects a TreePlan, got {type(plan).__name__}")
+        if not isinstance(plan, (TreePlan, ContextPlan)):
+            raise TypeError(f"from_plan expects a TreePlan or a ContextPlan, got {type(plan).__name__}")
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("cp_size", cp_size)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -69,6 +94,12 @@ class TreePackedSeqParams(PackedSeqParams):
             )
         if not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
+        if cp_size > 1 and isinstance(plan, ContextPlan):
+            raise NotImplementedError(
+                "a cross-micro-batch call (ContextPlan) cannot run under context parallelism "
+                f"(cp_size={cp_size}): its kept context K/V are not CP-sharded; plan mini-batches "
+                "whose sharing units fit the token budget under CP"
+            )
         t = plan.num_tokens
         t_pad = -(-t // multiple) * multiple
         if cp_size == 1:  # padding rows form their own sequence
@@ -76,13 +107,14 @@ class TreePackedSeqParams(PackedSeqParams):
         else:  # one sequence, so Megatron's THD RoPE slices its chunks as this layout does
             bounds, max_len = [0, t_pad], t_pad
             layout = build_cp_layout(plan, t_pad, cp_size, int(cp_rank))
+        # GPTModel's rotary table has max(max_seqlen_q, max_seqlen_kv) rows: a tree reaches depth
+        # < T, a schedule call's rows may sit deeper than its own count.
+        max_len = max(max_len, plan.max_seqlen_kv)
         cu = torch.tensor(bounds, dtype=torch.int32, device=plan.device)
         positions = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
         positions[:t] = plan.position_ids
         multiplicity = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
         multiplicity[:t] = plan.multiplicity
-        # The rotary table GPTModel builds has max(max_seqlen_q, max_seqlen_kv) rows; T covers
-        # every tree depth (max depth <= T).
         return cls(
             qkv_format="thd",
             cu_seqlens_q=cu,
@@ -93,6 +125,7 @@ class TreePackedSeqParams(PackedSeqParams):
             position_ids=positions,
             cp_layout=layout,
             multiplicity=multiplicity,
+            shared_dropout=bool(shared_dropout),
         )
 
     def for_unfused_rope(self, device: torch.device) -> "TreePackedSeqParams":
@@ -106,12 +139,10 @@ class TreePackedSeqParams(PackedSeqParams):
         host bounds): ``self`` unchanged."""
         if device.type == "npu":
             return self
-        cached = self.__dict__.get("_host_bounds")
-        if cached is None:
+        if self.host_bounds_twin is None:
             host = self.cu_seqlens_q.to("cpu", copy=True)  # once per micro-batch; its own tensor
-            cached = replace(self, cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host)
-            self.__dict__["_host_bounds"] = cached
-        return cached
+            self.host_bounds_twin = replace(self, cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host)
+        return self.host_bounds_twin
 
     @property
     def cp_size(self) -> int:
@@ -138,10 +169,9 @@ class TreePackedSeqParams(PackedSeqParams):
 
     def local_multiplicity(self) -> torch.Tensor:
         """``[T_pad / cp]`` int64: the multiplicity of this CP rank's rows (cached)."""
-        cached = self.__dict__.get("_local_multiplicity")
-        if cached is None:
-            cached = self.__dict__["_local_multiplicity"] = self.cp_shard(self.multiplicity)
-        return cached
+        if self.local_multiplicity_rows is None:
+            self.local_multiplicity_rows = self.cp_shard(self.multiplicity)
+        return self.local_multiplicity_rows
 
     @property
     def num_rows(self) -> int:
@@ -178,64 +208,97 @@ def segment_plan(lengths: list[int]) -> TreePlan:
     return plan_unshared(seqs)
 
 
-def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.device) -> TreePlan:
-    """The plan of an ordinary THD batch of ``rows`` rows (cached on ``packed_seq_params``).
+@dataclass(eq=False)
+class ThdBatchMemo:
+    """What the tree kernels derive from an ordinary THD batch (a standard ``PackedSeqParams``).
 
-    Sequences are laid out by ``cu_seqlens_q_padded`` when set (TE's convention: padding
-    rows sit at the end of each sequence, so causal masking keeps them from real rows),
-    else by ``cu_seqlens_q``; rows past the last boundary form one extra segment.
+    Megatron hands one params object to every layer of a micro-batch, so this memo rides on it
+    (one attribute, :func:`thd_batch_memo`): the sequence bounds are read to the host once per
+    micro-batch (one device sync), not once per layer.
+
+    Attributes:
+        bounds: the ``cu_seqlens`` tensor everything here was derived from
+            (``cu_seqlens_q_padded``, else ``cu_seqlens_q``). The tensor itself is held and
+            compared by identity, so params whose bounds were replaced derive again; no
+            recycled ``id`` can match.
+        host_bounds: ``[B+1]`` int64, its host copy.
+        plans: :func:`plan_for_thd`'s segment plans per ``(rows, device)``.
+        cp_layouts: :func:`thd_cp_layout`'s layouts per ``(cp_size, cp_rank, device)``.
     """
-    cu = packed_seq_params.cu_seqlens_q_padded
-    cu_kv = packed_seq_params.cu_seqlens_kv_padded
+
+    bounds: torch.Tensor
+    host_bounds: np.ndarray
+    plans: dict[tuple[int, torch.device], TreePlan] = field(default_factory=dict)
+    cp_layouts: dict[tuple[int, int, torch.device], CPLayout] = field(default_factory=dict)
+
+
+_THD_MEMO_ATTR = "ps_mcore_thd_memo"
+
+
+def thd_batch_memo(packed_seq_params: PackedSeqParams) -> ThdBatchMemo:
+    """The :class:`ThdBatchMemo` of an ordinary THD batch (made on first use, kept on it).
+
+    Sequences are laid out by ``cu_seqlens_q_padded`` when set (TE's convention: padding rows
+    sit at the end of each sequence, so causal masking keeps them from real rows), else by
+    ``cu_seqlens_q``; the kv bounds must be the same (self attention)."""
+    cu, cu_kv = packed_seq_params.cu_seqlens_q_padded, packed_seq_params.cu_seqlens_kv_padded
     if cu is None:
         cu, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
     if cu is None:
         raise ValueError("THD packed_seq_params need cu_seqlens_q (got None)")
-    key = (id(cu), rows, str(device))
-    cached = packed_seq_params.__dict__.get("_ps_mcore_plan")
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    memo = getattr(packed_seq_params, _THD_MEMO_ATTR, None)
+    if memo is not None and memo.bounds is cu:
+        return memo
     if cu_kv is not None and cu_kv is not cu and not torch.equal(cu_kv.cpu(), cu.cpu()):
-        raise NotImplementedError(
-            "THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported"
-        )
-    bounds = cu.tolist()
-    if bounds[0] != 0 or any(prev > nxt for prev, nxt in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
-    if bounds[-1] > rows:
-        raise ValueError(f"cu_seqlens end at {bounds[-1]} but the input has only {rows} rows")
-    lengths = np.diff(bounds).tolist() + [rows - bounds[-1]]
-    plan = segment_plan(lengths).to(device)
-    packed_seq_params.__dict__["_ps_mcore_plan"] = (key, plan)
-    return plan
+        raise NotImplementedError("THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported")
+    host = cu.cpu().numpy().astype(np.int64)
+    if host.size == 0 or host[0] != 0 or (np.diff(host) < 0).any():
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {host.tolist()}")
+    memo = ThdBatchMemo(cu, host)
+    setattr(packed_seq_params, _THD_MEMO_ATTR, memo)
+    return memo
+
+
+def plan_for_thd(packed_seq_params: PackedSeqParams, rows: int, device: torch.device) -> TreePlan:
+    """The plan of an ordinary THD batch of ``rows`` rows: one node per sequence of
+    :func:`thd_batch_memo`'s bounds; rows past the last boundary form one extra segment."""
+    memo = thd_batch_memo(packed_seq_params)
+    key = (rows, torch.device(device))
+    if key not in memo.plans:
+        bounds = memo.host_bounds
+        if bounds[-1] > rows:
+            raise ValueError(f"cu_seqlens end at {bounds[-1]} but the input has only {rows} rows")
+        memo.plans[key] = segment_plan(np.diff(bounds).tolist() + [rows - int(bounds[-1])]).to(device)
+    return memo.plans[key]
 
 
 def thd_cp_layout(packed_seq_params: PackedSeqParams, cp_size: int, cp_rank: int, device: torch.device) -> CPLayout:
-    """This CP rank's layout of an ordinary THD batch under context parallelism (cached on
-    ``packed_seq_params``): every sequence of ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``)
-    is its own node, cut into ``2*cp`` chunks on its own (verl's ``preprocess_thd_engine``)."""
-    cu = packed_seq_params.cu_seqlens_q_padded
-    if cu is None:
-        cu = packed_seq_params.cu_seqlens_q
-    if cu is None:
-        raise ValueError("THD packed_seq_params need cu_seqlens_q (got None)")
-    key = (id(cu), cp_size, cp_rank, str(device))
-    cached = packed_seq_params.__dict__.get("_ps_mcore_cp_layout")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    kv = packed_seq_params.cu_seqlens_kv_padded
-    if kv is None:
-        kv = packed_seq_params.cu_seqlens_kv
-    if kv is not None and kv is not cu and not torch.equal(kv.cpu(), cu.cpu()):
-        raise NotImplementedError("THD self attention with cu_seqlens_kv != cu_seqlens_q is not supported")
-    bounds = cu.cpu().numpy().astype(np.int64)
-    lengths = np.diff(bounds)
-    if bounds[0] != 0 or (lengths < 0).any() or (lengths % (2 * cp_size)).any():
-        raise ValueError(
-            f"under context parallelism (cp={cp_size}) every THD sequence must be padded to a "
-            f"multiple of 2*cp={2 * cp_size} (cu_seqlens_q_padded), got {bounds.tolist()}"
-        )
-    plan = segment_plan(lengths.tolist()).to(device)
-    layout = build_cp_layout(plan, int(bounds[-1]), cp_size, cp_rank, cu_seqlens=bounds)
-    packed_seq_params.__dict__["_ps_mcore_cp_layout"] = (key, layout)
-    return layout
+    """This CP rank's layout of an ordinary THD batch under context parallelism: every
+    sequence of :func:`thd_batch_memo`'s bounds is its own node, cut into ``2*cp`` chunks on
+    its own (verl's ``preprocess_thd_engine``)."""
+    memo = thd_batch_memo(packed_seq_params)
+    key = (cp_size, cp_rank, torch.device(device))
+    if key not in memo.cp_layouts:
+        bounds = memo.host_bounds
+        lengths = np.diff(bounds)
+        if (lengths % (2 * cp_size)).any():
+            raise ValueError(
+                f"under context parallelism (cp={cp_size}) every THD sequence must be padded to a "
+                f"multiple of 2*cp={2 * cp_size} (cu_seqlens_q_padded), got {bounds.tolist()}"
+            )
+        plan = segment_plan(lengths.tolist()).to(device)
+        memo.cp_layouts[key] = build_cp_layout(plan, int(bounds[-1]), cp_size, cp_rank, cu_seqlens=bounds)
+    return memo.cp_layouts[key]
+
+
+def schedule_call_refusal(packed_seq_params: PackedSeqParams, layer: str) -> str | None:
+    """Why a ``layer`` layer cannot run this batch, when it is one call of a cross-micro-batch
+    schedule (None otherwise): its state across rows (a recurrent state, a conv window) would
+    have to be kept between calls."""
+    if not isinstance(getattr(packed_seq_params, "plan", None), ContextPlan):
+        return None
+    return (
+        f"{layer} layers cannot run a cross-micro-batch schedule call: the kept state of a "
+        "prefix would be their recurrent state and conv window, which is not implemented; "
+        "give hybrid models a token budget that holds every sharing unit"
+    )

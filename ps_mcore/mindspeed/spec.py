@@ -35,6 +35,7 @@ from typing import Any, Callable
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ps_mcore.layer_specs import to_tree_spec
+from ps_mcore.mindspeed.state import RESET_ATTENTION_MASK_REFUSAL
 
 SPEC_ENTRY = ("ps_mcore.mindspeed.spec", "get_tree_spec")
 BASE_SPEC_ARG = "tree_base_spec"
@@ -85,10 +86,8 @@ def _import_base_spec(pair) -> Any:
 
 def check_args(args: Any) -> None:
     """Refuse Megatron/MindSpeed args under which a tree model cannot run tree batches."""
-    from ps_mcore.mindspeed.state import RESET_ATTENTION_MASK_REASON
-
     if getattr(args, "reset_attention_mask", False):
-        raise ValueError(f"tree specs cannot run here: {RESET_ATTENTION_MASK_REASON}")
+        raise ValueError(f"tree specs cannot run here: {RESET_ATTENTION_MASK_REFUSAL}")
     if getattr(args, "apply_rope_fusion", False):
         raise ValueError(
             "tree specs need apply_rope_fusion=False (Megatron-LM's default is True): fused RoPE "

@@ -34,13 +34,13 @@ UTILS = "mindspeed.utils"  # verl's set_position_ids
 ARGS_UTILS = "mindspeed.args_utils"
 MEGATRON_GLOBAL_VARS = "megatron.training.global_vars"
 
-RESET_ATTENTION_MASK_REASON = (
+RESET_ATTENTION_MASK_REFUSAL = (
     "MindSpeed's reset-attention-mask feature is on (verl's mindspeed engine default): its "
     "GPTModel.forward wrapper rebuilds packed_seq_params from MindSpeed's global "
     "actual_seq_len, which drops the prefix-tree plan; set reset_attention_mask=False "
     "(actor_rollout_ref.actor.mindspeed.mcore_kwargs, or megatron.override_transformer_config)"
 )
-CONTEXT_PARALLEL_REASON = (
+CONTEXT_PARALLEL_REFUSAL = (
     "context parallelism under MindSpeed is not supported for tree batches (MindSpeed's CP "
     "algorithms patch attention and slice batches through its global state)"
 )
@@ -80,9 +80,9 @@ def mindspeed_refusal() -> str | None:
     if not mindspeed_loaded():
         return None
     if reset_attention_mask_active():
-        return RESET_ATTENTION_MASK_REASON
+        return RESET_ATTENTION_MASK_REFUSAL
     if _context_parallel_size() > 1:
-        return CONTEXT_PARALLEL_REASON
+        return CONTEXT_PARALLEL_REFUSAL
     return None
 
 
@@ -118,7 +118,7 @@ def set_tree_sequence_state(psp) -> bool:
     if reason is not None:
         raise NotImplementedError(reason)
     if getattr(psp, "cp_layout", None) is not None:
-        raise NotImplementedError(CONTEXT_PARALLEL_REASON)
+        raise NotImplementedError(CONTEXT_PARALLEL_REFUSAL)
     cu, positions = tree_sequence_state(psp)
     if batch_utils is not None:
         batch_utils.set_actual_seq_len(cu)

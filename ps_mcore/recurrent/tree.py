@@ -179,8 +179,7 @@ class RecurrentTree:
 def recurrent_tree(plan: TreePlan, rows: int) -> RecurrentTree:
     """The plan's :class:`RecurrentTree` for ``rows`` rows, cached on the plan (every
     recurrent layer of a micro-batch shares one)."""
-    key = ("recurrent_tree", rows)
-    tree = plan._cache.get(key)
-    if tree is None:
-        tree = plan._cache[key] = RecurrentTree(plan, rows)
-    return tree
+    trees = plan.memo.recurrent_trees
+    if rows not in trees:
+        trees[rows] = RecurrentTree(plan, rows)
+    return trees[rows]

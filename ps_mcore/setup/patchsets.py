@@ -2,8 +2,8 @@
 which integration glue it installs; the glue itself lives in ``ps_mcore.integrations``.
 
 Supporting a new verl release: add ``ps_mcore/integrations/verl0XY/`` (a sibling of
-``verl080``) and one :class:`Patchset` entry here. Integrations are imported only inside
-``install``, so detecting a stack imports no verl / megatron-core.
+``verl080``) and one :class:`Patchset` entry here. The glue imports verl / megatron-core only
+inside ``install``, so detecting a stack imports neither.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Callable
 
 from ps_mcore.integrations.env import distribution_version, module_importable
-from ps_mcore.integrations.patching import Patcher
+from ps_mcore.integrations.verl080.install import install_common, install_fsdp_engines, install_megatron_engines
 from ps_mcore.setup.registry import Component, Patchset, register
 
 
-def verl080_reason() -> str | None:
+def verl080_refusal() -> str | None:
     """None when verl 0.8.0 is installed, else why not."""
     version = distribution_version("verl")
     if version is None:
@@ -25,7 +25,7 @@ def verl080_reason() -> str | None:
     return None
 
 
-def mcore016_reason() -> str | None:
+def mcore016_refusal() -> str | None:
     """None when megatron-core 0.16.x is installed, else why not."""
     mcore = distribution_version("megatron-core", "megatron_core")
     if mcore is None and not module_importable("megatron.core"):
@@ -35,7 +35,7 @@ def mcore016_reason() -> str | None:
     return None
 
 
-def mindspeed016_reason() -> str | None:
+def mindspeed016_refusal() -> str | None:
     """None when MindSpeed is absent (GPU) or 0.16 (Ascend), else why not."""
     mindspeed = distribution_version("mindspeed")
     if mindspeed is not None and not mindspeed.startswith("0.16"):
@@ -43,11 +43,11 @@ def mindspeed016_reason() -> str | None:
     return None
 
 
-def transformers_reason() -> str | None:
+def transformers_refusal() -> str | None:
     return "transformers is not installed" if distribution_version("transformers") is None else None
 
 
-def first_reason(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
+def first_refusal(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
     """A ``detect`` function: the first check's reason, None when every check passes."""
 
     def detect() -> str | None:
@@ -60,32 +60,14 @@ def first_reason(*checks: Callable[[], str | None]) -> Callable[[], str | None]:
     return detect
 
 
-def _install_verl080_common(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.install import install_common
-
-    install_common(patcher)
-
-
-def _install_verl080_megatron(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.install import install_megatron_engines
-
-    install_megatron_engines(patcher)
-
-
-def _install_verl080_fsdp(patcher: Patcher) -> None:
-    from ps_mcore.integrations.verl080.install import install_fsdp_engines
-
-    install_fsdp_engines(patcher)
-
-
-VERL080_COMMON = Component(name="verl080_common", install=_install_verl080_common)
+VERL080_COMMON = Component(name="verl080_common", install=install_common)
 
 VERL080_MCORE = register(
     Patchset(
         name="verl080_mcore0161_ms0160",
         description="verl 0.8.0 Megatron engine, megatron-core 0.16.x, MindSpeed 0.16.0 (optional)",
-        detect=first_reason(verl080_reason, mcore016_reason, mindspeed016_reason),
-        install=_install_verl080_megatron,
+        detect=first_refusal(verl080_refusal, mcore016_refusal, mindspeed016_refusal),
+        install=install_megatron_engines,
         components=(VERL080_COMMON,),
     )
 )
@@ -94,8 +76,8 @@ VERL080_FSDP = register(
     Patchset(
         name="verl080_fsdp",
         description="verl 0.8.0 FSDP / FSDP2 engines with Hugging Face transformers",
-        detect=first_reason(verl080_reason, transformers_reason),
-        install=_install_verl080_fsdp,
+        detect=first_refusal(verl080_refusal, transformers_refusal),
+        install=install_fsdp_engines,
         components=(VERL080_COMMON,),
     )
 )

@@ -32,9 +32,11 @@ class Patchset:
     Attributes:
         name: the value users put in ``PREFIX_SHARING_PATCHSET``.
         description: the stack in words.
-        detect: returns None when the stack is present, else the reason it is not.
+        detect: returns None when the stack is present, else the reason it is not (cheap:
+            package metadata, no imports of the stack).
         components: shared components, installed in order before ``install``.
-        install: applies this patchset's own patches through the given :class:`Patcher`.
+        install: applies this patchset's own patches through the given :class:`Patcher`,
+            each deferred until its module is imported (:meth:`Patcher.when_imported`).
     """
 
     name: str
@@ -65,29 +67,47 @@ def register(patchset: Patchset) -> Patchset:
     return patchset
 
 
-def detect() -> dict[str, str | None]:
-    """Every known patchset -> None if its stack is installed, else why not."""
-    return {name: ps.detect() for name, ps in PATCHSETS.items()}
+@dataclass(frozen=True)
+class StackStatus:
+    """Whether a patchset's stack is installed: ``available``, else ``refusal`` says why not.
+    True in a boolean context when available; prints as ``available`` or
+    ``not available (<refusal>)``."""
+
+    refusal: str | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.refusal is None
+
+    def __bool__(self) -> bool:
+        return self.available
+
+    def __str__(self) -> str:
+        return "available" if self.available else f"not available ({self.refusal})"
+
+    __repr__ = __str__
 
 
-def _describe(status: dict[str, str | None]) -> str:
-    lines = []
-    for name, reason in status.items():
-        lines.append(f"  {name}: " + ("compatible" if reason is None else f"not available ({reason})"))
-    return "\n".join(lines)
+def detect() -> dict[str, StackStatus]:
+    """Every known patchset -> whether its stack is installed (imports none of it)."""
+    return {name: StackStatus(ps.detect()) for name, ps in PATCHSETS.items()}
+
+
+def _describe(status: dict[str, StackStatus]) -> str:
+    return "\n".join(f"  {name}: {state}" for name, state in status.items())
 
 
 def _select(patchsets: list[str] | None) -> list[str]:
     status = detect()
     if patchsets is None:
-        return [name for name, reason in status.items() if reason is None]
+        return [name for name, state in status.items() if state.available]
     unknown = [n for n in patchsets if n not in PATCHSETS]
     if unknown:
         raise ValueError(
             f"unknown prefix-sharing patchset(s) {unknown}; known patchsets on this machine:\n"
             + _describe(status)
         )
-    missing = [n for n in patchsets if status[n] is not None]
+    missing = [n for n in patchsets if not status[n].available]
     if missing:
         raise RuntimeError(
             f"prefix-sharing patchset(s) {missing} requested but their stack is not installed; "
@@ -96,11 +116,28 @@ def _select(patchsets: list[str] | None) -> list[str]:
     return list(dict.fromkeys(patchsets))
 
 
-def _install_component(comp: Component, user: str) -> None:
+def _on_deferred_error(users: Callable[[], list[str]], explicit: bool) -> Callable[[str, Exception], None]:
+    """What happens when a deferred patch fails while the program imports its module: the
+    patchsets involved are removed (verl runs its own code); an explicitly requested one
+    raises from that import, an automatically selected one warns once."""
+
+    def handle(module: str, err: Exception) -> None:
+        names = users()
+        uninstall(names)
+        message = (f"patchset(s) {names} could not patch {module} ({type(err).__name__}: {err}); "
+                   "removed: verl runs its own code")
+        if explicit:
+            raise RuntimeError(f"[prefix_sharing] {message}") from err
+        warn_once(f"deferred:{names}:{module}", message)
+
+    return handle
+
+
+def _install_component(comp: Component, user: str, explicit: bool) -> None:
     if comp.name in _COMPONENTS:
         _COMPONENTS[comp.name][1].add(user)
         return
-    patcher = Patcher()
+    patcher = Patcher(_on_deferred_error(lambda: sorted(_COMPONENTS.get(comp.name, (None, {user}))[1]), explicit))
     try:
         comp.install(patcher)
     except BaseException:
@@ -127,6 +164,9 @@ def install(patchsets: list[str] | str | None = None) -> list[str]:
             installed (``PREFIX_SHARING_PATCHSET`` is not read here; ``import prefix_sharing``
             passes it).
 
+    Each patch is applied when the program imports its verl module (at once for modules
+    already imported), so installing imports no verl engine code.
+
     Returns:
         The names installed now or before, in install order.
 
@@ -140,7 +180,7 @@ def install(patchsets: list[str] | str | None = None) -> list[str]:
         if name in _INSTALLED:
             continue
         try:
-            _install_one(PATCHSETS[name])
+            _install_one(PATCHSETS[name], explicit=patchsets is not None)
         except Exception as err:
             if patchsets is not None:
                 raise
@@ -149,11 +189,11 @@ def install(patchsets: list[str] | str | None = None) -> list[str]:
     return list(_INSTALLED)
 
 
-def _install_one(ps: Patchset) -> None:
-    patcher = Patcher()
+def _install_one(ps: Patchset, explicit: bool) -> None:
+    patcher = Patcher(_on_deferred_error(lambda: [ps.name], explicit))
     try:
         for comp in ps.components:
-            _install_component(comp, ps.name)
+            _install_component(comp, ps.name, explicit)
         ps.install(patcher)
     except BaseException:
         patcher.restore()
@@ -165,7 +205,8 @@ def _install_one(ps: Patchset) -> None:
 
 @_locked
 def uninstall(patchsets: list[str] | None = None) -> None:
-    """Remove installed patchsets (all by default), restoring every patched attribute."""
+    """Remove installed patchsets (all by default), restoring every patched attribute and
+    cancelling the patches still waiting for their module."""
     names = list(_INSTALLED) if patchsets is None else [n for n in patchsets if n in _INSTALLED]
     for name in reversed(names):
         _INSTALLED.pop(name).restore()

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+from ps_mcore.multimodal import image_key, keyed_sequence
 from ps_mcore.planner import TreePlan, plan_prefix_tree
 
 
@@ -69,8 +70,6 @@ def sharing_sequences(data, images: ImageTokens | None = None) -> list[np.ndarra
     """The sequences the tree is planned on: the tokens, with every image placeholder run
     replaced by a key naming the image's content when ``images`` is given and the batch holds
     images (so different images under one prompt are not shared; equal ones are)."""
-    from ps_mcore.multimodal import image_key, keyed_sequence
-
     seqs = sequences(data)
     if images is None or "multi_modal_inputs" not in data.keys():
         return seqs
@@ -177,7 +176,7 @@ def batch_temperature(temp) -> float | torch.Tensor:
     return values
 
 
-def lm_head_batch_reason(batch) -> str | None:
+def lm_head_batch_refusal(batch) -> str | None:
     """Why an LM micro-batch's log-prob request cannot take the tree path (None: it can)."""
     if batch_flag(batch, "calculate_sum_pi_squared"):
         return "calculate_sum_pi_squared is not supported"

@@ -30,6 +30,8 @@ from ps_mcore.planner import MODES
 
 ENGINE_ATTR = "ps_mcore_prefix_sharing"
 CONFIG_ATTR = "prefix_grouper"
+# How a verl user opts in to dropout masks shared on shared rows (named in fallback warnings).
+SHARED_DROPOUT_OPT_IN = "actor_rollout_ref.actor.prefix_grouper.shared_dropout=true"
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,27 @@ class PrefixGrouperConfig(Mapping):
         min_saved_fraction: a micro-batch whose plan saves less than this fraction of its
             tokens (1 - T/N) runs verl's stock forward instead (default 0.05: below ~5% the
             gather and plan overhead eats the gain).
+        cross_microbatch: with a token budget (``use_dynamic_bsz``), sharing units larger
+            than the budget are computed once across micro-batches, their prefixes' K/V kept
+            (:mod:`ps_mcore.minibatch`), instead of split into pieces that each recompute the
+            prefix they share (False: split them, as before).
+        kv_row_cost: budget tokens a kept prefix K/V row costs in that schedule; None (the
+            default) estimates it from the model's shape
+            (:func:`ps_mcore.minibatch.kept_kv_row_cost`).
+        shared_dropout: run a training model's dropouts (Megatron ``hidden_dropout``, HF
+            residual / classifier dropouts, ``lora_dropout``) on the packed rows, one mask
+            per shared row common to the samples holding it (each sample's own mask
+            distribution is unchanged). False (default): micro-batches of such a model run
+            verl's stock forward, with one warning naming the dropouts and their keys.
     """
 
     mode: str = "prompt_only"
     min_prefix_len: int = 8
     min_group_size: int = 2
     min_saved_fraction: float = 0.05
+    cross_microbatch: bool = True
+    kv_row_cost: float | None = None
+    shared_dropout: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -63,6 +80,17 @@ class PrefixGrouperConfig(Mapping):
                 raise ValueError(
                     f"actor_rollout_ref.actor.prefix_grouper.{name}={value!r}: must be a positive integer"
                 )
+        for name in ("cross_microbatch", "shared_dropout"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"actor_rollout_ref.actor.prefix_grouper.{name}={getattr(self, name)!r}: must be true or false"
+                )
+        cost = self.kv_row_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 < cost <= 1):
+            raise ValueError(
+                f"actor_rollout_ref.actor.prefix_grouper.kv_row_cost={cost!r}: must be in (0, 1] "
+                "(budget tokens per kept K/V row) or null (estimated from the model)"
+            )
         frac = self.min_saved_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac < 1.0:
             raise ValueError(

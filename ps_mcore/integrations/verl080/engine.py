@@ -36,6 +36,7 @@ class MicroBatchContext:
     setting: PrefixSharingSetting
     tokens: tuple[int, int] | None = None  # (N, T) once the forward decided
     plan: TreePlan | None = None  # made while sizing micro-batches, when the micro-batcher ran
+    schedule_step: int | None = None  # the cross-micro-batch schedule step this batch runs
 
     def record(self, n: int, t: int) -> None:
         self.tokens = (int(n), int(t))
@@ -50,11 +51,16 @@ class EngineStep:
         plans: ``id(micro-batch) -> (micro-batch, TreePlan)`` made by the micro-batcher while
             sizing (:meth:`carried_plan` checks the identity).
         micro: the micro-batch whose ``forward_step`` runs now (None between steps).
+        forward_only: the step computes no gradients (a log-prob pass).
+        schedule: the cross-micro-batch schedule of the units larger than the token budget
+            (:mod:`ps_mcore.integrations.verl080.schedule`), when the micro-batcher made one.
     """
 
     engine: Any
     plans: dict[int, tuple[Any, TreePlan]] = field(default_factory=dict)
     micro: MicroBatchContext | None = None
+    forward_only: bool = False
+    schedule: Any = None
 
     def carried_plan(self, batch) -> TreePlan | None:
         """The plan the micro-batcher made for exactly this micro-batch object (or None)."""
@@ -79,18 +85,31 @@ def with_engine_context(original: Callable) -> Callable:
     """Wrap ``forward_backward_batch`` so helpers called inside know the engine."""
 
     def forward_backward_batch(self, *args, **kwargs):
-        token = _STEP.set(EngineStep(engine=self))
+        # verl's signature: (data, loss_function, forward_only=False)
+        forward_only = kwargs.get("forward_only", args[2] if len(args) > 2 else False)
+        step = EngineStep(engine=self, forward_only=bool(forward_only))
+        token = _STEP.set(step)
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+            if step.schedule is not None:  # the last releases (no-op where the schedule ran them)
+                step.schedule.finish()
+            return result
         finally:
             _STEP.reset(token)
 
     return forward_backward_batch
 
 
-def prefix_aware(stock: Callable, images_of: Callable[[Any], Any] | None = None) -> Callable:
-    """Replacement for an engine module's ``prepare_micro_batches`` name (verl's signature);
-    ``images_of(engine)``: the engine model's image placeholder layout (vision-language), or None."""
+def prefix_aware(
+    stock: Callable,
+    scheduler_for: Callable | None = None,
+    images_of: Callable[[Any], Any] | None = None,
+) -> Callable:
+    """Replacement for an engine module's ``prepare_micro_batches`` name (verl's signature).
+
+    ``scheduler_for(step, setting, data)`` gives the engine step's cross-micro-batch scheduler
+    (:class:`~ps_mcore.integrations.verl080.schedule.MiniBatchScheduler`) or None;
+    ``images_of(engine)`` the engine model's image placeholder layout (vision-language), or None."""
 
     def prepare_micro_batches(
         data,
@@ -112,9 +131,13 @@ def prefix_aware(stock: Callable, images_of: Callable[[Any], Any] | None = None)
         if setting is None:
             return stock(data=data, **options)
         images = None if images_of is None else images_of(step.engine)
-        return prefix_aware_prepare_micro_batches(
-            data, setting.config, stock, plans=step.plans, images=images, **options
+        scheduler = None if scheduler_for is None else scheduler_for(step, setting, data)
+        result = prefix_aware_prepare_micro_batches(
+            data, setting.config, stock, plans=step.plans, images=images, scheduler=scheduler, **options
         )
+        if scheduler is not None and scheduler.schedule is not None and scheduler.schedule.batches:
+            step.schedule = scheduler.schedule
+        return result
 
     return prepare_micro_batches
 
@@ -156,6 +179,8 @@ def run_step_with_context(engine, batch_iter, call: Callable[[Any], tuple]):
     if step is None or step.engine is not engine:  # a forward_step called on its own
         step = EngineStep(engine=engine)
     micro = MicroBatchContext(engine=engine, batch=batch, setting=setting, plan=step.carried_plan(batch))
+    if step.schedule is not None:
+        micro.schedule_step = step.schedule.step_of(batch)
     previous = step.micro
     step.micro = micro
     token = _STEP.set(step)

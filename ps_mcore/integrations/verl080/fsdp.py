@@ -7,10 +7,11 @@ metrics) runs unchanged around them:
 * ``prepare_model_inputs``: plans the micro-batch's nested ``input_ids`` (prompt lengths and
   ``uid`` for ``prompt_only``, exactly as the Megatron glue) and returns model inputs for one
   packed row: ``input_ids = plan.input_ids[None]``, ``position_ids = plan.position_ids[None]``
-  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and ``tree_plan=plan``,
-  which the ``"prefix_tree"`` attention of :mod:`ps_mcore.fsdp_bridge` reads. The model's
-  decoder is switched to that attention on first use (unshared calls keep its own one; the
-  patchset's uninstall switches it back).
+  (tree depths, so HF RoPE needs no patch), ``attention_mask=None`` and
+  ``tree_call=TreeCall(plan)``, which the ``"prefix_tree"`` attention of
+  :mod:`ps_mcore.fsdp_bridge` reads (FSDP2's input cast of verl's mixed-precision policy
+  passes it through unchanged). The model's decoder is switched to that attention on first
+  use (unshared calls keep its own one; the patchset's uninstall switches it back).
 * ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
   :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature (one float, or per
   sample: a shared row is normalised once per distinct temperature); value head (token
@@ -30,17 +31,23 @@ replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.mic
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
-rule) and for what the tree path does not support: VLM inputs, ``calculate_sum_pi_squared``,
-distillation top-k, position ids other than ``0..len-1``, attention dropout, trl value-head
-wrappers, engine subclasses that override these seams (VeOmni), and fused kernels without
-``use_remove_padding``, behind a model's own fused forward (the VLM ones) or with Ulysses SP.
-When a whole batch is known to fall back (VLM, fused kernels without remove-padding),
-micro-batching stays verl's, so the stock forward keeps the raw-token budget it was sized for.
+rule) and for what the tree path does not support: ``calculate_sum_pi_squared``,
+distillation top-k, position ids other than ``0..len-1``, active dropout of a training model
+(attention dropout always; residual / classifier / LoRA dropouts unless
+``prefix_grouper.shared_dropout``), trl value-head wrappers, engine subclasses that override
+these seams (VeOmni), VLM inputs other than Qwen2-VL / Qwen2.5-VL images, and fused kernels
+without ``use_remove_padding``, behind a model's own fused forward (the VLM ones), with a
+temperature tensor or with Ulysses SP. When a whole batch is known to fall back (fused kernels
+without remove-padding), micro-batching stays verl's, so the stock forward keeps the raw-token
+budget it was sized for.
 
 Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``): the packed tree rows
 are split over the SP ranks and the ``"prefix_tree"`` attention runs an all-to-all around
 tree attention (:mod:`ps_mcore.fsdp_bridge.sequence_parallel`); log-probs, entropy and values
 come back complete on every SP rank with verl's gradient scaling.
+
+Cross-micro-batch schedules are refused (:data:`FSDP_SCHEDULE_REFUSAL`): sharing units larger
+than the token budget are split, as before.
 """
 
 from __future__ import annotations
@@ -50,28 +57,42 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
+from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
+from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     batch_temperature,
-    lm_head_batch_reason,
+    lm_head_batch_refusal,
     nested_like,
     sequence_lengths,
     sequences,
 )
+from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
+    install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.integrations.verl080.fused import (
+    FUSED_ROWS_KWARG,
+    enable_tree_fused_forward,
+    fused_forward_refusal,
+)
+from ps_mcore.integrations.verl080.schedule import scheduler_for
 from ps_mcore.integrations.verl080.vision import (
     engine_image_tokens,
     is_vision_batch,
+    record_hf_attention_forwards,
     route_tree_attention,
     tree_vision_inputs,
     vlm_refusal,
 )
+from ps_mcore.logprobs import labelled_rows, token_logprobs
+from ps_mcore.multimodal import with_tokens
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
 PLAN_KEY = "ps_mcore_tree_plan"
@@ -89,11 +110,9 @@ def _impl():
 # ----------------------------------------------------------------------------- checks
 
 
-def batch_fallback_reason(batch) -> str | None:
+def batch_flags_refusal(batch) -> str | None:
     """Why every micro-batch of ``batch`` takes verl's stock path, judged from the batch's
     own flags (so micro-batching can stay stock too); None if nothing rules it out."""
-    from verl.utils import tensordict_utils as tu
-
     if batch_flag(batch, "use_fused_kernels") and not batch_flag(batch, "use_remove_padding", True):
         return (
             "use_fused_kernels=True with use_remove_padding=False (verl's fused forward returns a "
@@ -125,14 +144,14 @@ def _positions_are_offsets(batch) -> bool:
     return torch.equal(values, expected.to(values.dtype))
 
 
-def fsdp_fallback_reason(engine, batch) -> str | None:
+def fsdp_batch_refusal(engine, batch) -> str | None:
     """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
 
     if _overrides_seams(engine):
         return f"{type(engine).__name__} overrides the FSDP engine's model input/output methods"
-    reason = batch_fallback_reason(batch)
+    reason = batch_flags_refusal(batch)
     if reason is not None:
         return reason
     if tu.get_non_tensor_data(batch, key="pad_mode", default=DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
@@ -146,19 +165,19 @@ def fsdp_fallback_reason(engine, batch) -> str | None:
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        reason = lm_head_batch_reason(batch)
+        reason = lm_head_batch_refusal(batch)
         if reason is not None:
             return reason
         if batch_flag(batch, "use_fused_kernels"):
-            reason = _fused_reason(engine, batch)
+            reason = _fused_refusal(engine, batch)
             if reason is not None:
                 return reason
-    return _model_reason(engine.module)
+    setting = active_setting(engine)
+    return _model_refusal(engine.module, setting is not None and setting.config.shared_dropout)
 
 
-def _fused_reason(engine, batch) -> str | None:
-    from ps_mcore.integrations.verl080.fused import fused_forward_refusal
-
+def _fused_refusal(engine, batch) -> str | None:
+    """Why verl's fused forward cannot run this LM micro-batch on the tree (None: it can)."""
     if isinstance(batch["temperature"], torch.Tensor):
         return "use_fused_kernels=True with a temperature tensor (verl's fused forward refuses it)"
     if getattr(engine, "use_ulysses_sp", False):
@@ -166,19 +185,14 @@ def _fused_reason(engine, batch) -> str | None:
     return fused_forward_refusal(engine.module)
 
 
-def _model_reason(module) -> str | None:
-    from ps_mcore.fsdp_bridge import unwrap_model
-
+def _model_refusal(module, shared_dropout: bool = False) -> str | None:
     if hasattr(module, "v_head"):
         return "trl value-head wrappers (AutoModelForCausalLMWithValueHead) are not supported"
     try:
-        inner = unwrap_model(module)
+        unwrap_model(module)
     except ValueError as err:
         return str(err)
-    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-    if inner.training and getattr(config, "attention_dropout", 0.0):
-        return "attention dropout is not supported by prefix-tree attention"
-    return None
+    return hf_dropout_refusal(module, shared_dropout, SHARED_DROPOUT_OPT_IN)
 
 
 # ----------------------------------------------------------------------------- tree path
@@ -187,9 +201,6 @@ def _model_reason(module) -> str | None:
 def _switch_attention(module: torch.nn.Module, patcher) -> None:
     """``enable_tree_attention`` on the engine's model, recorded in the patchset's patcher
     so that uninstalling gives the model its own implementation back."""
-    from ps_mcore.fsdp_bridge import enable_tree_attention
-    from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
-
     for config in enable_tree_attention(module):
         config._attn_implementation_internal = base_implementation(config)
         patcher.set(config, "_attn_implementation_internal", ATTN_NAME)
@@ -204,8 +215,6 @@ def tree_model_inputs(
 
     Shapes: ``input_ids`` / ``position_ids`` ``[1, T]`` (``[1, ceil(T / sp)]`` under SP).
     """
-    from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan
-
     plan = plan.to(micro_batch["input_ids"].device)
     sp_plan = None
     if sp_group is not None and dist.get_world_size(sp_group) > 1:
@@ -215,13 +224,10 @@ def tree_model_inputs(
         "input_ids": rows(plan.input_ids)[None],
         "attention_mask": None,
         "position_ids": rows(plan.position_ids)[None],
-        "tree_plan": plan if sp_plan is None else sp_plan,
+        "tree_call": TreeCall(plan if sp_plan is None else sp_plan),
     }
     output_args = {PLAN_KEY: plan, TEMPERATURE_KEY: temperature, SP_PLAN_KEY: sp_plan}
     if fused:
-        from ps_mcore.integrations.verl080.fused import FUSED_ROWS_KWARG
-        from ps_mcore.logprobs import labelled_rows
-
         rows = labelled_rows(plan)
         model_inputs.update({FUSED_ROWS_KWARG: rows, "temperature": temperature, "return_dict": True})
         output_args[FUSED_ROWS_KWARG] = rows
@@ -241,21 +247,17 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
-        reason = fsdp_fallback_reason(self, source)
+        reason = fsdp_batch_refusal(self, source)
         images = engine_image_tokens(self) if reason is None and is_vision_batch(source) else None
         plan = plan_or_stock("FSDP", micro, setting, source, n, reason, images)
         if plan is None:
             return original(self, micro_batch)
         _switch_attention(self.module, patcher)
         if images is not None:
-            from ps_mcore.multimodal import with_tokens
-
             plan = with_tokens(plan, sequences(source))  # planned on image keys
             route_tree_attention(self.module, patcher)
         fused = batch_flag(source, "use_fused_kernels") and not _is_value_engine(self)
         if fused:
-            from ps_mcore.integrations.verl080.fused import enable_tree_fused_forward
-
             enable_tree_fused_forward(self.module, patcher)
         sp_group = getattr(self, "ulysses_parallel_group", None) if getattr(self, "use_ulysses_sp", False) else None
         inputs, output_args = tree_model_inputs(
@@ -271,19 +273,13 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
 def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
     """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``,
     or from the fused kernel's ``[1, U]`` results per labelled row."""
-    from ps_mcore.integrations.verl080.fused import FUSED_ROWS_KWARG
-    from ps_mcore.logprobs import token_logprobs
-
     compute_entropy = batch_flag(micro_batch, "calculate_entropy")
     rows = output_args.get(FUSED_ROWS_KWARG)
     sp_plan = output_args[SP_PLAN_KEY]
     if rows is not None:
         logprobs, entropy = rows.per_token(output.log_probs[0], output.entropy[0] if compute_entropy else None)
     elif sp_plan is not None:
-        from ps_mcore.fsdp_bridge.sequence_parallel import sp_token_logprobs
-
-        temperature = output_args[TEMPERATURE_KEY]
-        logprobs, entropy = sp_token_logprobs(output.logits[0], sp_plan, temperature, compute_entropy)
+        logprobs, entropy = sp_token_logprobs(output.logits[0], sp_plan, output_args[TEMPERATURE_KEY], compute_entropy)
     else:
         logprobs, entropy = token_logprobs(
             output.logits[0],
@@ -301,8 +297,6 @@ def tree_value_outputs(output, output_args: dict, micro_batch) -> dict[str, torc
     """``values`` ``[B, j]`` jagged from a token-classification head's ``[1, T, 1]`` logits."""
     plan, sp_plan, values = output_args[PLAN_KEY], output_args[SP_PLAN_KEY], output.logits[0].squeeze(-1)
     if sp_plan is not None:
-        from ps_mcore.fsdp_bridge.sequence_parallel import sp_gather_rows
-
         values = sp_gather_rows(values, sp_plan)
     values = plan.unpack(values)
     return {"values": nested_like(values, micro_batch["input_ids"])}
@@ -339,14 +333,27 @@ def fsdp_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
+FSDP_SCHEDULE_REFUSAL = (
+    "the FSDP engine runs one model call per micro-batch (a schedule's data-dependent calls "
+    "would desynchronise FSDP's collectives across data-parallel ranks; the Megatron engine "
+    "runs cross-micro-batch schedules)"
+)
+
+
+def fsdp_scheduler(step, setting, data):
+    """The FSDP engine's scheduler: it refuses (units larger than the budget are split, with
+    one warning when ``cross_microbatch`` is on)."""
+    return scheduler_for(setting.config, not step.forward_only, lambda: 1.0, FSDP_SCHEDULE_REFUSAL)
+
+
 def prefix_aware_unless_stock(stock: Callable) -> Callable:
     """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
     batches whose every micro-batch runs verl's stock forward (their token budget must
     count raw tokens)."""
-    aware = prefix_aware(stock, images_of=engine_image_tokens)
+    aware = prefix_aware(stock, fsdp_scheduler, images_of=engine_image_tokens)
 
     def prepare_micro_batches(data, *args, **kwargs):
-        if batch_fallback_reason(data) is not None:
+        if batch_flags_refusal(data) is not None:
             return stock(data, *args, **kwargs)
         return aware(data, *args, **kwargs)
 
@@ -358,10 +365,6 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
-    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
-
-    from ps_mcore.integrations.verl080.vision import record_hf_attention_forwards
-
     record_hf_attention_forwards()  # before verl patches a VLM's attention classes
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead

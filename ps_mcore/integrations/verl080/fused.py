@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ps_mcore.fsdp_bridge import unwrap_model
 from ps_mcore.logprobs import LabelledRows
 
 FUSED_ROWS_KWARG = "ps_mcore_fused_rows"  # model kwarg: the LabelledRows of a tree call
@@ -66,8 +67,6 @@ def fused_kernel(cls: type) -> Callable | None:
 
 def fused_forward_refusal(model: torch.nn.Module) -> str | None:
     """Why ``model``'s fused forward cannot run on a tree (None: it can)."""
-    from ps_mcore.fsdp_bridge import unwrap_model
-
     cls = type(unwrap_model(model))
     if fused_kernel(cls) is None:
         return (
@@ -79,7 +78,7 @@ def fused_forward_refusal(model: torch.nn.Module) -> str | None:
 
 def tree_fused_forward(original: Callable, kernel: Callable) -> Callable:
     """``original`` (verl's fused class forward), running a call that carries
-    :data:`FUSED_ROWS_KWARG` on the tree: the decoder over the packed rows (``tree_plan``
+    :data:`FUSED_ROWS_KWARG` on the tree: the decoder over the packed rows (``tree_call``
     reaches the ``"prefix_tree"`` attention), then ``kernel`` on the labelled rows.
 
     Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``; returns ``log_probs`` / ``entropy``
@@ -105,8 +104,6 @@ def tree_fused_forward(original: Callable, kernel: Callable) -> Callable:
 
 def enable_tree_fused_forward(model: torch.nn.Module, patcher) -> None:
     """Wrap the fused forward of ``model``'s class (once; recorded in ``patcher``)."""
-    from ps_mcore.fsdp_bridge import unwrap_model
-
     cls = type(unwrap_model(model))
     if getattr(cls.forward, _TREE_FUSED, False):
         return

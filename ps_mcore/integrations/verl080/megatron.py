@@ -30,11 +30,17 @@ model was not built with tree specs, and for what the tree path does not support
 context parallelism (``local_cp_size``), VLM inputs, MTP training outside what
 :mod:`~ps_mcore.integrations.verl080.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
 FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
-:mod:`ps_mcore.layer_specs.fp8`),
-``calculate_sum_pi_squared`` and distillation top-k. Per-sample temperatures run on the tree
-(a shared row is normalised once per distinct temperature among its samples). Fused kernels take
+:mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k and active
+dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unless
+``prefix_grouper.shared_dropout``; attention dropout always). Per-sample temperatures run on
+the tree (a shared row is normalised once per distinct temperature among its samples). Fused
+kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
+
+``ps_mcore.layer_specs`` is imported where it is used, when an engine builds or runs its
+model: on NPUs its tree modules then subclass the megatron classes MindSpeed's ``repatch``
+(run by the engine before it builds the model) has bound, not those of install time.
 """
 
 from __future__ import annotations
@@ -51,19 +57,24 @@ from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl080.batch import (
     batch_flag,
     batch_temperature,
-    lm_head_batch_reason,
+    lm_head_batch_refusal,
     nested_like,
     plan_batch,
 )
-from ps_mcore.integrations.verl080.config import resolve_setting
+from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN, resolve_setting
 from ps_mcore.integrations.verl080.engine import (
     active_setting,
     current_micro_batch,
     current_step,
+    install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.integrations.verl080.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
+from ps_mcore.integrations.verl080.schedule import megatron_kv_row_cost, schedule_outputs, scheduler_for
+from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
+from ps_mcore.mindspeed.state import reset_attention_mask_active
 
 _HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -79,7 +90,7 @@ def _unwrap(model):
 
 def has_tree_attention(model) -> bool:
     """True when the (unwrapped) model's attention layers are ``TreeCoreAttention``."""
-    from ps_mcore.layer_specs import TreeCoreAttention
+    from ps_mcore.layer_specs import TreeCoreAttention  # after MindSpeed's repatch
 
     inner = _unwrap(model)
     if inner not in _HAS_TREE:
@@ -87,10 +98,8 @@ def has_tree_attention(model) -> bool:
     return _HAS_TREE[inner]
 
 
-def megatron_fallback_reason(model, args: dict, batch) -> str | None:
+def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
-    from ps_mcore.mindspeed import mindspeed_refusal
-
     reason = mindspeed_refusal()
     if reason is not None:
         return reason
@@ -99,26 +108,39 @@ def megatron_fallback_reason(model, args: dict, batch) -> str | None:
     if args.get("vision_model") or args.get("multi_modal_inputs"):
         return "vision-language inputs are not supported"
     if args.get("mtp_enable_train"):
-        from ps_mcore.integrations.verl080.mtp import mtp_refusal
-
         mtp_reason = mtp_refusal(_unwrap(model))
         if mtp_reason is not None:
             return f"multi-token prediction (MTP) training: {mtp_reason} is not supported on a tree"
-    from ps_mcore.layer_specs.fp8 import fp8_tree_refusal
+    from ps_mcore.layer_specs.fp8 import fp8_tree_refusal  # after MindSpeed's repatch
 
     fp8_reason = fp8_tree_refusal(_unwrap(model).config)
     if fp8_reason is not None:
         return f"{fp8_reason} is not supported on a tree"
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
-    from ps_mcore.layer_specs.modules.moe_router import tree_unsupported_reason  # MoE options a tree cannot make exact
+    from ps_mcore.layer_specs.modules.moe_router import moe_refusal  # after MindSpeed's repatch
 
-    moe_reason = tree_unsupported_reason(_unwrap(model).config)
-    if moe_reason is not None:  # the tree router would raise inside the model
-        return f"MoE with {moe_reason} cannot be exact on a prefix tree"
+    refusal = moe_refusal(_unwrap(model).config)
+    if refusal is not None:  # the tree router would raise inside the model
+        return f"MoE with {refusal} cannot be exact on a prefix tree"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        return lm_head_batch_reason(batch)
-    return None
+        refusal = lm_head_batch_refusal(batch)
+        if refusal is not None:
+            return refusal
+    return _dropout_refusal(model, args)
+
+
+def _dropout_refusal(model, args: dict) -> str | None:
+    """Active dropout of the training model (megatron-core's hidden_dropout defaults to 0.1;
+    mbridge and Megatron-Bridge set it to 0 for Qwen / Llama), named with verl's keys."""
+    from ps_mcore.layer_specs import megatron_dropout_refusal  # after MindSpeed's repatch
+
+    micro = current_micro_batch()
+    shared = micro is not None and micro.setting.config.shared_dropout
+    role = "critic" if args.get("value_model") else "actor_rollout_ref.actor"
+    return megatron_dropout_refusal(
+        _unwrap(model), shared, SHARED_DROPOUT_OPT_IN, key_prefix=f"+{role}.megatron.override_transformer_config."
+    )
 
 
 # ----------------------------------------------------------------------------- tree forward
@@ -132,13 +154,13 @@ def _tp_group():
     return mpu.get_tensor_model_parallel_group()
 
 
-def tree_packed_params(plan, config=None):
+def tree_packed_params(plan, config=None, shared_dropout: bool = False):
     """The micro-batch's ``TreePackedSeqParams`` on this rank: rows padded as verl pads THD
     (a multiple of TP, of ``2*cp*tp`` under context parallelism, times 128 for an FP8
-    ``config``), this CP rank's layout."""
+    ``config``), this CP rank's layout; ``shared_dropout``: ``prefix_grouper.shared_dropout``."""
     from megatron.core import parallel_state as mpu
 
-    from ps_mcore.layer_specs import TreePackedSeqParams
+    from ps_mcore.layer_specs import TreePackedSeqParams  # after MindSpeed's repatch
     from ps_mcore.layer_specs.fp8 import tree_row_multiple
 
     tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
@@ -147,18 +169,17 @@ def tree_packed_params(plan, config=None):
         pad_to_multiple_of=tree_row_multiple(config, tp, cp),
         cp_size=cp,
         cp_rank=mpu.get_context_parallel_rank() if cp > 1 else 0,
+        shared_dropout=shared_dropout,
     )
 
 
-def _mtp_context(model, plan, input_ids: torch.Tensor, args: dict, engine):
+def _mtp_context(model, plan, input_ids: torch.Tensor, args: dict, engine, shared_dropout: bool):
     """The tree MTP loss around the model call when verl trains MTP (else nothing)."""
     if not args.get("mtp_enable_train") or not _unwrap(model).post_process:
         return contextlib.nullcontext()
-    from ps_mcore.integrations.verl080.mtp import full_loss_mask, tree_mtp_training
-
     mtp = getattr(getattr(engine, "model_config", None), "mtp", None)
     detach = bool(getattr(mtp, "detach_encoder", False))
-    return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach)
+    return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach, shared_dropout)
 
 
 def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, engine=None) -> Any:
@@ -168,14 +189,15 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, en
     head), this CP rank's rows; returned tensors are jagged ``[B, j]`` with ``input_ids``'s
     offsets, complete on every CP rank.
     """
-    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows
-    from ps_mcore.mindspeed import set_tree_sequence_state
+    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows  # after MindSpeed's repatch
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
-    psp = tree_packed_params(plan, _unwrap(model).config)
+    micro = current_micro_batch()
+    shared_dropout = micro is not None and micro.setting.config.shared_dropout
+    psp = tree_packed_params(plan, _unwrap(model).config, shared_dropout)
     set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
-    with _mtp_context(model, plan, input_ids, args, engine):
+    with _mtp_context(model, plan, input_ids, args, engine, shared_dropout):
         output = model(
             input_ids=psp.cp_shard(plan.input_ids)[None],
             attention_mask=None,
@@ -201,6 +223,106 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, en
     return result
 
 
+def megatron_schedule_refusal(engine, model, data) -> str | None:
+    """Why this Megatron engine cannot run a cross-micro-batch schedule on ``data`` (None: it
+    can). Per-micro-batch fallbacks cannot apply inside a schedule, so they refuse it here."""
+    from ps_mcore.layer_specs import megatron_dropout_refusal  # after MindSpeed's repatch
+    from ps_mcore.layer_specs.modules.moe_router import moe_refusal
+    from ps_mcore.layer_specs.schedule import schedule_refusal
+
+    reason = mindspeed_refusal()
+    if reason is not None:
+        return reason
+    if "multi_modal_inputs" in data.keys():
+        return "vision-language inputs"
+    if getattr(_unwrap(model).config, "fp8", None):
+        return "fp8 (a schedule's calls are padded to the TP size only, not to FP8's 128-row multiple)"
+    if batch_flag(data, "use_fused_kernels"):
+        return "use_fused_kernels=True (verl's fused forward, which runs no schedule step)"
+    if not isinstance(engine, _value_engine_class()):
+        if isinstance(_schedule_temperature(data), torch.Tensor):
+            return "per-sample temperatures (a schedule's calls score every row at one temperature)"
+        reason = lm_head_batch_refusal(data)
+        if reason is not None:
+            return reason
+    if len(engine.module) > 1:
+        return "virtual pipeline parallelism (several model chunks)"
+    if not has_tree_attention(model):
+        return "the model was not built with tree layer specs"
+    if getattr(engine.engine_config, "dynamic_context_parallel", False):
+        return "dynamic context parallelism"
+    if megatron_dropout_refusal(_unwrap(model)) is not None:  # shared_dropout or not
+        return ("active dropout (a K/V-kept prefix runs its forward again at its release, which "
+                "would draw other dropout masks)")
+    refusal = schedule_refusal(model)
+    if refusal is None:
+        moe = moe_refusal(_unwrap(model).config)
+        refusal = None if moe is None else f"MoE with {moe}"
+    return refusal
+
+
+def _schedule_temperature(data) -> float | torch.Tensor:
+    """The temperature of a batch that a schedule scores with (one float), or its ``[B]``
+    per-sample tensor (refused)."""
+    return batch_temperature(data["temperature"] if "temperature" in data.keys() else None)
+
+
+def _value_engine_class():
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    return impl.MegatronEngineWithValueHead
+
+
+def megatron_scheduler(step, setting, data):
+    """The engine step's cross-micro-batch scheduler (None when ``cross_microbatch`` is off)."""
+    if not setting.config.cross_microbatch:
+        return None
+    model = step.engine.module[0]
+    training = not step.forward_only
+    return scheduler_for(
+        setting.config, training, lambda: megatron_kv_row_cost(_unwrap(model), training),
+        megatron_schedule_refusal(step.engine, model, data),
+    )
+
+
+def run_schedule_step(model, micro, input_ids: torch.Tensor, args: dict) -> Any:
+    """Step ``micro.schedule_step`` of the engine step's schedule; returns what verl's engine
+    forward returns (jagged ``[B, j]`` with ``input_ids``'s offsets)."""
+    from megatron.core import parallel_state as mpu
+
+    from ps_mcore.layer_specs.schedule import gpt_call  # after MindSpeed's repatch
+
+    schedule = current_step().schedule
+    value = bool(args.get("value_model"))
+    if not value and args.get("logits_processor") is None:
+        raise NotImplementedError(
+            "a cross-micro-batch schedule step returns log-probs or values; this forward asked "
+            "for raw logits (no logits_processor)"
+        )
+    temperature = 1.0 if value else _schedule_temperature(micro.batch)
+    reason = None if value else lm_head_batch_refusal(micro.batch)
+    if reason is None and isinstance(temperature, torch.Tensor):
+        reason = "per-sample temperatures"
+    if reason is not None:
+        raise NotImplementedError(f"a cross-micro-batch schedule step cannot run: {reason}")
+
+    def make_run_call():
+        return gpt_call(
+            model,
+            temperature=temperature,
+            compute_entropy=not value and batch_flag(micro.batch, "calculate_entropy"),
+            tp_group=_tp_group(),
+            pad_to_multiple_of=mpu.get_tensor_model_parallel_world_size(),
+            value_head=value,
+        )
+
+    out = schedule_outputs(schedule, micro.schedule_step, make_run_call)
+    micro.record(*schedule.step_tokens(micro.schedule_step))
+    if value:
+        return nested_like(out["values"], input_ids)
+    return {name: nested_like(tensor, input_ids) for name, tensor in out.items()}
+
+
 def tree_engine_forward(stock: Callable) -> Callable:
     """Wrap verl's engine forward function (``gptmodel_forward_model_engine`` signature)."""
     signature = inspect.signature(stock)
@@ -213,8 +335,10 @@ def tree_engine_forward(stock: Callable) -> Callable:
         bound.apply_defaults()
         args = dict(bound.arguments)
         model, input_ids = args["model"], args["input_ids"]
+        if micro.schedule_step is not None:
+            return run_schedule_step(model, micro, input_ids, args)
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
-        reason = megatron_fallback_reason(model, args, micro.batch)
+        reason = megatron_batch_refusal(model, args, micro.batch)
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
         if plan is None:
             return stock(*call_args, **call_kwargs)
@@ -243,7 +367,7 @@ def check_same_plans(step, micro_batches, config) -> None:
     """Plan every micro-batch not planned yet (kept in ``step.plans`` for the forward) and
     raise unless every TP / PP / CP rank holds the same plans (one all-reduce per group,
     before the schedule: stages run a micro-batch at different times)."""
-    from ps_mcore.layer_specs import assert_same_plan
+    from ps_mcore.layer_specs import assert_same_plan  # after MindSpeed's repatch
 
     groups = _plan_check_groups()
     if not groups or not micro_batches:
@@ -268,7 +392,7 @@ def check_same_plans(step, micro_batches, config) -> None:
 def megatron_prepare(stock: Callable) -> Callable:
     """The Megatron engine's ``prepare_micro_batches``: :func:`prefix_aware`, then the plan
     check of every micro-batch over the model-parallel ranks (:func:`check_same_plans`)."""
-    prepare = prefix_aware(stock)
+    prepare = prefix_aware(stock, megatron_scheduler)
 
     def prepare_micro_batches(*args, **kwargs):
         micro_batches, indices = prepare(*args, **kwargs)
@@ -279,6 +403,29 @@ def megatron_prepare(stock: Callable) -> Callable:
         return micro_batches, indices
 
     return prepare_micro_batches
+
+
+def megatron_get_forward_backward_func(original: Callable) -> Callable:
+    """``get_forward_backward_func`` (as the Megatron engine module imported it) returning a
+    schedule whose last cross-micro-batch releases run before the gradient reduction."""
+
+    def get_forward_backward_func(*get_args, **get_kwargs):
+        schedule_fn = original(*get_args, **get_kwargs)
+
+        def forward_backward_func(*args, **kwargs):
+            step = current_step()
+            if step is None or step.schedule is None:
+                return schedule_fn(*args, **kwargs)
+            from ps_mcore.layer_specs.schedule import releases_before_grad_sync  # after MindSpeed's repatch
+
+            with releases_before_grad_sync(kwargs.get("model"), step.schedule.finish, kwargs.get("forward_only", False)):
+                result = schedule_fn(*args, **kwargs)
+            step.schedule.finish()
+            return result
+
+        return forward_backward_func
+
+    return get_forward_backward_func
 
 
 def megatron_get_forward_fn(original: Callable) -> Callable:
@@ -302,7 +449,7 @@ def megatron_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
-ROPE_FUSION_REASON = (
+ROPE_FUSION_REFUSAL = (
     "apply_rope_fusion forced to False under MindSpeed: its NPU RoPE kernels are not verified "
     "with the per-token tree positions prefix sharing needs (TE's fused THD RoPE is, and stays on)"
 )
@@ -310,8 +457,6 @@ ROPE_FUSION_REASON = (
 
 def tree_build_refusal(engine) -> str | None:
     """Why the engine's model must be built with stock specs (None: tree specs)."""
-    from ps_mcore.mindspeed.state import reset_attention_mask_active
-
     if reset_attention_mask_active():
         return "MindSpeed's reset-attention-mask"
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
@@ -376,7 +521,7 @@ def megatron_build_module(original: Callable) -> Callable:
 
 def _build_with_mbridge(engine, original: Callable):
     """mbridge: ``to_tree_spec`` on the spec its ``_get_transformer_layer_spec`` builds."""
-    from ps_mcore.layer_specs import to_tree_spec
+    from ps_mcore.layer_specs import to_tree_spec  # after MindSpeed's repatch
 
     bridge = engine.bridge
     stock_spec = bridge._get_transformer_layer_spec
@@ -393,7 +538,7 @@ def _build_with_mbridge(engine, original: Callable):
 
 def _build_with_bridge_provider(engine, original: Callable):
     """Megatron-Bridge: the provider's own spec (instance or class default), converted."""
-    from ps_mcore.layer_specs import tree_layer_spec_from
+    from ps_mcore.layer_specs import tree_layer_spec_from  # after MindSpeed's repatch
 
     provider = engine.provider
     stock_spec = provider.transformer_layer_spec
@@ -404,14 +549,19 @@ def _build_with_bridge_provider(engine, original: Callable):
         provider.transformer_layer_spec = stock_spec
 
 
-def install_megatron_patches(patcher) -> None:
-    """Every Megatron-engine patch of the ``verl080_mcore0161_ms0160`` patchset."""
+def install_forward_fn_patch(patcher) -> None:
+    """The forward function verl's Megatron engine looks up per step (``verl.models.mcore``)."""
     import verl.models.mcore as mcore
-    from verl.workers.engine.megatron import transformer_impl as impl
-
-    from ps_mcore.integrations.verl080.engine import install_engine_micro_batching
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
+
+
+def install_megatron_patches(patcher) -> None:
+    """The Megatron-engine class patches of the ``verl080_mcore0161_ms0160`` patchset (with
+    :func:`install_forward_fn_patch`, all of them)."""
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    patcher.wrap(impl, "get_forward_backward_func", megatron_get_forward_backward_func)
     patcher.wrap(impl.MegatronEngine, "_build_megatron_module", megatron_build_module)
     patcher.wrap(impl.MegatronEngineWithLMHead, "forward_step", megatron_forward_step)
     patcher.wrap(impl.MegatronEngineWithValueHead, "forward_step", megatron_forward_step)

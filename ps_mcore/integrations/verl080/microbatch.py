@@ -9,8 +9,10 @@ into *units* (the samples that would share: same prompt within a ``uid`` for
 * dynamic batch size: the token budget counts the deduplicated tokens T of each unit (exact:
   the unit's plan), so more samples fit; units are balanced by T over as few micro-batches
   as the budget allows, the count is synced over DP and rounded as verl does, and the
-  workload ordering (``use_dynamic_bsz_balance``) is verl's. A unit larger than the budget
-  is split in its sorted order (its pieces still share within themselves).
+  workload ordering (``use_dynamic_bsz_balance``) is verl's. Units larger than the budget
+  run as one cross-micro-batch schedule when the engine's scheduler takes them (its steps
+  come first, in order; :mod:`ps_mcore.integrations.verl080.schedule`), else each is split
+  in its sorted order (its pieces still share within themselves).
 * fixed micro-batch size: samples are ordered unit by unit before verl's chunking (a unit
   larger than the micro-batch is split at the chunk boundary); when that order is the
   batch's own order (verl's GRPO batches), the result is exactly verl's.
@@ -96,6 +98,20 @@ class _Units:
         t = self.tokens[u]
         return 24576 * t + t * t
 
+    def subset(self, unit_ids: list[int]) -> "_Units":
+        """The units ``unit_ids`` alone (same samples, same sequences)."""
+        sub = object.__new__(_Units)
+        sub.seqs, sub.config, sub.prompts, sub.groups = self.seqs, self.config, self.prompts, self.groups
+        sub.members = [list(self.members[u]) for u in unit_ids]
+        sub.tokens = [self.tokens[u] for u in unit_ids]
+        return sub
+
+    def split_larger_than(self, budget: int) -> None:
+        """Split every unit larger than ``budget`` into consecutive pieces that fit."""
+        for u in reversed(range(len(self.tokens))):
+            if self.tokens[u] > budget:
+                self.split(u, budget)
+
     def split(self, u: int, budget: int) -> None:
         """Split unit ``u`` into consecutive pieces of at most ``budget`` tokens (or in two
         halves when ``budget`` is None)."""
@@ -112,6 +128,36 @@ class _Units:
             pieces.append(current)
         self.members[u : u + 1] = pieces
         self.tokens[u : u + 1] = [self._tokens(p) for p in pieces]
+
+
+def split_units(
+    seqs: list[np.ndarray],
+    config: PrefixGrouperConfig,
+    budget: int,
+    prompts: np.ndarray | None = None,
+    groups: list[Any] | None = None,
+) -> list[list[int]]:
+    """Sample index lists of the sharing units once those larger than ``budget`` are split
+    into pieces (each piece recomputes the prefix its samples share): what within-micro-batch
+    sharing packs under a token budget."""
+    return [sorted(m) for m in _split_units(seqs, config, budget, prompts, groups).members]
+
+
+def split_unit_tokens(
+    seqs: list[np.ndarray],
+    config: PrefixGrouperConfig,
+    budget: int,
+    prompts: np.ndarray | None = None,
+    groups: list[Any] | None = None,
+) -> list[int]:
+    """Deduplicated tokens of each piece of :func:`split_units`."""
+    return list(_split_units(seqs, config, budget, prompts, groups).tokens)
+
+
+def _split_units(seqs, config, budget, prompts, groups) -> _Units:
+    units = _Units(seqs, config, prompts, groups)
+    units.split_larger_than(budget)
+    return units
 
 
 # ----------------------------------------------------------------------------- partitions
@@ -160,17 +206,21 @@ def dynamic_partitions(
     use_dynamic_bsz_balance: bool = True,
 ) -> list[list[int]]:
     """Sample index lists per micro-batch (dynamic batch size, dedup-token budget)."""
-    for u in reversed(range(len(units.tokens))):
-        if units.tokens[u] > budget:
-            units.split(u, budget)
+    units.split_larger_than(budget)
     k = _local_count(units, budget)
     if min_num_micro_batch is not None:
         k = max(k, min_num_micro_batch)
     k = _sync_count(k, dp_group, same_micro_num_in_dp, num_batches_divided_by)
-    if k > len(units.seqs):
+    return partition_units(units, k, use_dynamic_bsz_balance)
+
+
+def partition_units(units: _Units, k: int, use_dynamic_bsz_balance: bool = True) -> list[list[int]]:
+    """Sample index lists of ``k`` micro-batches balancing the units' deduplicated tokens."""
+    samples = sum(len(m) for m in units.members)
+    if k > samples:
         raise ValueError(
             f"{k} micro-batches requested (after DP sync / rounding) but the batch has only "
-            f"{len(units.seqs)} samples"
+            f"{samples} samples"
         )
     while len(units.tokens) < k:  # more micro-batches than units: split the largest
         largest = max(range(len(units.tokens)), key=lambda u: (len(units.members[u]) > 1, units.tokens[u]))
@@ -193,7 +243,13 @@ def fixed_order(units: _Units) -> list[int]:
 
 
 def prefix_aware_prepare_micro_batches(
-    data, config: PrefixGrouperConfig, stock: Callable, plans: dict | None = None, images=None, **options
+    data,
+    config: PrefixGrouperConfig,
+    stock: Callable,
+    plans: dict | None = None,
+    images=None,
+    scheduler=None,
+    **options,
 ):
     """Drop-in for verl's ``prepare_micro_batches`` keeping sharing units together.
 
@@ -208,6 +264,10 @@ def prefix_aware_prepare_micro_batches(
             entry holds the micro-batch, so its id cannot be reused while the entry lives.
         images: a vision-language model's :class:`~ps_mcore.integrations.verl080.batch.ImageTokens`
             (image placeholders are keyed by content, so units follow what can really be shared).
+        scheduler: with a token budget, plans the units larger than it as one
+            cross-micro-batch schedule (its ``partitions(units, budget, options)`` returns the
+            micro-batches, the schedule's steps first, or None to split those units as before;
+            ``bind(micro_batches)`` is told the micro-batches built from them).
         options: verl's keywords: ``dp_group``, ``num_batches_divided_by``,
             ``same_micro_num_in_dp``, ``min_num_micro_batch``, ``use_dynamic_bsz_balance``.
 
@@ -233,8 +293,14 @@ def prefix_aware_prepare_micro_batches(
             raise ValueError(
                 f"max_token_len ({budget}) is smaller than the longest sequence ({longest})"
             )
-        parts = dynamic_partitions(units, budget, **options)
+        parts = None
+        if scheduler is not None and any(t > budget for t in units.tokens):
+            parts = scheduler.partitions(units, budget, options)
+        if parts is None:
+            scheduler = None
+            parts = dynamic_partitions(units, budget, **options)
     else:
+        scheduler = None
         order = fixed_order(units)
         if order == list(range(len(seqs))):
             return stock(**stock_args)
@@ -243,9 +309,13 @@ def prefix_aware_prepare_micro_batches(
             raise ValueError(f"data size {len(order)} is not divisible by micro_batch_size_per_gpu {mbs}")
         parts = [order[a : a + mbs] for a in range(0, len(order), mbs)]
     micro_batches = [tu.index_select_tensor_dict(data, p) for p in parts]
+    if scheduler is not None:
+        scheduler.bind(micro_batches)
     if plans is not None:
         groups = group_ids(data)
         for batch, part in zip(micro_batches, parts):
+            if scheduler is not None and scheduler.owns(batch):
+                continue  # its calls are planned by the schedule
             plans[id(batch)] = batch, plan_sequences(
                 [seqs[i] for i in part],
                 config,

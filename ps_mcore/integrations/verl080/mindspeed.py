@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator
 
 from ps_mcore.integrations.env import module_importable
 from ps_mcore.integrations.patching import Patcher, info_once
+from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REFUSAL, tree_build, tree_build_refusal
+from ps_mcore.mindspeed.state import CONTEXT_PARALLEL_REFUSAL, RESET_ATTENTION_MASK_REFUSAL
 
 ENGINE_MODULE = "verl.workers.engine.mindspeed.transformer_impl"
 ENGINE_CLASS = "MindSpeedMegatronEngineWithLMHead"
@@ -45,7 +47,7 @@ def engine_available() -> bool:
 def tree_spec_args(args: Any) -> Iterator[None]:
     """Within the block: ``args.spec`` is the tree spec entry, the previous spec (if any) is
     ``args.tree_base_spec``, ``args.apply_rope_fusion`` is False. Restored exactly after."""
-    from ps_mcore.mindspeed.spec import BASE_SPEC_ARG, SPEC_ENTRY
+    from ps_mcore.mindspeed.spec import BASE_SPEC_ARG, SPEC_ENTRY  # after MindSpeed's repatch (see verl080.megatron)
 
     names = ("spec", BASE_SPEC_ARG, "apply_rope_fusion")
     saved = {name: vars(args).get(name, _MISSING) for name in names}
@@ -66,38 +68,32 @@ def tree_spec_args(args: Any) -> Iterator[None]:
 
 def build_refusal(engine: Any, args: Any) -> str | None:
     """Why this engine's model must be built with stock specs (None: tree specs)."""
-    from ps_mcore.mindspeed.state import CONTEXT_PARALLEL_REASON, RESET_ATTENTION_MASK_REASON
-    from ps_mcore.integrations.verl080.megatron import tree_build_refusal
-
     refusal = tree_build_refusal(engine)
     if refusal is not None:
         return f"{refusal} is not supported by tree attention"
     if getattr(engine.engine_config, "context_parallel_size", 1) > 1:
-        return CONTEXT_PARALLEL_REASON  # the Megatron engine shares under CP; MindSpeed's CP does not
+        return CONTEXT_PARALLEL_REFUSAL  # the Megatron engine shares under CP; MindSpeed's CP does not
     if getattr(args, "reset_attention_mask", False):
-        return RESET_ATTENTION_MASK_REASON
+        return RESET_ATTENTION_MASK_REFUSAL
     return None
 
 
 def _mindspeed_refusal(engine) -> str | None:
-    from ps_mcore.mindspeed.spec import megatron_args
+    from ps_mcore.mindspeed.spec import megatron_args  # after MindSpeed's repatch (see verl080.megatron)
 
     return build_refusal(engine, megatron_args())
 
 
 def _mindspeed_tree_build(engine, original: Callable):
-    from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REASON
-    from ps_mcore.mindspeed.spec import megatron_args
+    from ps_mcore.mindspeed.spec import megatron_args  # after MindSpeed's repatch (see verl080.megatron)
 
-    info_once("rope-fusion", ROPE_FUSION_REASON)
+    info_once("rope-fusion", ROPE_FUSION_REFUSAL)
     with tree_spec_args(megatron_args()):
         return original(engine)
 
 
 def mindspeed_build_module(original: Callable) -> Callable:
     """``MindSpeedMegatronEngineWithLMHead._build_megatron_module`` with tree specs."""
-    from ps_mcore.integrations.verl080.megatron import tree_build
-
     build = tree_build(
         original,
         "mindspeed-build",

@@ -25,7 +25,7 @@ from ps_mcore.planner import TreePlan
 
 def mtp_refusal(inner) -> str | None:
     """Why MTP training of the unwrapped model cannot run on a tree (None: it can)."""
-    from ps_mcore.layer_specs.modules.mtp import tree_mtp_refusal
+    from ps_mcore.layer_specs.modules.mtp import tree_mtp_refusal  # after MindSpeed's repatch
 
     if "_postprocess" not in vars(inner):
         return "MTP training without verl's MTP postprocess patch"
@@ -47,7 +47,7 @@ def full_loss_mask(args: dict, input_ids: torch.Tensor) -> torch.Tensor:
 
 def attach_tree_mtp_loss(
     model, hidden_states: torch.Tensor, plan: TreePlan, depths: list[DepthPlan], loss_mask: torch.Tensor,
-    rotary_pos_emb=None, runtime_gather_output=None, detach_inputs: bool = False,
+    rotary_pos_emb=None, runtime_gather_output=None, detach_inputs: bool = False, shared_dropout: bool = False,
 ) -> torch.Tensor:
     """``hidden_states`` ``[T_pad, 1, h]`` carrying every MTP depth's loss into the backward
     (``MTPLossAutoScaler``), each depth's mean loss logged as megatron does.
@@ -58,10 +58,10 @@ def attach_tree_mtp_loss(
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
-    from ps_mcore.layer_specs.modules.mtp import tree_mtp_hidden_states
+    from ps_mcore.layer_specs.modules.mtp import tree_mtp_hidden_states  # after MindSpeed's repatch
 
     config = model.config
-    outputs = tree_mtp_hidden_states(model, hidden_states, plan, depths, rotary_pos_emb, detach_inputs)
+    outputs = tree_mtp_hidden_states(model, hidden_states, plan, depths, rotary_pos_emb, detach_inputs, shared_dropout)
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     # verl's patch: the MTP loss does not train the output layer
     frozen = {name: p.detach() for name, p in model.output_layer.named_parameters()}
@@ -87,7 +87,7 @@ def attach_tree_mtp_loss(
 
 
 @contextlib.contextmanager
-def tree_mtp_training(inner, plan: TreePlan, loss_mask: torch.Tensor, detach_inputs: bool):
+def tree_mtp_training(inner, plan: TreePlan, loss_mask: torch.Tensor, detach_inputs: bool, shared_dropout: bool = False):
     """While active, ``inner``'s ``_postprocess`` (verl's MTP patch) adds the tree MTP loss and
     returns plain logits (its own MTP needs labels, which the tree forward does not pass)."""
     depths = [d.to(plan.device) for d in depth_plans(plan, inner.config.mtp_num_layers)]
@@ -100,6 +100,7 @@ def tree_mtp_training(inner, plan: TreePlan, loss_mask: torch.Tensor, detach_inp
                 rotary_pos_emb=kwargs.get("rotary_pos_emb"),
                 runtime_gather_output=kwargs.get("runtime_gather_output"),
                 detach_inputs=detach_inputs,
+                shared_dropout=shared_dropout,
             )
         kwargs.update(labels=None, mtp_in_postprocess=False)
         return stock(hidden_states=hidden_states, **kwargs)

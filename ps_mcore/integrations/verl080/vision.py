@@ -26,7 +26,9 @@ from typing import Callable
 
 import torch
 
-from ps_mcore.integrations.verl080.batch import ImageTokens, sample_images, sequences
+from ps_mcore.fsdp_bridge import unwrap_model
+from ps_mcore.integrations.verl080.batch import ImageTokens, sample_images, sequences, sharing_sequences
+from ps_mcore.multimodal import packed_image_order, row_values
 
 # model_type -> (transformers module, text attention class)
 VLM_ATTENTION = {
@@ -39,8 +41,6 @@ _TREE_ROUTED = "_ps_mcore_tree_routed"
 
 
 def _config(module):
-    from ps_mcore.fsdp_bridge import unwrap_model
-
     return unwrap_model(module).config
 
 
@@ -127,14 +127,12 @@ def vlm_refusal(engine, batch) -> str | None:
 
 def sharing_plan_check(batch, images: ImageTokens) -> None:
     """Raise ``ValueError`` when the batch's image placeholders do not match its images."""
-    from ps_mcore.integrations.verl080.batch import sharing_sequences
-
     sharing_sequences(batch, images)
 
 
 def route_tree_attention(module, patcher) -> None:
     """Make tree calls of the model's VLM attention class reach the attention interface: when
-    verl replaced the class's forward, a call carrying ``tree_plan`` runs Hugging Face's own
+    verl replaced the class's forward, a call carrying ``tree_call`` runs Hugging Face's own
     forward instead (recorded in ``patcher``, undone with the patchset)."""
     cls = _attention_class(_config(module).model_type)
     forward = cls.forward
@@ -144,7 +142,7 @@ def route_tree_attention(module, patcher) -> None:
 
     def make(current):
         def forward(self, *args, **kwargs):
-            if kwargs.get("tree_plan") is not None:
+            if kwargs.get("tree_call") is not None:
                 return hf_forward(self, *args, **kwargs)
             return current(self, *args, **kwargs)
 
@@ -158,8 +156,6 @@ def tree_vision_inputs(batch, plan, images: ImageTokens, device) -> dict:
     """Model inputs of the packed rows beyond the token ids: ``position_ids [4, 1, T]`` (each
     packed row's text + mrope positions) and the images of the packed rows in row order
     (``pixel_values``, ``image_grid_thw``; absent when the micro-batch has no image)."""
-    from ps_mcore.multimodal import packed_image_order, row_values
-
     positions = batch["position_ids"].values()  # [4, N]
     inputs = {"position_ids": row_values(plan, positions.cpu())[:, None, :].to(device)}
     per_sample = sample_images(batch)

@@ -95,7 +95,7 @@ def _layer_subclass(cls: type, field: str, role: str, doc: str, forward: Callabl
     return _LAYER_SUBCLASSES[key]
 
 
-def _tree_batch_refusing(cls: type, field: str) -> type:
+def _refusing_subclass(cls: type, field: str) -> type:
     """``cls`` raising when a tree batch reaches it, instead of mixing tokens across the packed
     branches."""
 
@@ -150,11 +150,11 @@ def _refuse_tree_batches(layer: Any, field: str) -> Any:
         cls = spec_class(layer)
         if isinstance(layer.module, functools.partial) or not isinstance(cls, type):
             raise NotImplementedError(f"cannot wrap the hybrid stack's {field} spec {layer!r}")
-        return dataclasses.replace(layer, module=_tree_batch_refusing(cls, field))
+        return dataclasses.replace(layer, module=_refusing_subclass(cls, field))
     if isinstance(layer, functools.partial) and isinstance(layer.func, type):
-        return functools.partial(_tree_batch_refusing(layer.func, field), *layer.args, **layer.keywords)
+        return functools.partial(_refusing_subclass(layer.func, field), *layer.args, **layer.keywords)
     if isinstance(layer, type):
-        return _tree_batch_refusing(layer, field)
+        return _refusing_subclass(layer, field)
     raise NotImplementedError(f"cannot wrap the hybrid stack's {field} spec {layer!r}")
 
 

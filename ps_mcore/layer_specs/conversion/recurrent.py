@@ -3,7 +3,8 @@
 ``to_tree_spec`` asks :func:`tree_recurrent_spec` about every mixer spec it meets (the
 ``self_attention`` slot of a GPT layer, where megatron-core 0.16's hybrid GPT block puts Gated
 DeltaNet; the ``mixer`` of a Mamba layer). Mixer classes are recognised without importing their
-modules (Mamba's imports triton and mamba-ssm), so specs without them cost nothing.
+modules (megatron-core 0.16's Mamba mixer module imports triton), so specs without them cost
+nothing.
 """
 
 from __future__ import annotations

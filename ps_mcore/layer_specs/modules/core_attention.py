@@ -2,7 +2,10 @@
 
 One module serves every batch a GPT model sees:
 
-* ``TreePackedSeqParams`` (a prefix forest): ``tree_attention`` over the plan.
+* ``TreePackedSeqParams`` (a prefix forest): ``tree_attention`` over the plan; for one call of
+  a cross-micro-batch schedule (a :class:`~ps_mcore.minibatch.ContextPlan`), its rows against
+  the kept context K/V plus their own (:func:`~ps_mcore.attention.context.context_attention`,
+  keyed by ``layer_number``).
 * ordinary THD ``PackedSeqParams``: per-sequence causal attention through the same varlen
   kernels (a plan without sharing whose nodes are the sequences).
 * no packed params (sbhd): causal SDPA, plus the boolean ``attention_mask`` if one is given.
@@ -33,8 +36,10 @@ from megatron.core.transformer.module import MegatronModule
 
 from ps_mcore.attention import tree_attention
 from ps_mcore.attention.backends import check_backend_name, cp_backend_names
+from ps_mcore.attention.context import context_attention
 from ps_mcore.layer_specs.parallel.context_parallel import cp_tree_attention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd, thd_cp_layout
+from ps_mcore.minibatch import ContextPlan
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -130,6 +135,9 @@ class TreeCoreAttention(MegatronModule):
     def _scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim) if self.softmax_scale is None else self.softmax_scale
 
+    # Under torch.compile core attention runs eagerly between the compiled graphs: the plan's
+    # checks and host-side layouts are no graph material, and the graphs hold no plan constants.
+    @torch.compiler.disable
     def forward(
         self,
         query: torch.Tensor,
@@ -194,6 +202,10 @@ class TreeCoreAttention(MegatronModule):
         layout = getattr(psp, "cp_layout", None)
         if layout is not None or self.cp_size > 1:
             return self._thd_cp(q, k, v, layout, scale).reshape(rows, -1)
+        if isinstance(plan, ContextPlan):  # one call of a cross-micro-batch schedule
+            attend = lambda q, k, v: context_attention(q, k, v, plan, self.layer_number, self.backend, scale)  # noqa: E731
+        else:
+            attend = lambda q, k, v: tree_attention(q, k, v, plan, self.backend, scale)  # noqa: E731
         t = plan.num_tokens
         expected = psp.num_rows if isinstance(psp, TreePackedSeqParams) else t
         if rows != expected:
@@ -201,7 +213,7 @@ class TreeCoreAttention(MegatronModule):
                 f"core attention got {rows} rows but the packed params describe {expected} "
                 f"(T={t} plan tokens + padding); pad input_ids with TreePackedSeqParams.pad_rows"
             )
-        out = tree_attention(q[:t], k[:t], v[:t], plan, self.backend, scale)
+        out = attend(q[:t], k[:t], v[:t])
         if rows > t:  # padding rows: zero output, never mixed with real rows
             out = torch.cat([out, out.new_zeros((rows - t,) + tuple(out.shape[1:]))], 0)
         return out.reshape(rows, -1)

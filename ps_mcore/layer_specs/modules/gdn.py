@@ -11,22 +11,48 @@ Without packed params (sbhd) the stock forward runs.
 
 Kernel: ``config.tree_gdn_backend`` (``auto`` | ``fla`` | ``torch``; default ``auto``:
 flash-linear-attention's varlen ``chunk_gated_delta_rule`` on CUDA, pure torch elsewhere).
+Without flash-linear-attention (a CPU install) the module still builds, unless ``fla`` is asked
+for: tree and THD batches run the pure-torch kernels; what needs the stock forward (sbhd
+batches, THD under context parallelism, inference) raises, naming the package.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm import gated_delta_net as stock_gdn
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd
+from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
+from ps_mcore.layer_specs.modules.stock_init import init_stock_without, stock_forward_error
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd, schedule_call_refusal
 from ps_mcore.recurrent import l2norm, recurrent_tree, tree_causal_conv1d, tree_gated_delta_rule
+
+_FLA = "flash-linear-attention"
 
 
 class TreeGatedDeltaNet(GatedDeltaNet):
     """Gated DeltaNet that runs prefix-tree and THD batches. Input/output ``[s, b, h]``
     (sbhd) or ``[t, 1, h]`` (thd, ``t = T_pad / tp`` under sequence parallelism)."""
+
+    def __init__(self, config, *args, **kwargs):
+        if stock_gdn.HAVE_FLA:
+            super().__init__(config, *args, **kwargs)
+            return
+        if getattr(config, "tree_gdn_backend", "auto") == "fla":
+            raise ImportError(f"TreeGatedDeltaNet (config.tree_gdn_backend='fla'): {_FLA} is not installed")
+        init_stock_without(GatedDeltaNet, self, (config, *args), kwargs, {"HAVE_FLA": True})
+
+    def _setup_variant_attrs(self):
+        # megatron-core 0.19's constructor insists on a kernel for its stock forward (fla's, None
+        # without fla, which is refused in forward): name megatron's own pure-torch one.
+        super()._setup_variant_attrs()
+        if self.gated_delta_rule is None:
+            self.gated_delta_rule = stock_gdn.torch_chunk_gated_delta_rule
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
@@ -35,6 +61,9 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         # megatron-core 0.19's stock GDN runs THD under context parallelism (its own
         # all-to-alls); the THD path below does not, so an ordinary batch goes to it.
         if packed_seq_params is None or (not tree_batch and getattr(self, "cp_size", 1) > 1):
+            if not stock_gdn.HAVE_FLA:
+                what = "sbhd batches" if packed_seq_params is None else "THD batches under context parallelism"
+                raise stock_forward_error("TreeGatedDeltaNet", _FLA, what, "prefix-tree and THD batches")
             return super().forward(
                 hidden_states, attention_mask, key_value_states=key_value_states,
                 inference_context=inference_context, attention_bias=attention_bias,
@@ -52,11 +81,17 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             )
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
+        dropout = tree_batch_dropout_refusal(self, packed_seq_params) if tree_batch else None
+        if dropout is not None:
+            raise ValueError(dropout)
 
         qkvzba, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
         qkvzba = qkvzba[:, 0]
         rows = qkvzba.size(0)
         if tree_batch:
+            refusal = schedule_call_refusal(packed_seq_params, "Gated DeltaNet")
+            if refusal:
+                raise NotImplementedError(refusal)
             plan = packed_seq_params.plan.to(qkvzba.device)
         else:
             plan = plan_for_thd(packed_seq_params, rows, qkvzba.device)
@@ -101,12 +136,6 @@ def get_gdn_layer_local_tree_spec(layer_spec, conv_bias: bool = False):
     row-parallel, ``out_norm`` the layer's norm class). Pass the stock ``GatedDeltaNet``
     layer through ``to_tree_spec`` instead when you need the stock spec object.
     """
-    import dataclasses
-
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     mixer = ModuleSpec(
         module=TreeGatedDeltaNet,
         params={"conv_bias": conv_bias},

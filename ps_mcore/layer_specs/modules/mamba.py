@@ -16,8 +16,13 @@ mamba-ssm's varlen path with ``seq_idx``) and inference.
 Kernel: ``config.tree_mamba_backend`` (``auto`` | ``fla`` | ``torch``; default ``auto``:
 flash-linear-attention's varlen ``chunk_simple_gla`` on CUDA, pure torch elsewhere; ``fla``
 without flash-linear-attention raises). Refused on a tree batch, with a message: context
-parallelism, inference caches. Importing this module needs what megatron's ``mamba_mixer``
-needs (triton; mamba-ssm and einops to build the stock layer).
+parallelism, inference caches.
+
+Packages: importing this module imports megatron's ``mamba_mixer`` (megatron-core 0.16's
+imports triton); building it needs einops, as the stock layer does. mamba-ssm is needed only by
+the stock forward: without it the mixer builds with :class:`TorchGatedRMSNorm` as its ``norm``
+(mamba-ssm's gated RMSNorm in torch, same ``norm.weight``), runs tree batches on the pure-torch
+kernels, and refuses ordinary batches (sbhd, THD, inference), naming the package.
 """
 
 from __future__ import annotations
@@ -25,12 +30,52 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.ssm import mamba_mixer as stock_mamba
 from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
+from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
+from ps_mcore.layer_specs.modules.stock_init import init_stock_without, stock_forward_error
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, schedule_call_refusal
 from ps_mcore.recurrent import recurrent_tree, resolve_ssd_backend, tree_causal_conv1d, tree_mamba_chunk_scan
 
 _WARNED_TORCH_ON_CUDA = False
+
+
+class TorchGatedRMSNorm(torch.nn.Module):
+    """mamba-ssm's gated RMSNorm (``RMSNormGated``) in torch, with the sharded checkpoint layout
+    of megatron's ``ExtendedRMSNorm`` (``weight`` split over TP along dim 0): the Mamba mixer's
+    ``norm`` where mamba-ssm is not installed. ``x``, ``z``: ``[..., hidden]``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, group_size: int | None = None,
+                 norm_before_gate: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        if z is not None and not self.norm_before_gate:
+            x = x * F.silu(z.float())
+        groups = x.reshape(*x.shape[:-1], -1, self.group_size or x.size(-1))
+        out = (groups * torch.rsqrt(groups.square().mean(-1, keepdim=True) + self.eps)).reshape(x.shape)
+        out = out * self.weight.float()
+        if z is not None and self.norm_before_gate:
+            out = out * F.silu(z.float())
+        return out.to(dtype)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """``weight`` sharded along dim 0 over TP, as ``ExtendedRMSNorm`` saves it."""
+        if not hasattr(self, "tp_group"):
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
+        )
 
 
 class TreeMambaMixer(MambaMixer):
@@ -38,9 +83,19 @@ class TreeMambaMixer(MambaMixer):
     ``[t, 1, h]`` (thd, ``t = T_pad / tp`` under sequence parallelism); returns
     ``(out, out_bias)`` like the stock module."""
 
+    def __init__(self, config, *args, **kwargs):
+        if stock_mamba.HAVE_MAMBA_SSM:
+            super().__init__(config, *args, **kwargs)
+            return
+        init_stock_without(MambaMixer, self, (config, *args), kwargs,
+                           {"HAVE_MAMBA_SSM": True, "ExtendedRMSNorm": TorchGatedRMSNorm})
+
     def forward(self, hidden_states, inference_context=None, *, inference_params=None,
                 packed_seq_params=None):
         if not isinstance(packed_seq_params, TreePackedSeqParams):
+            if not stock_mamba.HAVE_MAMBA_SSM:
+                what = "sbhd batches" if packed_seq_params is None else "ordinary THD batches"
+                raise stock_forward_error("TreeMambaMixer", "mamba-ssm", what, "prefix-tree batches")
             return super().forward(hidden_states, inference_context, inference_params=inference_params,
                                    packed_seq_params=packed_seq_params)
         if inference_context is not None or inference_params is not None:
@@ -58,11 +113,17 @@ class TreeMambaMixer(MambaMixer):
             raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {packed_seq_params.qkv_format!r}")
         if hidden_states.size(1) != 1:
             raise ValueError(f"packed (thd) batches have batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+        dropout = tree_batch_dropout_refusal(self, packed_seq_params)
+        if dropout is not None:
+            raise ValueError(dropout)
         backend = self._tree_backend(hidden_states.device)
 
         zxBCdt, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
         zxBCdt = zxBCdt[:, 0]
         rows = zxBCdt.size(0)
+        refusal = schedule_call_refusal(packed_seq_params, "Mamba")
+        if refusal:
+            raise NotImplementedError(refusal)
         tree = recurrent_tree(packed_seq_params.plan.to(zxBCdt.device), rows)
         y = self._tree_ssm(zxBCdt, tree, backend)
         return self.out_proj(y[:, None])

@@ -21,6 +21,7 @@ import inspect
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.modules.self_attention import tree_rotary_table
 from ps_mcore.layer_specs.modules.tree_context import set_current_tree_batch
@@ -28,7 +29,7 @@ from ps_mcore.layer_specs.modules.tree_context import set_current_tree_batch
 _FORWARD_SIGNATURE = inspect.signature(MLASelfAttention.forward)
 
 
-def mla_unsupported_reason(config) -> str | None:
+def mla_refusal(config) -> str | None:
     """Why an MLA layer with this config cannot run tree batches, or None."""
     if getattr(config, "apply_rope_fusion", False):
         return "apply_rope_fusion=True (the fused MLA RoPE kernels take no per-token positions)"
@@ -68,7 +69,7 @@ class TreeMLASelfAttention(MLASelfAttention):
     """
 
     def __init__(self, config, *args, **kwargs):
-        reason = mla_unsupported_reason(config)
+        reason = mla_refusal(config)
         if reason is not None:
             raise NotImplementedError(f"multi-latent attention on tree batches does not support {reason}")
         super().__init__(config, *args, **kwargs)
@@ -87,6 +88,9 @@ class TreeMLASelfAttention(MLASelfAttention):
         if tree is not None:
             if arg.get("inference_context") is not None or arg.get("inference_params") is not None:
                 raise NotImplementedError("TreeMLASelfAttention does not support inference KV caches")
+            dropout = tree_batch_dropout_refusal(self, tree)
+            if dropout is not None:
+                raise ValueError(dropout)
             if not isinstance(self.core_attention, TreeCoreAttention):
                 raise TypeError(
                     f"a tree batch reached core attention {type(self.core_attention).__name__}; "

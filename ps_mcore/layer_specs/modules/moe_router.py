@@ -17,7 +17,7 @@ unshared THD batch megatron's seq-aux loss is the load-balancing loss of the who
 with the seq-aux coefficient. The tree matches that reference (a per-sample seq-aux loss is
 not what megatron computes for packed batches).
 
-Refused on tree batches (clear error at the first tree forward; :func:`tree_unsupported_reason`
+Refused on tree batches (clear error at the first tree forward; :func:`moe_refusal`
 lets integrations fall back to the stock path per micro-batch instead): token dropping
 (``moe_expert_capacity_factor``: capacity depends on the token count and drop order on token
 order), sinkhorn routing (normalises over tokens), input jitter and forced load balancing
@@ -47,7 +47,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from ps_mcore.layer_specs.modules.tree_context import current_tree_batch
 
 
-def tree_unsupported_reason(config) -> str | None:
+def moe_refusal(config) -> str | None:
     """Why tree batches cannot be exact for this config's MoE layers, or None when they can.
 
     For integrations: a non-None answer means "run this micro-batch unshared (stock THD)".
@@ -108,7 +108,7 @@ class TreeTopKRouter(TopKRouter):
         psp = current_tree_batch()
         if psp is None or getattr(psp, "multiplicity", None) is None:
             return None
-        reason = tree_unsupported_reason(self.config)
+        reason = moe_refusal(self.config)
         if reason is not None:
             raise NotImplementedError(
                 f"MoE on a prefix-tree batch cannot be exact with {reason}; run this micro-batch "

@@ -12,17 +12,16 @@ forward does it.
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as mpu
 
+from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.multi_token import DepthPlan
 from ps_mcore.planner import TreePlan
 
 
 def tree_mtp_refusal(model) -> str | None:
     """Why ``model``'s MTP block cannot run on a tree (None: it can)."""
-    from megatron.core import parallel_state as mpu
-
-    from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
-
     config = model.config
     if mpu.get_tensor_model_parallel_world_size() > 1 or mpu.get_context_parallel_world_size() > 1:
         return "MTP with tensor or context parallelism"
@@ -43,6 +42,7 @@ def tree_mtp_hidden_states(
     depths: list[DepthPlan],
     rotary_pos_emb=None,
     detach_inputs: bool = False,
+    shared_dropout: bool = False,
 ) -> list[torch.Tensor]:
     """Outputs of ``model.mtp``'s layers on the tree.
 
@@ -57,12 +57,12 @@ def tree_mtp_hidden_states(
             or the embedding. (verl's patch detaches its hidden-state input only when that is a
             view: the decoder's output chunk is, a previous MTP layer's viewless output is not,
             so depth k >= 2 still trains depth k-1.)
+        shared_dropout: the micro-batch's opt-in to shared dropout masks
+            (``TreePackedSeqParams.shared_dropout``), given to each depth's packed params.
 
     Returns:
         ``[T_k, 1, h]`` per depth: row q is the depth-k row ``depths[k-1].plan`` row q.
     """
-    from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-
     outputs = []
     previous = hidden_states[: plan.num_tokens]
     for layer, depth in zip(model.mtp.layers, depths):
@@ -87,7 +87,7 @@ def tree_mtp_hidden_states(
             rotary_pos_sin=None,
             attention_bias=None,
             inference_params=None,
-            packed_seq_params=TreePackedSeqParams.from_plan(depth.plan),
+            packed_seq_params=TreePackedSeqParams.from_plan(depth.plan, shared_dropout=shared_dropout),
             sequence_len_offset=None,
         )
         if model.config.recompute_granularity == "full" and layer.training:

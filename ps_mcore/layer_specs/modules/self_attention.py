@@ -19,6 +19,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
+from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.modules.tree_context import set_current_tree_batch
 
@@ -43,8 +44,8 @@ def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Te
     """``[S, 1, 1, d] -> [T_pad, 1, 1, d]``: the table row of every packed token's position.
 
     Every layer receives the same table from GPTModel: it is indexed once per micro-batch
-    (cached on the packed params, keyed by the table object itself)."""
-    cached = psp.__dict__.get("_tree_rope")
+    (kept on the packed params with the table object itself, ``psp.rotary_tables``)."""
+    cached = psp.rotary_tables
     if cached is not None and cached[0] is table:
         return cached[1]
     if table.size(0) < psp.plan.max_seqlen_kv:
@@ -53,7 +54,7 @@ def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Te
             f"{psp.plan.max_seqlen_kv - 1}; build packed params with TreePackedSeqParams.from_plan"
         )
     out = table.index_select(0, psp.position_ids.to(table.device))
-    psp.__dict__["_tree_rope"] = (table, out)
+    psp.rotary_tables = (table, out)
     return out
 
 
@@ -95,6 +96,9 @@ class TreeSelfAttention(SelfAttention):
     def _check_tree_batch(self, psp: TreePackedSeqParams, hidden_states: torch.Tensor) -> None:
         if psp.plan is None or psp.position_ids is None:
             raise ValueError("TreePackedSeqParams without a plan; build it with from_plan(plan)")
+        dropout = tree_batch_dropout_refusal(self, psp)
+        if dropout is not None:
+            raise ValueError(dropout)
         rows = hidden_states.size(0)
         if self.config.sequence_parallel:  # each rank holds T_pad / cp / tp rows before the gather
             rows *= self._tp_world_size()
@@ -116,6 +120,14 @@ class TreeSelfAttention(SelfAttention):
 
     def forward(self, *args, **kwargs):
         """Same arguments as ``SelfAttention.forward``; returns ``(output, bias)``."""
+        args, kwargs = self._tree_arguments(args, kwargs)
+        return super().forward(*args, **kwargs)
+
+    # Eager under torch.compile (signature binding, checks, the per-batch RoPE cache); the
+    # parent's forward, which it feeds, compiles.
+    @torch.compiler.disable
+    def _tree_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The parent forward's arguments, tree RoPE applied for a tree batch."""
         bound = _FORWARD_SIGNATURE.bind(self, *args, **kwargs)
         arg = bound.arguments
         if arg.get("inference_context") is not None or arg.get("inference_params") is not None:
@@ -140,4 +152,4 @@ class TreeSelfAttention(SelfAttention):
                 arg["rotary_pos_emb"] = _tree_rope(rope, psp)
                 if not self.config.apply_rope_fusion:  # bounds on the host: no device syncs
                     arg["packed_seq_params"] = psp.for_unfused_rope(arg["hidden_states"].device)
-        return super().forward(*bound.args[1:], **bound.kwargs)
+        return bound.args[1:], bound.kwargs

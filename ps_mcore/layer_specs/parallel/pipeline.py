@@ -25,21 +25,19 @@ _FINGERPRINT_FIELDS = (
 def plan_fingerprint(plan: TreePlan) -> int:
     """A 63-bit hash of the plan's layout (tokens, positions, node and context boundaries,
     ``kv_index``, ``unpack_index``, sequence lengths); equal plans give equal fingerprints on
-    any device. Cached on the plan."""
+    any device. Kept on the plan's host copy (``plan.host.memo``)."""
     if not isinstance(plan, TreePlan):
         raise TypeError(f"plan_fingerprint expects a TreePlan, got {type(plan).__name__}")
-    cached = plan._cache.get("fingerprint")
-    if cached is not None:
-        return cached
-    h = hashlib.blake2b(digest_size=8)
-    h.update(np.asarray(plan.seq_lens, dtype=np.int64).tobytes())
-    for name in _FINGERPRINT_FIELDS:
-        values = getattr(plan, name).detach().cpu().numpy().astype(np.int64)
-        h.update(np.int64(values.size).tobytes())
-        h.update(values.tobytes())
-    fp = int.from_bytes(h.digest(), "little") >> 1  # fits a signed int64
-    plan._cache["fingerprint"] = fp
-    return fp
+    host = plan.host  # no device-to-host sync for a moved plan
+    if host.memo.fingerprint is None:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(np.asarray(host.seq_lens, dtype=np.int64).tobytes())
+        for name in _FINGERPRINT_FIELDS:
+            values = getattr(host, name).detach().cpu().numpy().astype(np.int64)
+            h.update(np.int64(values.size).tobytes())
+            h.update(values.tobytes())
+        host.memo.fingerprint = int.from_bytes(h.digest(), "little") >> 1  # fits a signed int64
+    return host.memo.fingerprint
 
 
 def _collective_device(group, plan: TreePlan) -> torch.device:

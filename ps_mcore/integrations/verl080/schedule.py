@@ -1,0 +1,163 @@
+"""Cross-micro-batch schedules in verl 0.8.0's engines.
+
+With a token budget (``use_dynamic_bsz``), the micro-batcher hands the sharing units larger
+than the budget to a :class:`MiniBatchScheduler` (``prefix_grouper.cross_microbatch``, on by
+default). It plans them as one prefix forest and cuts it into steps
+(:func:`ps_mcore.minibatch.schedule_tree`): every row computed once, each prefix's K/V kept
+for the micro-batches that continue it. Its steps become the first micro-batches, in order
+(a step's samples are the ones whose loss it computes); the units that fit are micro-batched
+as before after them. The data-parallel micro-batch count is synced as verl does: a rank with
+fewer micro-batches splits its small units further, then the schedule's steps at sample ends.
+
+In the forward, a step's micro-batch runs its calls through one
+:class:`~ps_mcore.schedule.ScheduleRunner` per engine step (made at the first step, with the
+engine's model call); the runner runs the releases of a step when the next one starts and the
+last ones before the gradient reduction (Megatron: first thing in
+``finalize_model_grads_func``; FSDP: when ``forward_backward_batch`` returns). Log-prob
+passes (``forward_only``) plan without gradients: kept K/V only, nothing recomputed.
+
+A unit larger than the budget that the engine cannot schedule (its ``refusal`` names why:
+pipeline or context parallelism, a hybrid model, ...) is split into pieces as before, with
+one warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ps_mcore.integrations.patching import warn_once
+from ps_mcore.integrations.verl080.batch import plan_sequences
+from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl080.microbatch import _local_count, _sync_count, _Units, partition_units
+from ps_mcore.minibatch import MiniBatchPlan, kept_kv_row_cost, schedule_tree
+from ps_mcore.schedule import RunCall, ScheduleRunner
+
+
+@dataclass
+class VerlSchedule:
+    """One engine step's schedule: the plan, its step micro-batches and (once the first step
+    runs) its runner."""
+
+    plan: MiniBatchPlan
+    training: bool
+    batches: list = field(default_factory=list)
+    runner: ScheduleRunner | None = None
+
+    def step_of(self, batch) -> int | None:
+        """The step ``batch`` (a micro-batch object built by the micro-batcher) runs, or None."""
+        for index, candidate in enumerate(self.batches):
+            if candidate is batch:
+                return index
+        return None
+
+    def runner_with(self, make_run_call: Callable[[], RunCall]) -> ScheduleRunner:
+        """The runner, made with ``make_run_call()`` at the first step."""
+        if self.runner is None:
+            self.runner = ScheduleRunner(self.plan, make_run_call(), training=self.training)
+        return self.runner
+
+    def finish(self) -> None:
+        """The last releases (after every step ran; nothing to do before the first)."""
+        if self.runner is not None and not self.runner.done:
+            self.runner.finish()
+
+    def step_tokens(self, index: int) -> tuple[int, int]:
+        """(N, rows computed) of step ``index``: its samples' tokens and its calls' rows."""
+        step = self.plan.steps[index]
+        n = int(sum(self.plan.tree.seq_lens[s] for s in step.samples))
+        return n, int(sum(self.plan.calls[c].num_rows for c in step.calls))
+
+
+class MiniBatchScheduler:
+    """The micro-batcher's scheduler for one engine step (see the module docstring).
+
+    Args:
+        config: the role's ``prefix_grouper`` config.
+        training: plan for forward + backward (False: a log-prob pass).
+        kv_row_cost: budget tokens per kept K/V row.
+        refusal: why this engine cannot run a schedule (units larger than the budget are
+            then split, with one warning), or None.
+    """
+
+    def __init__(self, config: PrefixGrouperConfig, training: bool, kv_row_cost: float, refusal: str | None = None):
+        self.config = config
+        self.training = training
+        self.kv_row_cost = kv_row_cost
+        self.refusal = refusal
+        self.schedule: VerlSchedule | None = None
+
+    def partitions(self, units: _Units, budget: int, options: dict) -> list[list[int]] | None:
+        """Micro-batches (sample index lists): the schedule's steps, then the small units'."""
+        if self.refusal is not None:
+            warn_once(
+                f"schedule:{self.refusal}",
+                "sharing units larger than the token budget are split into pieces that each "
+                f"recompute their shared prefix (no cross-micro-batch schedule): {self.refusal}",
+            )
+            return None
+        big = [u for u, t in enumerate(units.tokens) if t > budget]
+        members = np.array(sorted(i for u in big for i in units.members[u]), dtype=np.int64)
+        tree = plan_sequences(
+            [units.seqs[i] for i in members],
+            self.config,
+            None if units.prompts is None else units.prompts[members],
+            None if units.groups is None else [units.groups[i] for i in members],
+        )
+        plan = schedule_tree(tree, budget, self.kv_row_cost, self.training)
+        small = units.subset([u for u in range(len(units.tokens)) if units.tokens[u] <= budget])
+        k_small = _local_count(small, budget)
+        k = plan.num_steps + k_small
+        if options.get("min_num_micro_batch") is not None:
+            k = max(k, options["min_num_micro_batch"])
+        k = _sync_count(k, options.get("dp_group"), options.get("same_micro_num_in_dp", True),
+                        options.get("num_batches_divided_by"))
+        small_samples = sum(len(m) for m in small.members)
+        k_small = min(k - plan.num_steps, small_samples)
+        if plan.num_steps + k_small < k:  # other ranks need more micro-batches: split steps
+            plan = schedule_tree(tree, budget, self.kv_row_cost, self.training, min_steps=k - k_small)
+        step_parts = [members[list(step.samples)].tolist() for step in plan.steps]
+        small_parts = partition_units(small, k_small, options.get("use_dynamic_bsz_balance", True)) if k_small else []
+        self.schedule = VerlSchedule(plan, self.training)
+        return step_parts + small_parts
+
+    def bind(self, micro_batches: list) -> None:
+        self.schedule.batches = list(micro_batches[: self.schedule.plan.num_steps])
+
+    def owns(self, batch) -> bool:
+        return self.schedule is not None and self.schedule.step_of(batch) is not None
+
+
+def megatron_kv_row_cost(model, training: bool) -> float:
+    """:func:`~ps_mcore.minibatch.kept_kv_row_cost` of a Megatron GPT model's config."""
+    config = model.config
+    heads = config.num_attention_heads
+    vocab = getattr(model, "vocab_size", None) or getattr(getattr(model, "output_layer", None), "output_size", 0)
+    return kept_kv_row_cost(
+        layers=config.num_layers,
+        hidden=config.hidden_size,
+        heads=heads,
+        kv_heads=config.num_query_groups or heads,
+        head_dim=config.kv_channels,
+        ffn=config.ffn_hidden_size,
+        vocab=int(vocab or 0),
+        training=training,
+        full_recompute=config.recompute_granularity == "full",
+        dtype_bytes=2 if (config.bf16 or config.fp16) else 4,
+    )
+
+
+def scheduler_for(config: PrefixGrouperConfig, training: bool, estimate: Callable[[], float],
+                  refusal: str | None) -> MiniBatchScheduler | None:
+    """The scheduler of one engine step (None when ``cross_microbatch`` is off)."""
+    if not config.cross_microbatch:
+        return None
+    cost = config.kv_row_cost if config.kv_row_cost is not None else (estimate() if refusal is None else 1.0)
+    return MiniBatchScheduler(config, training, cost, refusal)
+
+
+def schedule_outputs(schedule: VerlSchedule, index: int, make_run_call: Callable[[], RunCall]) -> dict[str, Any]:
+    """Run step ``index`` (its releases first): per-token outputs of its samples ``[N_step]``."""
+    return schedule.runner_with(make_run_call).forward(index)
