@@ -541,13 +541,13 @@ def test_moe_fallback_decision(env, options, word):
     assert reason is None if word is None else word in reason, reason
 
 
-def _mtp_model(depths: int, detach: bool, seed: int = 5):
+def _mtp_model(depths: int, detach: bool, seed: int = 5, **config):
     """A real megatron-core MTP block (``depths`` layers, tree specs like the decoder's) with
     verl's MTP patches, as ``MegatronEngine`` applies them (``patch_engine_mtp``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from verl.models.mcore.mtp_patch import patch_mtp_layer_get_embeddings, patch_postprocess
 
-    cfg = tiny_config("qwen2", mtp_num_layers=depths)
+    cfg = tiny_config("qwen2", mtp_num_layers=depths, **config)
     spec = _tree_spec(cfg)
     model = build_gpt(cfg, spec, mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
     randomize_(model, seed=seed)
@@ -557,9 +557,9 @@ def _mtp_model(depths: int, detach: bool, seed: int = 5):
     return model
 
 
-def _mtp_run(impl, model, data, patched, detach, loss_fn=None):
+def _mtp_run(impl, model, data, patched, detach, loss_fn=None, **setting):
     setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
-    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("arbitrary_prefix"))
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("arbitrary_prefix", **setting))
     engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True, detach_encoder=detach)
     model.zero_grad(set_to_none=True)
     out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
@@ -600,6 +600,27 @@ def test_multi_token_prediction_matches_stock(env, fresh_warnings, depths, detac
     assert_grads([g_stock[k] for k in g_stock], [g_tree[k] for k in g_stock])
     # the MTP loss really reached the MTP layers (and, without detach, the decoder's embedding)
     assert all(float(g.abs().max()) > 0 for k, g in g_tree.items() if k.startswith("mtp."))
+
+
+def test_multi_token_prediction_with_shared_dropout(env, recwarn):
+    """prefix_grouper.shared_dropout=true with hidden dropout in training: the MTP layers' own
+    tree batches (one per depth) carry the opt-in too, so the step runs on the tree, the MTP
+    loss reaching the MTP layers, reproducible under a seed."""
+    impl, _ = env
+    model = _mtp_model(1, False, hidden_dropout=0.1).train()
+    rng = np.random.default_rng(33)
+    data = make_batch(WORKLOADS["tree"](rng), rng, temperature=0.9)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(_mtp_run(impl, model, data, True, False, _ppo(), shared_dropout=True))
+    assert not [w for w in recwarn if "stock forward" in str(w.message)]
+    (first, g_first), (again, g_again) = runs
+    n, t = step_tokens(first)
+    assert t < n
+    np.testing.assert_array_equal(first["loss"], again["loss"])
+    assert all(torch.equal(g_first[k], g_again[k]) for k in g_first if g_first[k] is not None)
+    assert all(float(g.abs().max()) > 0 for k, g in g_first.items() if k.startswith("mtp."))
 
 
 def test_multi_token_prediction_layout_refusal_names_it(env):
