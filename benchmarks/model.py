@@ -8,6 +8,7 @@ the LM head and per-token log-probs, unshared THD batch vs. prefix tree, every s
     python benchmarks/model.py --spec te                       # CUDA + transformer-engine
     python benchmarks/model.py --spec te --fp8 delayed         # ... with TE's FP8 linears (recipe:
                                                                # delayed, tensorwise, blockwise, mxfp8)
+    python benchmarks/model.py --builder bridge                # CUDA + TE + Megatron-Bridge
 
 ``--spec te`` (TP=CP=1): the baseline is what users run today, the STOCK TE model
 (``get_gpt_layer_with_transformer_engine_spec``: TE fused attention, fused RoPE) on the
@@ -17,6 +18,13 @@ speedup, meas/ideal, peak memory. ``--fp8 RECIPE`` runs both models under TE's F
 (``fp8="hybrid"``): the stock model on verl's FP8 THD layout (each sequence padded to 16 rows, the
 total to 128: ``ps_mcore.layer_specs.fp8.fp8_thd_layout``), the tree's packed rows padded to 128
 (``tree_row_multiple``), tree attention in bf16.
+
+``--builder bridge`` (TP=CP=1): the models come from Megatron-Bridge as verl 0.9.1's Megatron
+engine builds them: a Qwen2 Hugging Face checkpoint with Qwen2.5-1.5B shapes (random weights,
+bf16, written to a temporary folder), ``AutoBridge.from_hf_pretrained``, the provider's own TE
+spec (its defaults: fusions, fused RoPE); the stock model is the provider's, the tree model the
+provider with ``tree_provider_spec``; Bridge loads the checkpoint into both (every parameter
+checked). Same table as ``--spec te``.
 
 The world is one model replica (world size = tp * cp); rank 0 prints the table (its times).
 Default (local spec): one model (tree layer specs, local linear layers; no sequence
@@ -233,6 +241,8 @@ def run(args) -> str:
     shape = DecoderShape(layers=args.layers, **(TINY if args.tiny else QWEN25_15B))
     scale = 1 / 32 if args.tiny else 1.0
     init_parallel(device, args.tp, args.cp)
+    if args.builder == "bridge":
+        return run_bridge(args, shape, device, dtype)
     if args.spec == "te":
         return run_te(args, shape, device, dtype)
     model = build_model(shape, device, dtype, args.fusions, args.tp, args.cp, backend=args.backend)
@@ -252,6 +262,24 @@ def run(args) -> str:
 def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
     """Stock TE model on the unshared THD batch vs. its tree spec on the prefix tree."""
     stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend, fp8=args.fp8)
+    fp8 = f", FP8 {args.fp8} recipe (hybrid) in both, tree rows padded to 128" if args.fp8 else ""
+    return te_table(args, shape, device, dtype, stock, tree,
+                    f", transformer-engine spec (Qwen2.5-1.5B shapes: {_dims(shape)}, random init, bf16{fp8})")
+
+
+def run_bridge(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
+    """The provider's stock model vs its tree model, both built and loaded by Megatron-Bridge."""
+    from bridge_models import bridge_model_pair
+
+    stock, tree, versions = bridge_model_pair(shape, args.layers, args.backend)
+    return te_table(args, shape, device, dtype, stock, tree,
+                    f" built by Megatron-Bridge ({versions}; Qwen2 HF checkpoint, Qwen2.5-1.5B shapes: "
+                    f"{_dims(shape)}, random weights, bf16, the provider's TE spec and defaults)")
+
+
+def te_table(args, shape: DecoderShape, device: str, dtype: torch.dtype, stock, tree, model: str) -> str:
+    """The ``--spec te`` / ``--builder bridge`` table: stock TE model on the unshared THD batch
+    vs the tree model on the prefix tree."""
     headers = ["workload", "N", "T", "ideal", "TE stock ms", "tree ms", "speedup", "meas/ideal",
                "TE stock MiB", "tree MiB", "mem ratio", "max |dlogp|"]
 
@@ -261,9 +289,8 @@ def run_te(args, shape: DecoderShape, device: str, dtype: torch.dtype) -> str:
                 steps.max_logprob_diff()]
 
     rows = workload_rows(args, shape, lambda seqs: Steps(tree, seqs, device, base_model=stock), row)
-    fp8 = f", FP8 {args.fp8} recipe (hybrid) in both, tree rows padded to 128" if args.fp8 else ""
     title = _title(
-        f", transformer-engine spec (Qwen2.5-1.5B shapes: {_dims(shape)}, random init, bf16{fp8})",
+        model,
         "STOCK TE spec (TE fused attention, fused RoPE) on the unshared THD batch"
         + (" in verl's FP8 THD layout" if args.fp8 else ""),
         "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype, "models", args.backend)
@@ -279,13 +306,17 @@ def main() -> None:
     p.add_argument("--backend", default="auto", help="tree attention backend of the tree model (config.tree_attention_backend)")
     p.add_argument("--spec", choices=("local", "te"), default="local",
                    help="te: stock TE model (baseline) vs to_tree_spec(TE spec); CUDA + TE, TP=CP=1")
+    p.add_argument("--builder", choices=("direct", "bridge"), default="direct",
+                   help="bridge: both models built by Megatron-Bridge from an HF checkpoint (its TE spec); "
+                        "CUDA + TE + Megatron-Bridge, TP=CP=1")
     p.add_argument("--fp8", choices=("delayed", "tensorwise", "blockwise", "mxfp8"), default=None,
                    help="TE FP8 recipe for both models (with --spec te)")
     args = parse_model_benchmark_args(p, "benchmarks/model.py")
-    if args.spec == "te" and (args.tiny or args.tp > 1 or args.cp > 1):
-        sys.exit("--spec te runs on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
-    if args.fp8 and args.spec != "te":
-        sys.exit("--fp8 needs --spec te (TE's FP8 linears)")
+    if (args.spec == "te" or args.builder == "bridge") and (args.tiny or args.tp > 1 or args.cp > 1):
+        sys.exit("--spec te / --builder bridge run on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
+    if args.fp8 and (args.spec != "te" or args.builder == "bridge"):
+        sys.exit("--fp8 needs --spec te with --builder direct (the models' FP8 recipe is set where "
+                 "this script builds them; the Megatron-Bridge provider's is not)")
     report = run(args)
     if dist.get_rank() == 0:
         write_report(report, args.out)

@@ -23,19 +23,6 @@ def _cpu_device():
     return "cpu"
 
 
-def init_gpu_megatron_world_1() -> None:
-    """NCCL world 1 (in-process store) + megatron parallel state at TP=1 and its CUDA RNG
-    tracker: what the single-GPU tests (tests/test_gpu_*.py) run under."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-
-
 def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
     """gloo (world 1 in-process, or torchrun's world) + megatron parallel state with TP=tp,
     CP=cp, PP=pp (and VPP=vpp virtual stages)."""
@@ -59,6 +46,18 @@ def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1, vpp: int | None = N
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                  pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp)
+
+
+def init_gpu_megatron() -> None:
+    """The GPU tests' world: NCCL world 1 (an in-process store), megatron parallel state of one
+    rank, megatron's CUDA RNG tracker."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 
 def tiny_config(kind: str = "qwen2", **overrides):

@@ -52,9 +52,9 @@ ROWS: list[tuple] = []
 
 @pytest.fixture(scope="module", autouse=True)
 def _nccl_world_1():
-    from megatron_shims import init_gpu_megatron_world_1
+    from megatron_shims import init_gpu_megatron
 
-    init_gpu_megatron_world_1()
+    init_gpu_megatron()
     yield
 
 

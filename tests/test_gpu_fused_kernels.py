@@ -4,7 +4,7 @@ on a GPU (skipped without CUDA, Triton, transformers or verl).
 A tiny random Qwen2 (bf16) runs verl's fused forward (``forward_with_triton_backend``) two
 ways: stock, one sequence at a time (the unshared batch); tree, the decoder once over the
 packed forest and the kernel on the plan's distinct (row, next-token) pairs
-(``ps_mcore.integrations.verl080.fused``). Both are measured against an fp32 reference (the
+(``ps_mcore.integrations.verl_common.fused``). Both are measured against an fp32 reference (the
 same weights in fp32, plain ``log_softmax``): the tree's error in log-probs, entropy and the
 gradients of a per-sample weighted loss is no larger than stock's (factor 1.5 plus a floor of
 bf16 noise). One table per run.
@@ -30,7 +30,7 @@ from verl.models.transformers import dense_common  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention  # noqa: E402
-from ps_mcore.integrations.verl080.fused import FUSED_ROWS_KWARG, triton_fused_kernel, tree_fused_forward  # noqa: E402
+from ps_mcore.integrations.verl_common.fused import FUSED_ROWS_KWARG, triton_fused_kernel, tree_fused_forward  # noqa: E402
 from ps_mcore.logprobs import labelled_rows  # noqa: E402
 from ps_mcore.workloads import make_workload  # noqa: E402
 

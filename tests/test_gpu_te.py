@@ -42,9 +42,9 @@ EXTRA = "decoder.layers.0.self_attention.core_attention._extra_state"
 
 @pytest.fixture(scope="module", autouse=True)
 def _nccl_world_1():
-    from megatron_shims import init_gpu_megatron_world_1
+    from megatron_shims import init_gpu_megatron
 
-    init_gpu_megatron_world_1()
+    init_gpu_megatron()
     yield
 
 

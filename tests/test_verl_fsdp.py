@@ -1,4 +1,4 @@
-"""verl 0.8.0 FSDP engines, patched (patchset ``verl080_fsdp``) vs stock, on real transformers
+"""verl's FSDP engines (0.8.0: patchset ``verl080_fsdp``; 0.9.1: ``verl091_fsdp``), patched vs stock, on real transformers
 models (tiny random Qwen2: GQA, qkv bias; fp32, CPU, sdpa as the stock attention).
 
 verl's real ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` run their real
@@ -28,17 +28,18 @@ transformers = pytest.importorskip("transformers")
 from verl_batches import (  # noqa: E402
     RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, sample_temperatures, step_tokens,
 )
+from verl_helpers import fsdp_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations import patching  # noqa: E402
-from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.integrations.verl080 import fsdp as fsdp_glue  # noqa: E402
-from ps_mcore.integrations.verl080.fsdp import tree_model_inputs  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.integrations.verl_common import fsdp as fsdp_glue  # noqa: E402
+from ps_mcore.integrations.verl_common.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.fsdp import tree_model_inputs  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 from ps_mcore.fsdp_bridge import hf_attention  # noqa: E402
 from ps_mcore.attention import tree_attention  # noqa: E402
 
-PATCHSET = "verl080_fsdp"
+PATCHSET = fsdp_patchset()
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
 # Fixed-size micro-batches of batches already in group order: prefix-aware micro-batching is
 # verl's own there, so fallback runs must be bit-identical to stock over several micro-batches.
@@ -381,7 +382,7 @@ def test_fallback_engine_subclass_overriding_seams(impl):
 
 def _partitions(impl, engine, data):
     """The FSDP module's ``prepare_micro_batches`` as ``forward_backward_batch`` calls it."""
-    from ps_mcore.integrations.verl080.engine import with_engine_context
+    from ps_mcore.integrations.verl_common.engine import with_engine_context
 
     def forward_backward_batch(_engine):
         return impl.prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)[1]
@@ -459,7 +460,7 @@ def test_fused_kernels_run_verl_fused_forward_on_labelled_rows(impl, fused_model
     data = _batch("tree", 14, use_fused_kernels=True)
     setting = _setting("arbitrary_prefix")
     tree, _ = _run(impl, fused_model(), data, setting, True)
-    from ps_mcore.integrations.verl080.batch import plan_batch
+    from ps_mcore.integrations.verl_common.batch import plan_batch
     from ps_mcore.logprobs import labelled_rows
 
     plan = plan_batch(data, setting.config)
@@ -480,6 +481,19 @@ def test_fallback_fused_kernels_without_remove_padding(impl, fused_model):
     _bit_identical(stock, tree)
     n = int(data["input_ids"].offsets()[-1])
     assert len(tree["metrics"][TOKENS_IN]) >= 2 and step_tokens(tree) == (n, n)
+
+
+def test_fallback_fused_kernels_liger_backend(impl, fused_model):
+    """verl 0.9.1's ``fused_kernels_backend: liger`` (Liger's kernel inside verl's torch-backend
+    forward; verl's torch kernel where Liger is not installed): stock, the backend named."""
+    import inspect
+
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    if "impl_backend" not in inspect.signature(FusedLinearForPPO).parameters:
+        pytest.skip("this verl has no liger fused-kernel backend")
+    data = _batch("grpo", 17, use_fused_kernels=True, **FIXED_MBS)
+    _fallback_case(impl, fused_model(backend="liger"), data, _setting("prompt_only"), "fused_kernels_backend='liger'")
 
 
 def test_fallback_fused_forward_of_another_model(impl, monkeypatch):

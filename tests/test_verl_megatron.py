@@ -26,11 +26,12 @@ from verl_batches import (  # noqa: E402
     RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell,
     make_batch, sample_temperatures, step_tokens, tiny_critic,
 )
+from verl_helpers import megatron_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations import patching  # noqa: E402
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN  # noqa: E402
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN  # noqa: E402
 
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
 
@@ -65,7 +66,7 @@ def _setting(mode, **kw):
 def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=None, monkeypatch=None):
     """One forward(+backward) through the engine; returns (output, grads)."""
     if patched:
-        setup.install(["verl080_mcore0161_ms0160"])
+        setup.install([megatron_patchset()])
     else:
         setup.uninstall()
     if monkeypatch is not None and env_value is not None:
@@ -279,11 +280,11 @@ def _mbridge_engine(impl, monkeypatch, config, **engine_config):
 @pytest.mark.parametrize("enabled", ["1", "0"])
 def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
     from ps_mcore.layer_specs import TreeCoreAttention
-    from ps_mcore.integrations.verl080.megatron import has_tree_attention
+    from ps_mcore.integrations.verl_common.megatron import has_tree_attention
 
     impl, _ = env
     monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     config = tiny_config("qwen2")
     config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
     engine = _mbridge_engine(impl, monkeypatch, config)
@@ -302,7 +303,7 @@ def test_tree_path_serves_padded_bshd_configs(env):
     data = make_batch(WORKLOADS["tree"](rng), rng)
     setting = _setting("arbitrary_prefix")
     stock, g_stock = _run(impl, model, data, setting, False, _ppo())
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     engine = engine_shell(impl.MegatronEngineWithLMHead, model, setting, use_remove_padding=False)
     model.zero_grad(set_to_none=True)
     tree = engine.forward_backward_batch(data.clone(), loss_function=_ppo(), forward_only=False)
@@ -357,7 +358,7 @@ def _fallback_case(impl, model, data, match, engine_setup=None):
     Returns the patched inference output."""
 
     def run(patched, loss_fn=None):
-        setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
+        setup.install([megatron_patchset()]) if patched else setup.uninstall()
         engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("prompt_only"))
         if engine_setup is not None:
             engine_setup(engine)
@@ -535,7 +536,7 @@ def test_fallback_moe_token_dropping(env, fresh_warnings):
     (dict(), None),  # exact MoE options: the tree path runs it
 ])
 def test_moe_fallback_decision(env, options, word):
-    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal
+    from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal
 
     reason = megatron_batch_refusal(_moe_model(**options), {}, None)
     assert reason is None if word is None else word in reason, reason
@@ -557,10 +558,24 @@ def _mtp_model(depths: int, detach: bool, seed: int = 5, **config):
     return model
 
 
-def _mtp_run(impl, model, data, patched, detach, loss_fn=None, **setting):
-    setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
-    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("arbitrary_prefix", **setting))
+def _mtp_engine(engine, detach: bool = False):
     engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True, detach_encoder=detach)
+
+
+def _tree_mtp():
+    """Skip where megatron-core's own MTP loss (``process_mtp_loss``) refuses the tree MTP path
+    (:func:`test_multi_token_prediction_process_mtp_loss_falls_back` covers that stack)."""
+    from ps_mcore.integrations.verl_common.mtp import mtp_loss_api_refusal
+
+    reason = mtp_loss_api_refusal()
+    if reason is not None:
+        pytest.skip(f"MTP on the tree is refused here: {reason}")
+
+
+def _mtp_run(impl, model, data, patched, detach, loss_fn=None, **setting):
+    setup.install([megatron_patchset()]) if patched else setup.uninstall()
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("arbitrary_prefix", **setting))
+    _mtp_engine(engine, detach)
     model.zero_grad(set_to_none=True)
     out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
     return out, {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
@@ -576,6 +591,7 @@ def test_multi_token_prediction_matches_stock(env, fresh_warnings, depths, detac
     losses. Branching tree, GRPO groups and step-wise samples, several micro-batches."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    _tree_mtp()
     impl, _ = env
     MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depth count
     model = _mtp_model(depths, detach)
@@ -606,6 +622,7 @@ def test_multi_token_prediction_with_shared_dropout(env, recwarn):
     """prefix_grouper.shared_dropout=true with hidden dropout in training: the MTP layers' own
     tree batches (one per depth) carry the opt-in too, so the step runs on the tree, the MTP
     loss reaching the MTP layers, reproducible under a seed."""
+    _tree_mtp()
     impl, _ = env
     model = _mtp_model(1, False, hidden_dropout=0.1).train()
     rng = np.random.default_rng(33)
@@ -623,9 +640,22 @@ def test_multi_token_prediction_with_shared_dropout(env, recwarn):
     assert all(float(g.abs().max()) > 0 for k, g in g_first.items() if k.startswith("mtp."))
 
 
-def test_multi_token_prediction_layout_refusal_names_it(env):
-    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal
+def test_multi_token_prediction_process_mtp_loss_falls_back(env, fresh_warnings):
+    """megatron-core 0.19's ``process_mtp_loss`` (which verl's MTP postprocess calls there):
+    every micro-batch takes verl's stock MTP forward, one warning names it, stock bit for bit."""
+    from megatron.core.transformer import multi_token_prediction
 
+    if not hasattr(multi_token_prediction, "process_mtp_loss"):
+        pytest.skip("this megatron-core has no process_mtp_loss: MTP runs on the tree")
+    impl, _ = env
+    multi_token_prediction.MTPLossLoggingHelper.tracker.clear()
+    _fallback_case(impl, _mtp_model(1, False), _fallback_batch(34), "process_mtp_loss", _mtp_engine)
+
+
+def test_multi_token_prediction_layout_refusal_names_it(env):
+    from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal
+
+    _tree_mtp()
     model = _mtp_model(1, False)
     model.config.num_moe_experts = 4  # only the decision is checked: the model is not run
     try:
@@ -687,7 +717,7 @@ def test_parallel_layout_refusals_name_the_feature(env):
     its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
     from types import SimpleNamespace
 
-    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal, tree_build_refusal
+    from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal, tree_build_refusal
 
     impl, model = env
     engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))

@@ -1,4 +1,4 @@
-"""verl 0.8.0's FSDP engine under DeepSpeed-Ulysses sequence parallelism: the tree path (packed
+"""verl's FSDP engine (0.8.0 and 0.9.1) under DeepSpeed-Ulysses sequence parallelism: the tree path (packed
 tree rows split over the SP ranks, all-to-all around tree attention) against verl's own
 Ulysses path on the unshared batch, on a 2-process world (``tests/verl_ulysses_worker.py``).
 

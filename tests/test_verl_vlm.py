@@ -1,4 +1,4 @@
-"""Vision-language micro-batches on the tree, verl 0.8.0's FSDP engine, real transformers
+"""Vision-language micro-batches on the tree, verl's FSDP engine (0.8.0 and 0.9.1), real transformers
 Qwen2-VL and Qwen2.5-VL classes (tiny random configs built here: 2 text layers, GQA 4/2 heads,
 3-D mrope sections, a 1-block vision tower with 2x2 patch merging; fp32, CPU).
 
@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_verl_fsdp import _ppo, _run, _setting, impl  # noqa: E402,F401
 from verl_batches import RTOL, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
+from verl_helpers import fsdp_patchset  # noqa: E402
 
 VOCAB = 160
 IMAGE, VIDEO, VISION_START, VISION_END = 150, 151, 152, 153
@@ -189,7 +190,7 @@ def test_attention_forward_replaced_after_install_still_runs_the_tree(impl, monk
     data = vlm_batch(model, np.random.default_rng(9), "images")
     setting = _setting("prompt_only")
     stock, g_stock = _run(impl, model, data, setting, False, _ppo())
-    setup.install(["verl080_fsdp"])  # records Hugging Face's forwards
+    setup.install([fsdp_patchset()])  # records Hugging Face's forwards
 
     def flash_only_forward(self, *args, **kwargs):
         raise NotImplementedError("verl's flash-attention forward (not runnable here)")

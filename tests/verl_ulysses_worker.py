@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_verl_ulysses.py: verl 0.8.0's real FSDP engine under
+"""torchrun worker for tests/test_verl_ulysses.py: verl's real FSDP engine (0.8.0 or 0.9.1) under
 DeepSpeed-Ulysses sequence parallelism (``ulysses_sequence_parallel_size`` = world size,
 tiny random Qwen2: 4 query / 2 kv heads), patched vs stock, on gloo (CPU) or NCCL.
 
@@ -23,6 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
+import verl_batches  # noqa: F401  (before verl: verl 0.9.1 without a GPU gets the CPU platform)
 
 
 def init(device: str) -> torch.device:
@@ -58,10 +59,12 @@ def _engine(cls, model, setting):
 
 
 def _run(cls, model, data, setting, loss_fn, patched):
+    from verl_helpers import fsdp_patchset
+
     from ps_mcore import setup
 
     if patched:
-        setup.install(["verl080_fsdp"])
+        setup.install([fsdp_patchset()])
     else:
         setup.uninstall()
     engine = _engine(cls, model, setting)

@@ -1,4 +1,4 @@
-"""verl 0.8.0 MTP training (``actor_rollout_ref.model.mtp.enable_train``) on a prefix tree.
+"""verl MTP training (``actor_rollout_ref.model.mtp.enable_train``) on a prefix tree.
 
 verl's stock forward hands the model ``labels`` and the full-length ``loss_mask`` and its
 patched ``GPTModel._postprocess`` (``verl.models.mcore.mtp_patch``) runs megatron's MTP block,
@@ -23,13 +23,27 @@ from ps_mcore.multi_token import DepthPlan, depth_plans, rolled_mask
 from ps_mcore.planner import TreePlan
 
 
+def mtp_loss_api_refusal() -> str | None:
+    """Why the installed megatron-core's MTP loss cannot be mirrored on a tree (None: it can).
+
+    megatron-core 0.19 has ``process_mtp_loss``, which verl's MTP postprocess (0.8.0 and 0.9.1)
+    then calls instead of its own loss: the output layer is detached only under
+    ``mtp_detach_heads``, ``calculate_per_token_loss`` rescales by token counts and it logs
+    acceptance counts; the tree loss here is the one verl computes on megatron-core 0.16."""
+    from megatron.core.transformer import multi_token_prediction
+
+    if hasattr(multi_token_prediction, "process_mtp_loss"):
+        return "megatron-core's process_mtp_loss (megatron-core 0.19)"
+    return None
+
+
 def mtp_refusal(inner) -> str | None:
     """Why MTP training of the unwrapped model cannot run on a tree (None: it can)."""
     from ps_mcore.layer_specs.modules.mtp import tree_mtp_refusal  # after MindSpeed's repatch
 
     if "_postprocess" not in vars(inner):
         return "MTP training without verl's MTP postprocess patch"
-    return tree_mtp_refusal(inner)
+    return mtp_loss_api_refusal() or tree_mtp_refusal(inner)
 
 
 def full_loss_mask(args: dict, input_ids: torch.Tensor) -> torch.Tensor:

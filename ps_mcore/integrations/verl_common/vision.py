@@ -5,7 +5,7 @@ temporal / height / width mrope rows) and images, and the model runs the vision 
 sample's images and scatters the features into the image placeholders. On the tree:
 
 * the plan is made on sequences whose image placeholders are keyed by image content
-  (:func:`~ps_mcore.integrations.verl080.batch.sharing_sequences`), so a prompt's image is
+  (:func:`~ps_mcore.integrations.verl_common.batch.sharing_sequences`), so a prompt's image is
   shared exactly where the image is the same; the real token ids go back into the plan
   (:func:`ps_mcore.multimodal.with_tokens`);
 * the model gets the packed rows, the 4-row positions of each packed row (mrope positions ride
@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ps_mcore.fsdp_bridge import unwrap_model
-from ps_mcore.integrations.verl080.batch import ImageTokens, sample_images, sequences, sharing_sequences
+from ps_mcore.integrations.verl_common.batch import ImageTokens, sample_images, sequences, sharing_sequences
 from ps_mcore.multimodal import packed_image_order, row_values
 
 # model_type -> (transformers module, text attention class)

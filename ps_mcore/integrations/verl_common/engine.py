@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import info_once, warn_once
-from ps_mcore.integrations.verl080.batch import batch_flag, plan_batch, saved_fraction
-from ps_mcore.integrations.verl080.config import PrefixSharingSetting, resolve_setting
-from ps_mcore.integrations.verl080.microbatch import prefix_aware_prepare_micro_batches, restore_order
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
+from ps_mcore.integrations.verl_common.batch import batch_flag, plan_batch, saved_fraction
+from ps_mcore.integrations.verl_common.config import PrefixSharingSetting, resolve_setting
+from ps_mcore.integrations.verl_common.microbatch import prefix_aware_prepare_micro_batches, restore_order
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
 from ps_mcore.planner import TreePlan
 
 
@@ -53,7 +53,7 @@ class EngineStep:
         micro: the micro-batch whose ``forward_step`` runs now (None between steps).
         forward_only: the step computes no gradients (a log-prob pass).
         schedule: the cross-micro-batch schedule of the units larger than the token budget
-            (:mod:`ps_mcore.integrations.verl080.schedule`), when the micro-batcher made one.
+            (:mod:`ps_mcore.integrations.verl_common.schedule`), when the micro-batcher made one.
     """
 
     engine: Any
@@ -108,7 +108,7 @@ def prefix_aware(
     """Replacement for an engine module's ``prepare_micro_batches`` name (verl's signature).
 
     ``scheduler_for(step, setting, data)`` gives the engine step's cross-micro-batch scheduler
-    (:class:`~ps_mcore.integrations.verl080.schedule.MiniBatchScheduler`) or None;
+    (:class:`~ps_mcore.integrations.verl_common.schedule.MiniBatchScheduler`) or None;
     ``images_of(engine)`` the engine model's image placeholder layout (vision-language), or None."""
 
     def prepare_micro_batches(
@@ -153,14 +153,17 @@ def restoring(stock: Callable) -> Callable:
 
 
 def with_token_metrics(postprocess: Callable, tokens: tuple[int, int]) -> Callable:
-    """Add the micro-batch's (N, T) to the metrics its postprocess function returns."""
+    """Add the micro-batch's (N, T) to the metrics its postprocess function returns: verl's
+    ``(loss, output)``, or ``(loss_sum, num_tokens, output)`` under Megatron's per-token loss
+    (verl 0.9.1 with ``calculate_per_token_loss``)."""
 
     def postprocess_micro_batch(*args, **kwargs):
-        loss, output = postprocess(*args, **kwargs)
+        result = postprocess(*args, **kwargs)
+        output = result[-1]
         metrics = dict(output.get("metrics") or {})
         metrics[TOKENS_IN], metrics[TOKENS_PACKED] = tokens
         output["metrics"] = metrics
-        return loss, output
+        return result
 
     return postprocess_micro_batch
 

@@ -67,12 +67,15 @@ def fused_kernel(cls: type) -> Callable | None:
 
 def fused_forward_refusal(model: torch.nn.Module) -> str | None:
     """Why ``model``'s fused forward cannot run on a tree (None: it can)."""
-    cls = type(unwrap_model(model))
+    inner = unwrap_model(model)
+    cls = type(inner)
     if fused_kernel(cls) is None:
         return (
             f"use_fused_kernels=True with {cls.__name__}'s own fused forward (only verl's dense "
             "forward_with_torch_backend / forward_with_triton_backend run on a tree)"
         )
+    if getattr(inner, "_verl_fused_kernels_backend", None) == "liger":  # verl 0.9.1
+        return "use_fused_kernels=True with fused_kernels_backend='liger' (the tree runs verl's torch or Triton kernel)"
     return None
 
 

@@ -1,4 +1,4 @@
-"""Reading one verl 0.8.0 worker batch (a TensorDict): sequences, prompt lengths, groups,
+"""Reading one verl worker batch (a TensorDict): sequences, prompt lengths, groups,
 and planning it. Shared by the Megatron and FSDP glue and the micro-batcher."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.multimodal import image_key, keyed_sequence
 from ps_mcore.planner import TreePlan, plan_prefix_tree
 
@@ -182,4 +182,6 @@ def lm_head_batch_refusal(batch) -> str | None:
         return "calculate_sum_pi_squared is not supported"
     if batch_flag(batch, "distillation_use_topk"):
         return "distillation top-k logits are not supported"
+    if batch_flag(batch, "distillation_only"):  # verl 0.9.1
+        return "distillation-only passes are not supported"
     return None

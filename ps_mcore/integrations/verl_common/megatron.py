@@ -1,4 +1,4 @@
-"""verl 0.8.0 Megatron engine glue: tree specs at model build, the tree forward per
+"""verl Megatron engine glue (0.8.0 and 0.9.1): tree specs at model build, the tree forward per
 micro-batch, and the fallbacks.
 
 Forward (wraps what ``verl.models.mcore.get_mcore_engine_forward_fn`` returns): for each
@@ -28,11 +28,12 @@ Per micro-batch it runs verl's own forward instead (warning once per reason) whe
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
 context parallelism (``local_cp_size``), VLM inputs, MTP training outside what
-:mod:`~ps_mcore.integrations.verl080.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
+:mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
 FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
-:mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k and active
+:mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k, active
 dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unless
-``prefix_grouper.shared_dropout``; attention dropout always). Per-sample temperatures run on
+``prefix_grouper.shared_dropout``; attention dropout always), and in verl 0.9.1 ``pad_to_length``
+buckets, the contiguous CP layout and distillation-only passes. Per-sample temperatures run on
 the tree (a shared row is normalised once per distinct temperature among its samples). Fused
 kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
@@ -54,15 +55,15 @@ import torch
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl080.batch import (
+from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
     batch_temperature,
     lm_head_batch_refusal,
     nested_like,
     plan_batch,
 )
-from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN, resolve_setting
-from ps_mcore.integrations.verl080.engine import (
+from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN, resolve_setting
+from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
     current_step,
@@ -71,8 +72,8 @@ from ps_mcore.integrations.verl080.engine import (
     prefix_aware,
     run_step_with_context,
 )
-from ps_mcore.integrations.verl080.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
-from ps_mcore.integrations.verl080.schedule import megatron_kv_row_cost, schedule_outputs, scheduler_for
+from ps_mcore.integrations.verl_common.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
+from ps_mcore.integrations.verl_common.schedule import megatron_kv_row_cost, schedule_outputs, scheduler_for
 from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
 from ps_mcore.mindspeed.state import reset_attention_mask_active
 
@@ -88,13 +89,15 @@ def _unwrap(model):
     return unwrap_model(model)
 
 
-def has_tree_attention(model) -> bool:
-    """True when the (unwrapped) model's attention layers are ``TreeCoreAttention``."""
-    from ps_mcore.layer_specs import TreeCoreAttention  # after MindSpeed's repatch
+_TREE_MODULES = "ps_mcore.layer_specs.modules."
 
+
+def has_tree_attention(model) -> bool:
+    """True when the (unwrapped) model has tree token mixers: ``TreeCoreAttention`` or, in a
+    hybrid model, the tree Mamba / Gated DeltaNet mixers."""
     inner = _unwrap(model)
     if inner not in _HAS_TREE:
-        _HAS_TREE[inner] = any(isinstance(m, TreeCoreAttention) for m in inner.modules())
+        _HAS_TREE[inner] = any(type(m).__module__.startswith(_TREE_MODULES) for m in inner.modules())
     return _HAS_TREE[inner]
 
 
@@ -105,6 +108,10 @@ def megatron_batch_refusal(model, args: dict, batch) -> str | None:
         return reason
     if args.get("local_cp_size") is not None:
         return "dynamic context parallelism (local_cp_size) is not supported by tree attention"
+    if args.get("cp_layout", "zigzag") != "zigzag":  # verl 0.9.1: contiguous CP rows (DeepSeek-V4)
+        return f"context-parallel layout {args['cp_layout']!r} is not supported (tree rows use the zigzag layout)"
+    if args.get("pad_to_length_bucket") is not None:  # verl 0.9.1's static padding (pad_to_length)
+        return "pad_to_length (padding micro-batches to fixed length buckets) is not supported"
     if args.get("vision_model") or args.get("multi_modal_inputs"):
         return "vision-language inputs are not supported"
     if args.get("mtp_enable_train"):
@@ -251,6 +258,9 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
         return "the model was not built with tree layer specs"
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
         return "dynamic context parallelism"
+    config = engine.engine_config
+    if getattr(config, "pad_to_length", False) and config.use_remove_padding:  # verl 0.9.1's static padding
+        return "pad_to_length (padding micro-batches to fixed length buckets)"
     if megatron_dropout_refusal(_unwrap(model)) is not None:  # shared_dropout or not
         return ("active dropout (a K/V-kept prefix runs its forward again at its release, which "
                 "would draw other dropout masks)")
@@ -537,16 +547,18 @@ def _build_with_mbridge(engine, original: Callable):
 
 
 def _build_with_bridge_provider(engine, original: Callable):
-    """Megatron-Bridge: the provider's own spec (instance or class default), converted."""
-    from ps_mcore.layer_specs import tree_layer_spec_from  # after MindSpeed's repatch
+    """Megatron-Bridge: the provider's own spec (instance or class default), converted: the
+    layer spec of a GPT provider, the stack spec of a hybrid one (Mamba / GDN layers too)."""
+    from ps_mcore.layer_specs import provider_spec_field, tree_provider_spec  # after MindSpeed's repatch
 
     provider = engine.provider
-    stock_spec = provider.transformer_layer_spec
-    provider.transformer_layer_spec = tree_layer_spec_from(stock_spec)
+    field = provider_spec_field(provider)
+    stock_spec = getattr(provider, field)
+    setattr(provider, field, tree_provider_spec(provider))
     try:
         return original(engine)
     finally:
-        provider.transformer_layer_spec = stock_spec
+        setattr(provider, field, stock_spec)
 
 
 def install_forward_fn_patch(patcher) -> None:
@@ -557,8 +569,9 @@ def install_forward_fn_patch(patcher) -> None:
 
 
 def install_megatron_patches(patcher) -> None:
-    """The Megatron-engine class patches of the ``verl080_mcore0161_ms0160`` patchset (with
-    :func:`install_forward_fn_patch`, all of them)."""
+    """The Megatron-engine class patches of patchsets ``verl080_mcore0161_ms0160`` and
+    ``verl091_mcore019`` (with :func:`install_forward_fn_patch`, all of them; the engine seams
+    are the same in both releases)."""
     from verl.workers.engine.megatron import transformer_impl as impl
 
     patcher.wrap(impl, "get_forward_backward_func", megatron_get_forward_backward_func)

@@ -1,4 +1,4 @@
-"""verl 0.8.0 FSDP engine glue (patchset ``verl080_fsdp``): the tree forward per
+"""verl FSDP engine glue (patchsets ``verl080_fsdp``, ``verl091_fsdp``): the tree forward per
 micro-batch for ``FSDPEngineWithLMHead`` and ``FSDPEngineWithValueHead``, and the fallbacks.
 
 The engine's own seams are patched, so verl's ``forward_step`` (autocast, loss call,
@@ -22,12 +22,12 @@ metrics) runs unchanged around them:
   log-prob of the next sequence's first token).
 * ``use_fused_kernels``: verl's fused forward (torch or Triton backend) runs the decoder on
   the tree and its kernel on the plan's distinct (row, next-token) pairs
-  (:mod:`ps_mcore.integrations.verl080.fused`); log-probs and entropy come from the kernel.
+  (:mod:`ps_mcore.integrations.verl_common.fused`); log-probs and entropy come from the kernel.
 
 ``use_remove_padding`` only changes how verl's stock path lays the batch out (one packed row
 vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns the same
 layout. ``use_dynamic_bsz``: verl's ``prepare_micro_batches`` in the FSDP engine module is
-replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.microbatch`).
+replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl_common.microbatch`).
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
@@ -60,7 +60,7 @@ import torch.distributed as dist
 from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
-from ps_mcore.integrations.verl080.batch import (
+from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
     batch_temperature,
     lm_head_batch_refusal,
@@ -68,8 +68,8 @@ from ps_mcore.integrations.verl080.batch import (
     sequence_lengths,
     sequences,
 )
-from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN
-from ps_mcore.integrations.verl080.engine import (
+from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN
+from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
     install_engine_micro_batching,
@@ -77,13 +77,13 @@ from ps_mcore.integrations.verl080.engine import (
     prefix_aware,
     run_step_with_context,
 )
-from ps_mcore.integrations.verl080.fused import (
+from ps_mcore.integrations.verl_common.fused import (
     FUSED_ROWS_KWARG,
     enable_tree_fused_forward,
     fused_forward_refusal,
 )
-from ps_mcore.integrations.verl080.schedule import scheduler_for
-from ps_mcore.integrations.verl080.vision import (
+from ps_mcore.integrations.verl_common.schedule import scheduler_for
+from ps_mcore.integrations.verl_common.vision import (
     engine_image_tokens,
     is_vision_batch,
     record_hf_attention_forwards,
@@ -364,7 +364,8 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 
 def install_verl_fsdp_patches(patcher) -> None:
-    """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
+    """Every FSDP-engine patch (patchsets ``verl080_fsdp`` and ``verl091_fsdp``: the seams are
+    the same in both releases)."""
     record_hf_attention_forwards()  # before verl patches a VLM's attention classes
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
