@@ -7,6 +7,8 @@ per-token log-probs, unshared THD batch vs. prefix tree, every standard workload
     torchrun --standalone --nproc_per_node 2 benchmarks/model.py --tiny --cp 2   # CPU (gloo)
     python benchmarks/model.py --spec te                       # CUDA + transformer-engine
     python benchmarks/model.py --spec te --arch gpt-oss-20b gemma3-4b --minibatch-budget 32768
+    python benchmarks/model.py --spec te --fp8 delayed         # ... with TE's FP8 linears (recipe:
+                                                               # delayed, tensorwise, blockwise, mxfp8)
     python benchmarks/model.py --builder bridge                # CUDA + TE + Megatron-Bridge
 
 ``--arch`` (one table, a row per family and workload; :data:`ARCHS`): ``qwen2.5-1.5b`` (the
@@ -20,6 +22,11 @@ sinks are megatron-core's own options (``window_size``, ``window_attn_skip_freq`
 responses of ~1024: ``grpo-minibatch``) packed into micro-batches under the budget as
 training runs it: the baseline its unshared samples first-fit by tokens, the tree its GRPO
 groups first-fit by their deduplicated tokens, one step = every micro-batch queued.
+
+``--fp8 RECIPE`` (with ``--spec te``) runs both models under TE's FP8 recipe (``fp8="hybrid"``):
+the stock model on verl's FP8 THD layout (each sequence padded to 16 rows, the total to 128:
+``ps_mcore.layer_specs.fp8.fp8_thd_layout``), the tree's packed rows padded to 128
+(``tree_row_multiple``), tree attention in bf16.
 
 ``--spec te`` (TP=CP=1): the baseline is what users run today, the STOCK TE model
 (``get_gpt_decoder_block_spec(config, use_transformer_engine=True)``: TE fused attention with
@@ -189,11 +196,13 @@ def init_parallel(device: str, tp: int = 1, cp: int = 1) -> None:
 def build_model(
     shape: DecoderShape, device: str, dtype: torch.dtype, fusions: bool, tp: int = 1, cp: int = 1,
     spec: str = "local", backend: str = "auto", arch: str = DEFAULT_ARCH, tiny: bool = False,
+    fp8: str | None = None,
 ):
     """The tree model (``spec="local"``); for ``spec="te"`` the pair (stock TE model, tree
     model of the same spec with the stock weights). ``arch``: the family's config options
     (:data:`ARCHS`; ``tiny`` picks their ``--tiny`` scale, e.g. its window); ``shape`` gives
-    the dimensions (an :class:`MoEShape` builds MoE layers). Both come from megatron-core's
+    the dimensions (an :class:`MoEShape` builds MoE layers); ``fp8``: a TE FP8 recipe for both.
+    Both come from megatron-core's
     ``get_gpt_decoder_block_spec`` (TE or local layers); the tree model is its ``to_tree_spec``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -215,6 +224,7 @@ def build_model(
         bias_activation_fusion=fusions, bias_dropout_fusion=fusions, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp, context_parallel_size=cp, **moe,
+        **(dict(fp8="hybrid", fp8_recipe=fp8) if fp8 else {}),
     )
     config = TransformerConfig(**{**options, **ARCHS[arch].options(tiny)})
     config.tree_attention_backend = backend  # read by TreeCoreAttention (the stock model ignores it)
@@ -256,13 +266,14 @@ class Steps(PairedSteps):
         from megatron.core import parallel_state as ps
 
         from ps_mcore.layer_specs import TreePackedSeqParams
+        from ps_mcore.layer_specs.fp8 import fp8_thd_layout, tree_row_multiple
 
         self.model = model
         self.base_model = model if base_model is None else base_model  # --spec te: stock TE
         self.models = (model,) if base_model is None else (model, base_model)
         self.tp_group, self.cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-        pad = 2 * cp * ps.get_tensor_model_parallel_world_size() if cp > 1 else 1
+        pad = tree_row_multiple(model.config, ps.get_tensor_model_parallel_world_size() if cp > 1 else 1, cp)
 
         def packed(plan):
             return TreePackedSeqParams.from_plan(plan, pad, cp_size=cp, cp_rank=cp_rank)
@@ -274,7 +285,14 @@ class Steps(PairedSteps):
         self.tree_psp = packed(self.plan)
         if stock_thd is None:
             stock_thd = base_model is not None
-        if stock_thd and cp == 1:  # standard THD packing, Megatron's own THD RoPE
+        self.base_rows = None  # rows of the real tokens in the baseline layout (None: all rows)
+        if stock_thd and cp == 1 and getattr(self.base_model.config, "fp8", None):  # verl's FP8 THD layout
+            self.base_psp, self.base_rows = fp8_thd_layout(lengths, device=device)
+            total = int(self.base_psp.cu_seqlens_q[-1])
+            ids = self.flat.input_ids
+            self.base_ids = ids.new_zeros(total).index_copy(0, self.base_rows, ids)
+            self.base_pos = torch.zeros_like(self.base_ids)  # THD RoPE reads cu_seqlens, not these
+        elif stock_thd and cp == 1:  # standard THD packing, Megatron's own THD RoPE
             self.base_psp = thd_params(lengths, device)
             self.base_ids = self.flat.input_ids
             self.base_pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
@@ -296,6 +314,8 @@ class Steps(PairedSteps):
                             packed_seq_params=psp)[0]
         if isinstance(psp, TreePackedSeqParams):
             return cp_token_logprobs(logits, psp, tp_group=self.tp_group, cp_group=self.cp_group)[0]
+        if self.base_rows is not None:
+            logits = logits.index_select(0, self.base_rows)
         return token_logprobs(logits, plan, tp_group=self.tp_group)[0]
 
     def base_logprobs(self):
@@ -537,7 +557,8 @@ def _te_rows(args, arch: str, shape: DecoderShape, stock, tree, device: str) -> 
 
 def _built_te_rows(args, arch: str, device: str, dtype: torch.dtype) -> tuple[list[list], str]:
     shape = arch_shape(arch, args.layers)
-    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend, arch=arch)
+    stock, tree = build_model(shape, device, dtype, args.fusions, spec="te", backend=args.backend, arch=arch,
+                              fp8=args.fp8)
     return _te_rows(args, arch, shape, stock, tree, device)
 
 
@@ -548,7 +569,9 @@ def te_table(args, device: str, dtype: torch.dtype, rows: list[list], notes: lis
                "meas/ideal", "base MiB", "tree MiB", "mem ratio", "max |dlogp|"]
     title = _title(
         model, "STOCK TE spec (TE fused attention with TE's window and sinks, fused RoPE) on the unshared "
-        "THD batch (TE stock)", "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype,
+        "THD batch (TE stock)" + (f" in verl's FP8 THD layout, FP8 {args.fp8} recipe (hybrid) in both, tree "
+                                  "rows padded to 128" if getattr(args, "fp8", None) else ""),
+        "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype,
         "models", args.backend)
     title += ("; ideal counts the windowed layers' (query, key) pairs inside their window; "
               "grpo-minibatch: one whole mini-batch, micro-batches queued (baseline vs tree micro-batch counts)")
@@ -601,6 +624,8 @@ def main() -> None:
     p.add_argument("--builder", choices=("direct", "bridge"), default="direct",
                    help="bridge: both models built by Megatron-Bridge from an HF checkpoint (its TE spec); "
                         "CUDA + TE + Megatron-Bridge, TP=CP=1, the default --arch")
+    p.add_argument("--fp8", choices=("delayed", "tensorwise", "blockwise", "mxfp8"), default=None,
+                   help="TE FP8 recipe for both models (with --spec te)")
     args = parse_model_benchmark_args(p, "benchmarks/model.py")
     if (args.spec == "te" or args.builder == "bridge") and (args.tiny or args.tp > 1 or args.cp > 1):
         sys.exit("--spec te / --builder bridge run on CUDA with transformer-engine, TP=CP=1 (no --tiny)")
@@ -609,6 +634,9 @@ def main() -> None:
     if args.spec == "local" and not args.tiny and "gpt-oss-20b" in args.arch:
         sys.exit("gpt-oss-20b runs with --spec te on the GPU: megatron-core's local experts cannot "
                  "backward through expert biases at TP=1 (an in-place add on an autograd view)")
+    if args.fp8 and (args.spec != "te" or args.builder == "bridge"):
+        sys.exit("--fp8 needs --spec te with --builder direct (the models' FP8 recipe is set where "
+                 "this script builds them; the Megatron-Bridge provider's is not)")
     report = run(args)
     if dist.get_rank() == 0:
         write_report(report, args.out)

@@ -143,8 +143,9 @@ def test_log_prob_pass_matches_stock(env):
 
 
 def test_a_refusal_splits_with_one_warning(env):
-    """Per-sample temperatures (which the tree path refuses per micro-batch) cannot run inside
-    a schedule: the mini-batch is split as before, and stays equal to stock."""
+    """Per-sample temperatures run on the tree per micro-batch but not inside a schedule (its
+    calls score one temperature): the mini-batch is split as before, its micro-batches take
+    the tree path, and it stays equal to stock."""
     impl, model = env
     rng = np.random.default_rng(2)
     data = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET)
@@ -156,6 +157,32 @@ def test_a_refusal_splits_with_one_warning(env):
     for key, rows in (("log_probs", keep), ("entropy", slice(None))):
         torch.testing.assert_close(tree["model_output"][key].values()[rows],
                                    stock["model_output"][key].values()[rows], rtol=RTOL, atol=1e-6)
+    n, computed = step_tokens(tree)
+    assert n == int(data["input_ids"].offsets()[-1]) and _unique_tokens(data) < computed < n  # split, shared
+
+
+def test_per_micro_batch_options_refuse_the_schedule(env):
+    """Options the tree path runs per micro-batch but a schedule's calls do not (FP8's 128-row
+    padding, verl's Megatron fused forward, per-sample temperatures) refuse the schedule by
+    name; the same batch without them schedules."""
+    from ps_mcore.integrations.verl_common.megatron import megatron_schedule_refusal
+
+    impl, model = env
+    rng = np.random.default_rng(5)
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting())
+    data = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET)
+    assert megatron_schedule_refusal(engine, model, data) is None
+    fused = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET, use_fused_kernels=True)
+    assert "use_fused_kernels" in megatron_schedule_refusal(engine, model, fused)
+    data["temperature"] = torch.linspace(0.5, 1.0, len(data["input_ids"]))
+    assert "per-sample temperatures" in megatron_schedule_refusal(engine, model, data)
+    data["temperature"] = torch.full((len(data["input_ids"]),), 0.7)  # one value: schedules
+    assert megatron_schedule_refusal(engine, model, data) is None
+    model.config.fp8 = "hybrid"  # only the decision is checked: the model is not run
+    try:
+        assert "fp8" in megatron_schedule_refusal(engine, model, data)
+    finally:
+        model.config.fp8 = None
 
 
 def test_active_dropout_refuses_the_schedule(env):

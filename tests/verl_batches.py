@@ -147,6 +147,29 @@ def make_batch(samples, rng, temperature=1.0, **non_tensor):
     return tu.get_tensordict(tensor_dict=tensors, non_tensor_dict=meta)
 
 
+def sample_temperatures(num_samples: int, seed: int) -> torch.Tensor:
+    """``[B]`` float32 per-sample temperatures drawn from (0.6, 1.0, 1.4), so shared prefixes
+    are held by samples at several temperatures (and a few at the same one)."""
+    rng = np.random.default_rng(seed)
+    return torch.tensor(rng.choice([0.6, 1.0, 1.4], size=num_samples), dtype=torch.float32)
+
+
+def tree_setting(min_prefix_len: int = 3):
+    """Prefix sharing on (``arbitrary_prefix``, every plan taken: no savings threshold)."""
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
+
+    config = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=min_prefix_len, min_saved_fraction=0.0)
+    return PrefixSharingSetting(True, config)
+
+
+def with_value_targets(data, seed: int):
+    """``data`` with random critic targets (``values``, ``returns``) on its response tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    return data
+
+
 def engine_shell(cls, model, setting=None, use_remove_padding=True):
     """An instance of verl's engine class ``cls`` around ``model`` without its heavy
     ``__init__`` (no bridge, checkpoint or optimizer): the attributes its

@@ -6,7 +6,7 @@ tiny tree-spec GPTModels, on gloo (CPU) or NCCL (one GPU per rank).
 Layouts: CP=2, CP=4, TP=2 + SP, PP=2 x VPP=2 (megatron's interleaved 1F1B), CP=2 x TP=2 + SP.
 The stock run is verl's stock forward on the unshared batch (under CP the tree-spec model runs
 verl's per-sequence CP chunks); the patched run shares prefixes. Per rank: log-probs, entropy,
-the PPO loss and every local gradient of an actor; values, the value loss and every gradient
+the PPO loss and every local gradient of an actor (per-sample temperatures under CP); values, the value loss and every gradient
 of a critic; and ``ENABLE_PREFIX_SHARING=0`` against stock, bit for bit.
 
 Builders: ``direct`` (megatron's GPTModel with the local tree spec, random weights) or, with
@@ -230,15 +230,17 @@ def actor_report(layout: str) -> dict:
     from verl.workers.config import McoreActorConfig
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.losses import ppo_loss
-    from verl_batches import seq_last_mask
+    from verl_batches import seq_last_mask, tree_setting
 
-    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
     from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
 
     chunks = build_chunks(layout, "qwen2", seed=11)
     data = make_data(layout, 5)
-    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3,
-                                                             min_saved_fraction=0.0))
+    if LAYOUTS[layout]["cp"] > 1:  # per-sample temperatures: each CP rank's tokens read their own
+        from verl_batches import sample_temperatures
+
+        data["temperature"] = sample_temperatures(data.batch_size[0], seed=5)
+    setting = tree_setting()
     loss_fn = partial(ppo_loss, config=McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2,
                                                         entropy_coeff=0.01))
     cls = impl.MegatronEngineWithLMHead
@@ -276,17 +278,13 @@ def critic_report(layout: str) -> dict:
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.losses import value_loss
 
-    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
+    from verl_batches import tree_setting, with_value_targets
 
     chunks = build_chunks(layout, "qwen3", seed=3, value_head=True)
     # value_loss is a per-micro-batch mean: the same fixed micro-batches in both runs (12
     # samples in unit order, so the prefix-aware split is verl's)
-    data = make_data(layout, 8, use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
-    gen = torch.Generator().manual_seed(8)
-    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3,
-                                                             min_saved_fraction=0.0))
+    data = with_value_targets(make_data(layout, 8, use_dynamic_bsz=False, micro_batch_size_per_gpu=3), seed=8)
+    setting = tree_setting()
     loss_fn = partial(value_loss, config=McoreCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
     cls = impl.MegatronEngineWithValueHead
     stock_i, _ = run_engine(cls, chunks, data, setting, None, patched=False)

@@ -9,7 +9,10 @@ package's ``install.py``, imported by tests).
   the engines, and the tree-or-stock decision.
 * :mod:`~ps_mcore.integrations.verl_common.megatron`: tree specs at model build (mbridge and
   Megatron-Bridge, GPT and hybrid providers) and the tree forward of the Megatron engine.
+* :mod:`~ps_mcore.integrations.verl_common.mtp`: verl's MTP training loss on the tree (Megatron).
 * :mod:`~ps_mcore.integrations.verl_common.fsdp`: the FSDP engines (through ``fsdp_bridge``).
+* :mod:`~ps_mcore.integrations.verl_common.fused`: verl's fused LM-head kernels on the tree (FSDP).
+* :mod:`~ps_mcore.integrations.verl_common.vision`: Qwen2-VL / Qwen2.5-VL micro-batches (FSDP).
 * :mod:`~ps_mcore.integrations.verl_common.trainer`: DP balancing keeping groups together, step
   metrics, ref / critic following the actor.
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ps_mcore.integrations.verl_common.batch import group_ids, plan_sequences, prompt_lengths, sequences
+from ps_mcore.integrations.verl_common.batch import group_ids, plan_sequences, prompt_lengths, sharing_sequences
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.planner import common_prefix_len
 
@@ -243,7 +243,13 @@ def fixed_order(units: _Units) -> list[int]:
 
 
 def prefix_aware_prepare_micro_batches(
-    data, config: PrefixGrouperConfig, stock: Callable, plans: dict | None = None, scheduler=None, **options
+    data,
+    config: PrefixGrouperConfig,
+    stock: Callable,
+    plans: dict | None = None,
+    images=None,
+    scheduler=None,
+    **options,
 ):
     """Drop-in for verl's ``prepare_micro_batches`` keeping sharing units together.
 
@@ -256,6 +262,8 @@ def prefix_aware_prepare_micro_batches(
             forward uses that plan instead of planning the micro-batch again (same plan:
             :func:`~ps_mcore.integrations.verl_common.batch.plan_batch` of the micro-batch). The
             entry holds the micro-batch, so its id cannot be reused while the entry lives.
+        images: a vision-language model's :class:`~ps_mcore.integrations.verl_common.batch.ImageTokens`
+            (image placeholders are keyed by content, so units follow what can really be shared).
         scheduler: with a token budget, plans the units larger than it as one
             cross-micro-batch schedule (its ``partitions(units, budget, options)`` returns the
             micro-batches, the schedule's steps first, or None to split those units as before;
@@ -271,7 +279,7 @@ def prefix_aware_prepare_micro_batches(
     stock_args = dict(data=data, **options)
     if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
         return stock(**stock_args)  # reward-model pairs: verl's own grouping rule
-    seqs = sequences(data)
+    seqs = sharing_sequences(data, images)
     prompts = prompt_lengths(data)
     if config.mode == "prompt_only" and prompts is None:
         return stock(**stock_args)
