@@ -45,8 +45,8 @@ from model import QWEN25_15B, TINY, build_model, init_parallel, thd_params  # no
 
 from ps_mcore.analyze.budget import first_fit  # noqa: E402  (analyze --max-tokens packs the same way)
 from ps_mcore.flops import DecoderShape  # noqa: E402
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig  # noqa: E402
-from ps_mcore.integrations.verl080.microbatch import split_units  # noqa: E402
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig  # noqa: E402
+from ps_mcore.integrations.verl_common.microbatch import split_units  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
 from ps_mcore.minibatch import kept_kv_row_cost, schedule_tree  # noqa: E402
 from ps_mcore.planner import plan_prefix_tree, plan_unshared  # noqa: E402

@@ -32,7 +32,7 @@ from common import environment, markdown_table, model_benchmark_parser, parse_mo
 from model import init_parallel, thd_params  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
-from ps_mcore.flops import DecoderShape  # noqa: E402
+from ps_mcore.flops import DecoderShape, MoEShape  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
 
 WORKLOADS = ("grpo-long-prompt", "agent-tree", "step-wise")
@@ -44,20 +44,6 @@ TINY_MOE = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=512,
                 experts=8, topk=2, expert_ffn=32)
 TINY_MLA = dict(hidden=64, heads=4, kv_heads=4, head_dim=16, ffn=96, vocab=512,
                 q_lora=32, kv_lora=24, qk=16, rope=8, v=12)
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEShape(DecoderShape):
-    """Active FLOPs of a top-k MoE decoder: router + k expert SwiGLUs per token."""
-
-    experts: int = 0
-    topk: int = 0
-    expert_ffn: int = 0
-
-    def linear_flops_per_token(self) -> float:
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        moe = self.hidden * self.experts + self.topk * 3 * self.hidden * self.expert_ffn
-        return 2.0 * (self.layers * (attn + moe) + self.hidden * self.vocab)
 
 
 @dataclasses.dataclass(frozen=True)

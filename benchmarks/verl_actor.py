@@ -37,10 +37,15 @@ configurations; no fp32 reference).
 
 Harness settings that differ from verl's defaults, the same for every configuration:
 ``attn_implementation=varlen_fa2`` (FSDP; the machine has no flash-attn, see
-``verl_flash_fallback.py``), TE ``attention_backend=auto`` (Megatron; verl's ``flash``
-needs flash-attn inside TE), and ``USE_HUB_KERNELS=0`` (transformers >= 5.2x swaps layers for
-kernels fetched from the Hugging Face hub when the ``kernels`` package is installed; offline
-that fails at ``model.train()``, and online it would change the model under both sides).
+``verl_flash_fallback.py``), TE ``attention_backend=fused`` (Megatron, cuDNN's fused
+attention; verl's ``flash`` needs flash-attn inside TE, and ``auto`` falls back to TE's
+unfused O(S^2)-memory attention where TE finds neither, a baseline nobody trains with: with
+``fused`` the stock configuration stops with TE's own message instead; TE looks for cuDNN
+under ``CUDNN_PATH`` first, so point it at the cuDNN torch loads; ``--tiny`` keeps ``auto``
+on the CPU), and ``USE_HUB_KERNELS=0``
+(transformers >= 5.2x swaps layers for kernels fetched from the Hugging Face hub when the
+``kernels`` package is installed; offline that fails at ``model.train()``, and online it would
+change the model under both sides).
 
     python benchmarks/verl_actor.py --quick --engines fsdp          # GPU
     python benchmarks/verl_actor.py --quick --engines megatron
@@ -82,7 +87,7 @@ import gsm8k_like  # noqa: E402
 import verl_flash_fallback  # noqa: E402
 
 from ps_mcore.flops import DecoderShape  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 from ps_mcore.planner import plan_prefix_tree  # noqa: E402
 from ps_mcore.table import format_table  # noqa: E402
 
@@ -349,7 +354,8 @@ def compose_config(engine: str, model_dir: str, config: str, settings: RunSettin
                 arr.model.enable_gradient_checkpointing = False
         else:
             for section in (arr.actor.megatron, arr.ref.megatron):
-                section.override_transformer_config.attention_backend = "auto"
+                # module docstring: never a stock baseline on TE's unfused attention
+                section.override_transformer_config.attention_backend = "auto" if settings.tiny else "fused"
             if settings.tiny:
                 from verl_cpu_worker_shims import MEGATRON_CPU_TRANSFORMER_CONFIG, TINY_MEGATRON_OVERRIDES
 
@@ -367,7 +373,7 @@ def compose_config(engine: str, model_dir: str, config: str, settings: RunSettin
 def patchsets(config: str):
     """ps-mcore's patchsets installed for ``ps`` (uninstalled otherwise and afterwards)."""
     from ps_mcore import setup
-    from ps_mcore.integrations.verl080.config import reset_actor_setting
+    from ps_mcore.integrations.verl_common.config import reset_actor_setting
 
     setup.uninstall()
     reset_actor_setting()
@@ -677,8 +683,8 @@ def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batc
     for config in CONFIGS[engine]:
         if config not in args.configs:
             continue
-        try:
-            cells += run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp)
+        try:  # cells fills as it goes: a configuration that fails keeps what it measured
+            run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp, cells)
         except Exception:  # one failing configuration must not lose the others' figures
             print(f"[{engine}/{model}/{config}] FAILED:\n{traceback.format_exc()}", flush=True)
             gc.collect()
@@ -687,9 +693,9 @@ def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batc
     return cells
 
 
-def run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp) -> list[Cell]:
-    """One configuration's workers through every phase of every batch."""
-    cells = []
+def run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp,
+               cells: list[Cell]) -> None:
+    """One configuration's workers through every phase of every batch, appending to ``cells``."""
     print(f"[{engine}/{model}/{config}] building workers", flush=True)
     t0 = time.perf_counter()
     with patchsets(config), prefix_grouper_driving(config):
@@ -723,7 +729,6 @@ def run_config(engine, model, model_dir, config, batches, plans, args, settings,
                 print(f"  {batch.name:>10} {config:>5} {PHASE_NAMES[phase]:>20}: {seconds:.3f} s "
                       f"({n / seconds:,.0f} tok/s, peak {peak:.1f} GiB)", flush=True)
         workers.close()
-    return cells
 
 
 def table(cells: list[Cell]) -> str:

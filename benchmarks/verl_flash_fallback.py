@@ -9,13 +9,17 @@ Stock verl cannot run its FSDP engine without flash-attn, found by running it:
   restarting per sequence) builds a dense block-diagonal ``[N, N]`` mask: slow and O(N^2)
   memory, not what users run;
 * the trainer's ``left_right_2_no_padding`` (and anything else calling
-  ``verl.utils.attention_utils``) imports ``flash_attn.bert_padding`` at call time.
+  ``verl.utils.attention_utils``) imports ``flash_attn.bert_padding`` at call time;
+* ``verl.utils.torch_functional.logprobs_from_logits`` takes flash-attn's fused cross-entropy
+  and otherwise loops over the rows of its ``[N, V]`` logits, one ``log_softmax`` per token
+  (~60 us a token on an H200: a stock baseline several times slower than what users run).
 
 :func:`install` registers ``"varlen_fa2"`` with transformers: FlashAttention-2's contract
 (packed rows split at position-id restarts; a 2-D key padding mask with bottom-right causal
 alignment, the form verl's PrefixGrouper hands its attention function) on torch's own varlen
-flash kernel (the math kernel on a CPU), and points ``verl.utils.attention_utils`` at verl's
-pure-torch copy of ``flash_attn.bert_padding`` (``verl.utils.npu_flash_attn_utils``). The
+flash kernel (the math kernel on a CPU), points ``verl.utils.attention_utils`` at verl's
+pure-torch copy of ``flash_attn.bert_padding`` (``verl.utils.npu_flash_attn_utils``), and gives
+``logprobs_from_logits`` flash-attn's cross-entropy contract on torch's vectorized one. The
 Megatron engine needs neither (TE's attention runs THD itself).
 """
 
@@ -80,6 +84,13 @@ def _pure_torch_bert_padding():
     return padding.index_first_axis, padding.pad_input, padding.rearrange, padding.unpad_input
 
 
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True):
+    """flash-attn's ``cross_entropy_loss`` contract: logits ``[N, V]``, labels ``[N]`` ->
+    (losses ``[N]`` fp32, z-losses ``[N]``), computed in fp32 as flash-attn's kernel does."""
+    losses = F.cross_entropy(logits.float(), labels, reduction="none")
+    return losses, torch.zeros_like(losses)
+
+
 def register_attention() -> None:
     """Register ``varlen_fa2`` with transformers (attention + FA2 mask function)."""
     from transformers import AttentionInterface
@@ -91,14 +102,17 @@ def register_attention() -> None:
 
 def install() -> None:
     """:func:`register_attention` and, when flash-attn is missing, give
-    ``verl.utils.attention_utils`` the pure-torch padding helpers."""
+    ``verl.utils.attention_utils`` the pure-torch padding helpers and
+    ``verl.utils.torch_functional`` a vectorized cross-entropy."""
     register_attention()
     try:
         import flash_attn.bert_padding  # noqa: F401
     except ImportError:
-        from verl.utils import attention_utils
+        from verl.utils import attention_utils, torch_functional
 
         attention_utils._get_attention_functions = _pure_torch_bert_padding
+        torch_functional.cross_entropy_loss = cross_entropy_loss
+        torch_functional.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE = True  # verl's spelling
 
 
 def wrap_for_prefix_grouper() -> None:

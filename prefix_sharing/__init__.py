@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 from ps_mcore.setup import install, requested_patchsets, uninstall
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 
 __all__ = ["INSTALLED", "PrefixGrouperConfig", "install", "uninstall"]
 

@@ -40,8 +40,8 @@ import torch
 
 from ps_mcore.attention.backends import auto_choice, cp_kernel
 from ps_mcore.flops import DecoderShape
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
-from ps_mcore.integrations.verl080.microbatch import split_unit_tokens
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.microbatch import split_unit_tokens
 from ps_mcore.logprobs import token_logprobs
 from ps_mcore.minibatch import BudgetTooSmall, MiniBatchPlan, kept_kv_row_cost, schedule_tree
 from ps_mcore.planner import TreePlan, plan_prefix_tree, plan_unshared

@@ -68,3 +68,18 @@ class DecoderShape:
         unshared = self.step_flops(stats["N"], stats["attn_pairs_unshared"], stats.get("attn_pairs_unshared_window"))
         tree = self.step_flops(stats["T"], stats["attn_pairs_tree"], stats.get("attn_pairs_tree_window"))
         return unshared / tree
+
+
+@dataclass(frozen=True)
+class MoEShape(DecoderShape):
+    """Active FLOPs of a top-k MoE decoder: attention projections, the router and ``topk``
+    expert (gated) MLPs of ``expert_ffn`` per token (``ffn`` unused)."""
+
+    experts: int = 0
+    topk: int = 0
+    expert_ffn: int = 0
+
+    def linear_flops_per_token(self) -> float:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        moe = self.hidden * self.experts + self.topk * (3 if self.gated else 2) * self.hidden * self.expert_ffn
+        return 2.0 * (self.layers * (attn + moe) + self.hidden * self.vocab)

@@ -9,9 +9,10 @@ the softmax chunk by chunk from the saved logits: peak extra memory is one fp32 
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,66 +27,235 @@ def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
     return x
 
 
-def _chunks(num_rows: int, vocab: int):
-    step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    for a in range(0, num_rows, step):
-        yield a, min(a + step, num_rows)
+@dataclass(frozen=True, eq=False)
+class ScoredRows:
+    """The (packed row, temperature) pairs a batch normalises, and the pair each token reads.
+
+    With one temperature the pairs are the packed rows themselves. With per-sample
+    temperatures a shared row is scored once per distinct temperature among the samples that
+    hold it (a GRPO prompt under responses sampled at 0.6 and 1.0 is normalised twice, each
+    response's own tokens once).
+
+    Shapes: ``T`` packed rows, ``P >= T`` pairs (sorted by row, then temperature), ``N`` tokens.
+
+    Attributes:
+        rows: ``[P]`` packed row of each pair, or None when pair ``p`` is row ``p`` (P = T).
+        temperature: one float for every pair, or ``[P]`` float64 per pair.
+        token_pair: ``[N]`` the pair each original token reads (its row at its temperature).
+        first_pair: host ``[T+1]`` index of each row's first pair (rows are contiguous runs).
+    """
+
+    rows: torch.Tensor | None
+    temperature: float | torch.Tensor
+    token_pair: torch.Tensor
+    first_pair: np.ndarray
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.first_pair[-1])
+
+    def to(self, device) -> "ScoredRows":
+        def move(x):
+            return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+        return ScoredRows(move(self.rows), move(self.temperature), move(self.token_pair), self.first_pair)
+
+    def chunks(self, vocab: int):
+        """``(a, b, pa, pb)``: rows ``[a, b)`` and their pairs ``[pa, pb)``, about
+        ``CHUNK_ELEMENTS`` fp32 elements per chunk (a row never splits)."""
+        first, num_rows = self.first_pair, len(self.first_pair) - 1
+        step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+        a = 0
+        while a < num_rows:
+            b = int(np.searchsorted(first, first[a] + step, side="right")) - 1
+            b = min(max(b, a + 1), num_rows)
+            yield a, b, int(first[a]), int(first[b])
+            a = b
+
+
+def _check_temperature(temperature) -> None:
+    values = torch.as_tensor(temperature, dtype=torch.float64)
+    if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+        shown = float(temperature) if values.dim() == 0 else "a tensor with non-finite or non-positive entries"
+        raise ValueError(f"temperature must be a finite positive number, got {shown}")
+
+
+def token_temperatures(plan: "TreePlan | TokenRows", temperature: torch.Tensor) -> torch.Tensor:
+    """Host ``[N]`` float64 temperature of every original token of ``plan`` from a per-sample
+    ``[B]`` (a :class:`TreePlan`'s sequences, batch order) or per-token ``[N]`` tensor."""
+    values = temperature.detach().to("cpu", torch.float64).reshape(-1)
+    n = int(plan.unpack_index.numel())
+    seq_lens = getattr(plan, "seq_lens", None)
+    if seq_lens is not None and values.numel() == len(seq_lens):
+        return torch.repeat_interleave(values, torch.tensor(seq_lens, dtype=torch.long))
+    if values.numel() == n:
+        return values
+    per_sample = f"[B={len(seq_lens)}] per sample or " if seq_lens is not None else ""
+    raise ValueError(f"temperature tensor must be {per_sample}[N={n}] per token, got {tuple(temperature.shape)}")
+
+
+def scored_rows(plan: "TreePlan | TokenRows", temperature: float | torch.Tensor = 1.0) -> ScoredRows:
+    """The pairs to normalise (host arrays; move with :meth:`ScoredRows.to`).
+
+    Args:
+        plan: the packed rows and the row each token reads.
+        temperature: one float, or a tensor ``[B]`` per sample / ``[N]`` per token.
+    """
+    _check_temperature(temperature)
+    num_rows = plan.num_tokens
+    identity = np.arange(num_rows + 1)
+    temps = None
+    if isinstance(temperature, torch.Tensor):
+        temps = token_temperatures(plan, temperature)
+        distinct = torch.unique(temps)
+        if distinct.numel() <= 1:
+            temperature, temps = (float(distinct[0]) if distinct.numel() else 1.0), None
+    if temps is None:
+        return ScoredRows(None, float(temperature), plan.unpack_index, identity)
+    host = getattr(plan, "host", plan)
+    token_rows = host.unpack_index.detach().cpu().numpy().astype(np.int64)
+    distinct, temp_id = np.unique(temps.numpy(), return_inverse=True)
+    key = token_rows * len(distinct) + temp_id
+    pairs, token_pair = np.unique(key, return_inverse=True)
+    pair_rows = pairs // len(distinct)
+    pair_temp = torch.from_numpy(distinct[pairs % len(distinct)])
+    first_pair = np.searchsorted(pair_rows, identity)
+    same_rows = len(pairs) == num_rows and np.array_equal(pair_rows, identity[:-1])
+    rows = None if same_rows else torch.from_numpy(pair_rows)
+    return ScoredRows(rows, pair_temp, torch.from_numpy(token_pair.reshape(-1)), first_pair)
 
 
 class _RowStats(torch.autograd.Function):
-    """logits ``[T, V_local]`` -> (logsumexp ``[T]``, entropy ``[T]``, label logit ``[R]``) of
-    ``logits / temperature``, for label pairs (row ``rows[i]``, global vocab id ``labels[i]``)."""
+    """logits ``[T, V_local]`` -> (logsumexp ``[P]``, entropy ``[P]``, label logit ``[R]``) of
+    ``logits[row] / temperature`` per scored pair, for label pairs (pair ``label_pairs[i]``,
+    global vocab id ``labels[i]``). A row scored at several temperatures gets the sum of its
+    pairs' gradients (summed in fp32)."""
 
     @staticmethod
-    def forward(ctx, logits, rows, labels, temperature, vocab_start, group):
-        t, v_local = logits.shape
+    def forward(ctx, logits, scored, label_pairs, labels, vocab_start, group):
+        v_local = logits.size(1)
         ctx.acc = acc = torch.promote_types(logits.dtype, torch.float32)
-        lse = torch.empty(t, dtype=acc, device=logits.device)
+        lse = torch.empty(scored.num_pairs, dtype=acc, device=logits.device)
         ent = torch.empty_like(lse)
-        for a, b in _chunks(t, v_local):
-            z = logits[a:b].to(acc) / temperature
+        for a, b, pa, pb in scored.chunks(v_local):
+            z = _scaled(logits, scored, a, b, pa, pb, acc)
             zmax = _all_reduce(z.max(-1).values, dist.ReduceOp.MAX, group)
             e = torch.exp(z - zmax[:, None])
             sums = _all_reduce(torch.stack([e.sum(-1), (e * z).sum(-1)]), dist.ReduceOp.SUM, group)
-            lse[a:b] = zmax + torch.log(sums[0])
-            ent[a:b] = lse[a:b] - sums[1] / sums[0]  # H = lse - E_p[z]
+            lse[pa:pb] = zmax + torch.log(sums[0])
+            ent[pa:pb] = lse[pa:pb] - sums[1] / sums[0]  # H = lse - E_p[z]
         local = labels - vocab_start
         in_shard = (local >= 0) & (local < v_local)
-        picked = logits[rows, local.clamp(0, v_local - 1)].to(acc) / temperature
+        label_rows = label_pairs if scored.rows is None else scored.rows[label_pairs]
+        picked = logits[label_rows, local.clamp(0, v_local - 1)].to(acc)
+        picked = picked / _pair_temperature(scored, label_pairs, acc)
         label_logit = _all_reduce(torch.where(in_shard, picked, 0.0), dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(logits, rows, local, in_shard, lse, ent)
-        ctx.temperature = temperature
+        ctx.save_for_backward(logits, label_pairs, local, in_shard, lse, ent)
+        ctx.scored = scored
         return lse, ent, label_logit
 
     @staticmethod
     def backward(ctx, g_lse, g_ent, g_label):
-        logits, rows, local, in_shard, lse, ent = ctx.saved_tensors
-        temp = ctx.temperature
-        t, v_local = logits.shape
+        logits, label_pairs, local, in_shard, lse, ent = ctx.saved_tensors
+        scored, acc = ctx.scored, ctx.acc
+        v_local = logits.size(1)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
         g_ent = torch.zeros_like(ent) if g_ent is None else g_ent
         g_label = torch.where(in_shard, g_label, 0.0) if g_label is not None else None
-        for a, b in _chunks(t, v_local):
-            z = logits[a:b].to(ctx.acc) / temp
-            p = torch.exp(z - lse[a:b, None])
+        for a, b, pa, pb in scored.chunks(v_local):
+            z = _scaled(logits, scored, a, b, pa, pb, acc)
+            p = torch.exp(z - lse[pa:pb, None])
             # d lse / dz = p;  d H / dz = -p (z - lse + H);  d z[label] / dz = one-hot
-            dz = p * (g_lse[a:b, None] - g_ent[a:b, None] * (z - lse[a:b, None] + ent[a:b, None]))
+            dz = p * (g_lse[pa:pb, None] - g_ent[pa:pb, None] * (z - lse[pa:pb, None] + ent[pa:pb, None]))
             if g_label is not None:
                 # Every label adds into this chunk, those outside it (or the shard) add 0 at a
                 # clamped index: no boolean-mask select, so no device sync per chunk.
-                inside = (rows >= a) & (rows < b)
-                flat = (rows - a).clamp(0, b - a - 1) * v_local + local.clamp(0, v_local - 1)
+                inside = (label_pairs >= pa) & (label_pairs < pb)
+                flat = (label_pairs - pa).clamp(0, pb - pa - 1) * v_local + local.clamp(0, v_local - 1)
                 dz.view(-1).index_add_(0, flat, torch.where(inside, g_label, 0.0))
-            grad[a:b] = (dz / temp).to(grad.dtype)
+            dz = dz / _chunk_temperature(scored, pa, pb, acc)
+            if scored.rows is not None:  # a row's pairs sum in fp32 before the cast
+                dz = dz.new_zeros(b - a, v_local).index_add_(0, scored.rows[pa:pb] - a, dz)
+            grad[a:b] = dz.to(grad.dtype)
         return grad, None, None, None, None, None
+
+
+def _chunk_temperature(scored: ScoredRows, pa: int, pb: int, acc) -> float | torch.Tensor:
+    t = scored.temperature
+    return t if not isinstance(t, torch.Tensor) else t[pa:pb, None].to(acc)
+
+
+def _pair_temperature(scored: ScoredRows, pairs: torch.Tensor, acc) -> float | torch.Tensor:
+    t = scored.temperature
+    return t if not isinstance(t, torch.Tensor) else t[pairs].to(acc)
+
+
+def _scaled(logits, scored: ScoredRows, a: int, b: int, pa: int, pb: int, acc) -> torch.Tensor:
+    """``[pb - pa, V_local]`` the chunk's pairs: their rows' logits over their temperature."""
+    x = logits[a:b] if scored.rows is None else logits[a:b].index_select(0, scored.rows[pa:pb] - a)
+    return x.to(acc) / _chunk_temperature(scored, pa, pb, acc)
+
+
+@dataclass(frozen=True, eq=False)
+class LabelledRows:
+    """The distinct (packed row, next-token label) pairs of a plan: what a kernel that scores
+    one label per row (verl's fused linear + log-prob/entropy kernels) runs on. A row inside a
+    node has one label; the last row of a node with k children has k, so ``U = T + sum(k - 1)``
+    over branch points.
+
+    Attributes:
+        rows: ``[U]`` packed row of each pair (sorted by row, then label).
+        labels: ``[U]`` label of each pair (a row whose tokens all end their sequence gets 0).
+        token_pair: ``[N]`` the pair each original token reads.
+        next_token_mask: ``[N]`` False at each sequence's last token (it predicts nothing).
+    """
+
+    rows: torch.Tensor
+    labels: torch.Tensor
+    token_pair: torch.Tensor
+    next_token_mask: torch.Tensor
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.rows.numel())
+
+    def to(self, device) -> "LabelledRows":
+        fields = (self.rows, self.labels, self.token_pair, self.next_token_mask)
+        return LabelledRows(*(x.to(device, non_blocking=True) for x in fields))
+
+    def per_token(self, logprobs: torch.Tensor, entropy: torch.Tensor | None = None):
+        """``[U]`` per-pair results -> ``[N]`` per token: log-probs (0 at each sequence's
+        last token, which predicts nothing) and entropy (or None)."""
+        lp = torch.where(self.next_token_mask, logprobs[self.token_pair], 0.0)
+        return lp, (None if entropy is None else entropy[self.token_pair])
+
+
+def labelled_rows(plan: TreePlan) -> LabelledRows:
+    """:class:`LabelledRows` of ``plan``, built on its host copy (no device sync)."""
+    host = plan.host
+    rows = host.unpack_index.cpu().numpy().astype(np.int64)
+    labels = host.next_token_ids.cpu().numpy().astype(np.int64)
+    mask = host.next_token_mask.cpu().numpy()
+    # a sequence's last token reads any pair of its row: one of the row's labels, else 0
+    row_label = np.zeros(plan.num_tokens, dtype=np.int64)
+    row_label[rows[mask]] = labels[mask]
+    labels = np.where(mask, labels, row_label[rows])
+    width = int(labels.max(initial=0)) + 1
+    pairs, token_pair = np.unique(rows * width + labels, return_inverse=True)
+    return LabelledRows(
+        torch.from_numpy(pairs // width),
+        torch.from_numpy(pairs % width),
+        torch.from_numpy(token_pair.reshape(-1)),
+        host.next_token_mask.cpu(),
+    ).to(plan.device)
 
 
 class TokenRows(Protocol):
     """What :func:`token_logprobs` reads: which packed row each original token reads.
 
     A :class:`~ps_mcore.planner.TreePlan` is one; so is one CP rank's share of a plan
-    (:class:`ps_mcore.layer_specs.parallel.cp_logprobs.LocalTokenRows`).
+    (:class:`LocalTokenRows`).
 
     Attributes:
         num_tokens: T, the packed rows the logits hold (at least).
@@ -104,10 +274,52 @@ class TokenRows(Protocol):
     def to(self, device) -> "TokenRows": ...
 
 
+@dataclass(frozen=True)
+class LocalTokenRows:
+    """The original tokens whose packed row is on this rank (a :class:`TokenRows`): one CP
+    rank's rows, one sequence-parallel rank's chunk.
+
+    Attributes:
+        num_tokens: t, this rank's rows.
+        unpack_index: ``[n]`` local row of each such token.
+        next_token_ids, next_token_mask: ``[n]`` their next-token labels and validity.
+        max_token_id: the largest token id of the whole plan.
+        token_index: ``[n]`` the tokens' indices among the plan's ``N`` original tokens.
+    """
+
+    num_tokens: int
+    unpack_index: torch.Tensor
+    next_token_ids: torch.Tensor
+    next_token_mask: torch.Tensor
+    max_token_id: int
+    token_index: torch.Tensor
+
+    @classmethod
+    def select(cls, plan: TreePlan, token_index: torch.Tensor, token_rows: torch.Tensor, num_rows: int):
+        """Original token ``token_index[i]`` reads local row ``token_rows[i]`` of ``num_rows``."""
+        dev = token_rows.device
+        return cls(
+            num_tokens=num_rows,
+            unpack_index=token_rows,
+            next_token_ids=plan.next_token_ids.to(dev).index_select(0, token_index),
+            next_token_mask=plan.next_token_mask.to(dev).index_select(0, token_index),
+            max_token_id=plan.max_token_id,
+            token_index=token_index,
+        )
+
+    def to(self, device) -> "LocalTokenRows":
+        if self.unpack_index.device == torch.device(device):
+            return self
+        moved = (self.unpack_index, self.next_token_ids, self.next_token_mask)
+        return LocalTokenRows(
+            self.num_tokens, *(x.to(device) for x in moved), self.max_token_id, self.token_index.to(device)
+        )
+
+
 def token_logprobs(
     logits: torch.Tensor,
     plan: TreePlan | TokenRows,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     compute_entropy: bool = False,
     tp_group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -117,7 +329,9 @@ def token_logprobs(
         logits: ``[T, V_local]`` packed LM-head output (a vocab-parallel shard under TP; rows
             past T, e.g. TP padding, are ignored).
         plan: the micro-batch's :class:`TreePlan`.
-        temperature: logits are divided by it first (as verl does).
+        temperature: logits are divided by it first (as verl does): one float, or a tensor
+            ``[B]`` per sample (batch order) or ``[N]`` per token. A shared row is normalised
+            once per distinct temperature among the samples that hold it.
         compute_entropy: also return the entropy of each token's predictive distribution.
         tp_group: the tensor-parallel group holding the vocab shards (None: full vocab here).
 
@@ -129,8 +343,6 @@ def token_logprobs(
         raise ValueError(
             f"token_logprobs expects logits [T>={plan.num_tokens}, V], got {tuple(logits.shape)}"
         )
-    if not math.isfinite(float(temperature)) or float(temperature) <= 0:
-        raise ValueError(f"temperature must be a finite positive number, got {temperature}")
     if logits.size(1) == 0:
         raise ValueError(f"token_logprobs needs a non-empty vocab dimension, got {tuple(logits.shape)}")
     # A label past the vocab would silently read a logit of 0 (the in-shard mask drops it).
@@ -141,12 +353,11 @@ def token_logprobs(
             "pass the full (or TP-sharded) LM-head output"
         )
     plan = plan.to(logits.device)
+    scored = scored_rows(plan, temperature).to(logits.device)  # pairs built on the plan's host copy
     logits = logits[: plan.num_tokens]
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     vocab_start = rank * logits.size(1)
-    rows = plan.unpack_index
-    lse, ent, label_logit = _RowStats.apply(
-        logits, rows, plan.next_token_ids, float(temperature), vocab_start, tp_group
-    )
-    logprobs = torch.where(plan.next_token_mask, label_logit - lse[rows], 0.0)
-    return logprobs, (ent[rows] if compute_entropy else None)
+    pairs = scored.token_pair
+    lse, ent, label_logit = _RowStats.apply(logits, scored, pairs, plan.next_token_ids, vocab_start, tp_group)
+    logprobs = torch.where(plan.next_token_mask, label_logit - lse[pairs], 0.0)
+    return logprobs, (ent[pairs] if compute_entropy else None)

@@ -28,6 +28,10 @@ WORKLOADS = ("grpo-long-prompt", "grpo-wide", "grpo-math", "agent-tree", "step-w
 # cross-micro-batch schedule (ps_mcore.minibatch) is for; one micro-batch cannot hold them.
 BUDGET_WORKLOADS = ("agent-long",)
 ALL_WORKLOADS = WORKLOADS + BUDGET_WORKLOADS
+# A whole training mini-batch of sharing units that each fit a micro-batch (8 GRPO groups of
+# 8, N ~196k, T ~82k at full scale): packed into micro-batches under a token budget (32k) as
+# training runs it, first-fit by each group's deduplicated tokens.
+MINIBATCH_WORKLOADS = ("grpo-minibatch",)
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,8 @@ def _no_sharing(g: _Gen) -> Workload:
 
 
 def make_workload(name: str, seed: int = 0, scale: float = 1.0, vocab: int = 32000) -> Workload:
-    """Build the named standard workload (see :data:`WORKLOADS` and :data:`BUDGET_WORKLOADS`)."""
+    """Build the named standard workload (see :data:`WORKLOADS`, :data:`BUDGET_WORKLOADS` and
+    :data:`MINIBATCH_WORKLOADS`)."""
     g = _Gen(seed, scale, vocab)
     if name == "grpo-long-prompt":
         return _grpo(g, name, prompts=1, prompt_len=4096, group=8, response_len=1024)
@@ -122,4 +127,6 @@ def make_workload(name: str, seed: int = 0, scale: float = 1.0, vocab: int = 320
         return _no_sharing(g)
     if name == "agent-long":
         return _agent_long(g)
-    raise ValueError(f"unknown workload {name!r}; expected one of {ALL_WORKLOADS}")
+    if name == "grpo-minibatch":
+        return _grpo(g, name, prompts=8, prompt_len=2048, group=8, response_len=1024)
+    raise ValueError(f"unknown workload {name!r}; expected one of {ALL_WORKLOADS + MINIBATCH_WORKLOADS}")

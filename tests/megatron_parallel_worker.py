@@ -30,6 +30,9 @@ from megatron_shims import (
 )
 
 KINDS = ("qwen2", "qwen3")
+# sliding windows in alternating layers and learnable sinks (megatron's window_size /
+# window_attn_skip_freq / softmax_type) on the qwen2 shapes: run under CP=2
+VARIANT_KINDS = ("qwen2-swa-sinks",)
 DEVICE = torch.device("cpu")  # main() sets the rank's GPU for "cuda"
 LAYOUTS = {
     "single": dict(tp=1, cp=1, pp=1, sp=False),

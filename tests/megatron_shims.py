@@ -48,9 +48,28 @@ def init_cpu_megatron(tp: int = 1, cp: int = 1, pp: int = 1, vpp: int | None = N
                                  virtual_pipeline_model_parallel_size=vpp)
 
 
+def init_gpu_megatron() -> None:
+    """The GPU tests' world: NCCL world 1 (an in-process store), megatron parallel state of one
+    rank, megatron's CUDA RNG tracker."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
 def tiny_config(kind: str = "qwen2", **overrides):
     """Tiny fp32 TransformerConfig. qwen2: GQA 4/2 heads, qkv bias, RMSNorm, SwiGLU.
-    qwen3: GQA 6/2 heads, head dim 10 (decoupled from hidden/heads), qk-layernorm."""
+    qwen3: GQA 6/2 heads, head dim 10 (decoupled from hidden/heads), qk-layernorm.
+    qwen2-swa-sinks: qwen2 with a sliding window of 3 in every other layer and learnable sinks.
+    gpt-oss: Megatron-Bridge's GPT-OSS settings at tiny scale: 4 layers alternating a sliding
+    window of 5 (``window_size=(4, 0)``, ``window_attn_skip_freq=2``) and full attention,
+    learnable sinks, MoE in every layer (4 experts, top 2, router and linear biases, no
+    balancing loss, alltoall), clamped quick-GELU GLU, GQA 4/2. Needs ``enable_cpu_moe()`` and
+    ``enable_cpu_sliding_window()``. gemma3: Gemma 3's layer pattern, 6 layers with 5 local
+    (window 4) : 1 global (``window_attn_skip_freq=6``), GeGLU, qk-layernorm, GQA 6/2."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     common = dict(
@@ -65,10 +84,31 @@ def tiny_config(kind: str = "qwen2", **overrides):
                       ffn_hidden_size=96, add_qkv_bias=True),
         "qwen3": dict(hidden_size=48, num_attention_heads=6, num_query_groups=2, kv_channels=10,
                       ffn_hidden_size=80, qk_layernorm=True),
+        "qwen2-swa-sinks": dict(hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                ffn_hidden_size=96, add_qkv_bias=True, window_size=(2, 0),
+                                window_attn_skip_freq=2, softmax_type="learnable"),
+        "gpt-oss": _gpt_oss_kind(),
+        "gemma3": dict(hidden_size=48, num_attention_heads=6, num_query_groups=2, kv_channels=8,
+                       ffn_hidden_size=80, qk_layernorm=True, activation_func=F.gelu, num_layers=6,
+                       window_size=(3, 0), window_attn_skip_freq=6),
     }
     if kind not in kinds:
         raise ValueError(f"unknown tiny config {kind!r}")
     return TransformerConfig(**{**common, **kinds[kind], **overrides})
+
+
+def _gpt_oss_kind() -> dict:
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    # megatron's quick_gelu as written, not through its jit_fuser (torch.compile per new
+    # shape: minutes of CPU compiling for per-sequence references)
+    quick_gelu = getattr(quick_gelu, "_torchdynamo_orig_callable", quick_gelu)
+    return dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                ffn_hidden_size=96, num_layers=4, add_bias_linear=True, activation_func=quick_gelu,
+                activation_func_clamp_value=7.0, glu_linear_offset=1.0, window_size=(4, 0),
+                window_attn_skip_freq=2, softmax_type="learnable", num_moe_experts=4,
+                moe_router_topk=2, moe_ffn_hidden_size=32, moe_router_load_balancing_type="none",
+                moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=False)
 
 
 def layer_spec_args(config) -> dict:
@@ -109,6 +149,17 @@ def stock_forward(model, seq) -> torch.Tensor:
     ids = torch.as_tensor(np.asarray(seq), dtype=torch.long)[None]
     pos = torch.arange(ids.size(1))[None]
     return model(input_ids=ids, position_ids=pos, attention_mask=causal_mask(ids.size(1)))[0]
+
+
+def reference_logprobs(per_seq_logits, seqs) -> torch.Tensor:
+    """``[N]`` log-probs of each sequence's next tokens from its own logits (0 at its last
+    token, as ``token_logprobs`` returns there)."""
+    out = []
+    for lg, s in zip(per_seq_logits, seqs):
+        lp = torch.log_softmax(lg, -1)
+        nxt = torch.as_tensor(np.asarray(s[1:]), dtype=torch.long)
+        out.append(torch.cat([lp[:-1].gather(1, nxt[:, None])[:, 0], lp.new_zeros(1)]))
+    return torch.cat(out)
 
 
 def assert_tree_matches_stock(stock, tree, seqs) -> None:
@@ -308,8 +359,8 @@ def te_like_core_attention():
     """Megatron's local ``DotProductAttention`` with the checkpoint behaviour of TE's
     ``DotProductAttention`` (test-only: TE needs CUDA): ``_extra_state`` is TE's byte tensor
     (empty for a module that never ran FP8, as ``TransformerEngineBaseModule.get_extra_state``
-    returns), nothing in the sharded state dict (``TEDotProductAttention``, vanilla softmax),
-    and a missing key tolerated on load (TE's ``remove_extra_states_check`` hook)."""
+    returns), nothing in the sharded state dict with vanilla softmax (``TEDotProductAttention``;
+    with ``learnable``: the offset and the extra state), and a missing key tolerated on load (TE's ``remove_extra_states_check`` hook)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class TELikeDotProductAttention(DotProductAttention):
@@ -332,7 +383,14 @@ def te_like_core_attention():
                 self.fp8_state = state
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return {}
+            if self.config.softmax_type != "learnable":
+                return {}
+            # TE's: the learnable offset split over TP, with the extra state (stock megatron code)
+            from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0},
+                sharded_offsets, tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     return TELikeDotProductAttention
 
@@ -348,6 +406,18 @@ def te_like_layer_spec(**kwargs):
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(
         attn.submodules, core_attention=te_like_core_attention()))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+
+
+def enable_cpu_sliding_window() -> None:
+    """Test-only: megatron's local ``DotProductAttention`` builds its sliding-window mask with
+    ``device="cuda"`` (``get_sliding_window_causal_mask``); the same mask on the CPU."""
+    from megatron.core.fusions import fused_softmax
+
+    def sliding_window_causal_mask(sq, skv, window_size):
+        keep = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq - window_size[0])
+        return ~keep.tril(skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = sliding_window_causal_mask
 
 
 def enable_cpu_dist_checkpointing() -> None:
@@ -392,6 +462,29 @@ def enable_cpu_moe() -> None:
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
     torch.cuda.current_stream = lambda *args, **kwargs: stream
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def allow_local_expert_bias_backward() -> None:
+    """Test-only workaround for a megatron-core bug (0.16.1, still in 0.19.2) in the local-spec
+    experts: with linear biases (GPT-OSS's ``add_bias_linear``) ``MLP.forward`` adds the expert
+    bias in place (``output += ...``) to the output of ``linear_fc2``, which at TP=1 (expert
+    RowParallelLinear without explicit expert communication) is the all-reduce
+    ``_ReduceFromModelParallelRegion`` returning its input as is, a view autograd forbids to
+    modify in place. The reduction of a world of 1 returns a copy instead (same values).
+    Stock and tree models both run through it; TE's grouped experts take another path."""
+    from megatron.core.tensor_parallel import mappings
+
+    reduce = mappings._ReduceFromModelParallelRegion
+    if getattr(reduce, "_copies_world_of_one", False):
+        return
+    original = reduce.forward
+
+    def forward(ctx, input_, group):
+        out = original(ctx, input_, group)
+        return out.clone() if out is input_ else out
+
+    reduce.forward = staticmethod(forward)
+    reduce._copies_world_of_one = True
 
 
 def enable_cpu_mla() -> None:

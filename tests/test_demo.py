@@ -119,7 +119,7 @@ def test_third_party_warnings_hidden_unless_verbose():
         warnings.warn_explicit("Apex is not installed", UserWarning, "backends.py", 21,
                                module="megatron.core.models.backends")
         warnings.warn_explicit("[prefix_sharing] fell back to stock", UserWarning, "x.py", 1,
-                               module="ps_mcore.integrations.verl080.batch")
+                               module="ps_mcore.integrations.verl_common.batch")
 
     for verbose, expected in ((False, ["[prefix_sharing] fell back to stock"]),
                               (True, ["Apex is not installed", "[prefix_sharing] fell back to stock"])):

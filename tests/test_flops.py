@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ps_mcore import plan_prefix_tree
-from ps_mcore.flops import DecoderShape
+from ps_mcore.flops import DecoderShape, MoEShape
 
 # layers=2, hidden=8, 4 query heads and 2 kv heads of dim 4, ffn=10, vocab=20
 SHAPE = dict(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn=10, vocab=20)
@@ -36,6 +36,14 @@ def test_linear_flops_per_token_hand_count():
     for gated in (True, False):
         shape = DecoderShape(**SHAPE, gated=gated)
         assert shape.linear_flops_per_token() == 2 * _hand_linear_macs_per_token(gated)  # 1 MAC = 2 FLOPs
+
+
+def test_moe_linear_flops_count_the_active_experts():
+    """Router (hidden -> experts) and top-k expert MLPs replace the dense MLP: 8 x 3 = 24
+    router MACs and 2 experts x (gate 8x5 + up 8x5 + down 5x8 = 120) per layer."""
+    shape = MoEShape(**SHAPE, experts=3, topk=2, expert_ffn=5)
+    attention = 128 + 64 + 64 + 128
+    assert shape.linear_flops_per_token() == 2 * (2 * (attention + 24 + 2 * 120) + 160)
 
 
 def test_attention_and_step_flops_hand_count():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -17,8 +16,8 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+import forests  # noqa: E402
 from conftest import assert_grads_close  # noqa: E402
-from forests import assert_branches  # noqa: E402
 from test_fsdp_bridge import (  # noqa: E402
     GRAD_TOL, VOCAB, _nasty, _sample_weights, assert_tree_matches, per_sequence_reference, schedule_run,
 )
@@ -71,19 +70,7 @@ def make_variant_model(name: str, window: int | None = None):
     return copy.deepcopy(_template(name, CONFIGS[name][1] if window is None else window))
 
 
-def window_forest(seed: int, window: int, num_seqs: int = 6) -> list[list[int]]:
-    """A root of about three windows, then sequences branching off earlier ones at random
-    depths (inside the first window, across later ones) and running on for up to two windows,
-    plus a prefix of another: contexts several windows long, windows that cross branch points
-    and branches shorter than a window."""
-    rng = np.random.default_rng(seed)
-    seqs = [rng.integers(0, VOCAB, 3 * window + 2).tolist()]
-    while len(seqs) < num_seqs - 1:
-        base = seqs[rng.integers(len(seqs))]
-        cut = int(rng.integers(1, len(base) + 1))
-        seqs.append(base[:cut] + rng.integers(0, VOCAB, int(rng.integers(1, 2 * window + 2))).tolist())
-    seqs.append(seqs[0][: int(rng.integers(1, len(seqs[0])))])
-    return seqs
+window_forest = functools.partial(forests.window_forest, vocab=VOCAB)
 
 
 NASTY = ("grpo", "deep-chain", "prefix-of-another", "single-tokens", "single")
@@ -94,7 +81,7 @@ CASES = [(name, f"window-{i}") for name in CONFIGS for i in range(2)] + [
 
 def _forest(name: str, window: int) -> list[list[int]]:
     if name.startswith("window-"):  # these seeds branch inside a branch
-        return assert_branches(window_forest(int(name.split("-")[1]), window))
+        return forests.assert_branches(window_forest(int(name.split("-")[1]), window))
     return _nasty(name)
 
 

@@ -18,9 +18,7 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("megatron.core")
 
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt import gpt_layer_specs as stock_specs  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
@@ -46,11 +44,9 @@ def _nccl_world_1():
     pytest.importorskip("transformer_engine")  # here, not at import: TE cannot import without CUDA
     if not stock_specs.HAVE_TE:
         pytest.skip("megatron-core does not see transformer-engine")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    from megatron_shims import init_gpu_megatron
+
+    init_gpu_megatron()
     yield
 
 
@@ -189,3 +185,49 @@ def test_fused_rope_equals_unfused_on_tree_batches():
     with torch.no_grad():
         a, b = _tree_logprobs(fused, seqs), _tree_logprobs(unfused, seqs)
     assert float((a.float() - b.float()).abs().max()) < 0.05
+
+
+# ----------------------------------------------------------------------------- windows and sinks
+
+
+VARIANTS = dict(window_size=(63, 0), window_attn_skip_freq=2, softmax_type="learnable")
+
+
+def test_windows_and_sinks_match_stock_te():
+    """megatron's sliding window (64, every other layer) and learnable sinks: the tree model
+    (TreeCoreAttentionTEState, TE's float32 sink parameter loaded strictly) on the forest vs the
+    stock TE model (TE's own window and learnable softmax) on the unshared THD batch, bf16.
+    Each one's log-prob error against an fp32 reference (the tree-spec model in fp32 with the
+    exact ``chunked`` kernel on the unshared THD batch) is compared: the tree's is no larger
+    than stock's (x1.5 + bf16 noise). Skipped when this TE/cuDNN has no THD backend for
+    learnable sinks (the test says why)."""
+    cfg = _config(**VARIANTS)
+    spec = stock_specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=True)
+    stock = _gpt(cfg, spec)
+    with torch.no_grad():
+        for layer in stock.decoder.layers:
+            layer.self_attention.core_attention.softmax_offset.copy_(torch.linspace(-2, 2, 8))
+    tree = _gpt(cfg, to_tree_spec(spec))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    assert [l.self_attention.core_attention.window for l in tree.decoder.layers] == [64, None]
+    seqs = _forest()
+    weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
+    try:
+        ref = _stock_thd_logprobs(stock, seqs)
+        (ref * weights).sum().backward()
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(f"stock TE cannot run windows + learnable sinks on THD here: {error}")
+    got = _tree_logprobs(tree, seqs)
+    (got * weights).sum().backward()
+    cfg32 = _config(**VARIANTS, bf16=False, params_dtype=torch.float32)
+    cfg32.tree_attention_backend = "chunked"
+    exact = _gpt(cfg32, to_tree_spec(spec))
+    exact.load_state_dict(tree.state_dict(), strict=True)
+    with torch.no_grad():
+        lp32 = _stock_thd_logprobs(exact, seqs).float()
+    err_stock = float((ref.float() - lp32).abs().max())
+    err_tree = float((got.float() - lp32).abs().max())
+    assert err_tree <= 1.5 * err_stock + 0.02, (err_tree, err_stock)
+    for (name, a), (_, b) in zip(tree.named_parameters(), stock.named_parameters()):
+        rel = float((a.grad.float() - b.grad.float()).norm() / b.grad.float().norm().clamp_min(1e-6))
+        assert rel < 0.05, (name, rel)

@@ -20,7 +20,7 @@ from conftest import assert_grads_close, grads_of  # noqa: E402
 from forests import branching_forest  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, build_gpt, causal_mask, init_cpu_megatron, layer_spec_args, randomize_,
-    stock_forward, tiny_config,
+    reference_logprobs, stock_forward, tiny_config,
 )
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -102,15 +102,6 @@ def _stock_logits(model, seqs):
     return [stock_forward(model, s) for s in seqs]
 
 
-def _ref_logprobs(per_seq_logits, seqs):
-    out = []
-    for lg, s in zip(per_seq_logits, seqs):
-        lp = torch.log_softmax(lg, -1)
-        nxt = torch.as_tensor(np.asarray(s[1:]), dtype=torch.long)
-        out.append(torch.cat([lp[:-1].gather(1, nxt[:, None])[:, 0], lp.new_zeros(1)]))
-    return torch.cat(out)
-
-
 def _weights(seqs, seed):
     """A different weight per sequence, so shared tokens must sum their samples' gradients."""
     w = torch.from_numpy(np.random.default_rng(seed).uniform(0.2, 2.0, len(seqs))).float()
@@ -146,7 +137,7 @@ def test_tree_forward_backward_matches_unshared(models, forest):
     probe = torch.randn(plan.num_input_tokens, VOCAB, generator=torch.Generator().manual_seed(3))
 
     ref_logits = _stock_logits(stock, seqs)
-    ref_lp = _ref_logprobs(ref_logits, seqs)
+    ref_lp = reference_logprobs(ref_logits, seqs)
     ((w_tok * ref_lp).sum() + 1e-2 * (torch.cat(ref_logits) * probe).sum()).backward()
     ref_grads = grads_of(stock)
 
@@ -175,7 +166,7 @@ def test_float64_model_at_float64_precision(forest):
     plan = _plan(seqs)
     w_tok = _weights(seqs, seed=4)[1].double()
     ref_logits = _stock_logits(stock, seqs)
-    ref_lp = _ref_logprobs(ref_logits, seqs)
+    ref_lp = reference_logprobs(ref_logits, seqs)
     (w_tok * ref_lp).sum().backward()
     logits = _tree_logits(tree, plan)
     lp, _ = token_logprobs(logits, plan)
@@ -631,8 +622,8 @@ def test_refusals(models):
         TreeCoreAttention(cfg, 1, backend="bogus")
     with pytest.raises(NotImplementedError, match="self attention only"):
         TreeCoreAttention(cfg, 1, attention_type="cross")
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        TreeCoreAttention(dataclasses.replace(cfg, window_size=(4, 0)), 1)
+    with pytest.raises(NotImplementedError, match="right window"):  # (4, 0) windows run
+        TreeCoreAttention(dataclasses.replace(cfg, window_size=(4, 2)), 1)
     with pytest.raises(TypeError, match="TreePlan"):
         TreePackedSeqParams.from_plan(FORESTS["single"])
     with pytest.raises(ValueError, match="pad_to_multiple_of"):

@@ -18,6 +18,7 @@ def test_lower_floors_import_no_framework():
     glue's config defaults) import no training framework."""
     code = (
         "import ps_mcore, ps_mcore.attention, ps_mcore.logprobs, ps_mcore.flops, ps_mcore.recurrent\n"
+        "import ps_mcore.multi_token, ps_mcore.multimodal\n"
         "import ps_mcore.mindspeed, ps_mcore.setup, ps_mcore.analyze\n"
         "ps_mcore.setup.detect()"
     )

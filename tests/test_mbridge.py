@@ -16,13 +16,21 @@ pytest.importorskip("einops")
 mbridge = pytest.importorskip("mbridge")
 transformers = pytest.importorskip("transformers")
 
-from megatron_shims import VOCAB, assert_tree_matches_stock, init_cpu_megatron, randomize_  # noqa: E402
+from megatron_shims import (  # noqa: E402
+    VOCAB, assert_tree_matches_stock, enable_cpu_sliding_window, init_cpu_megatron, randomize_,
+)
 
 init_cpu_megatron(1)
+enable_cpu_sliding_window()
 
 from mbridge.core import llm_bridge  # noqa: E402
 
 from ps_mcore.layer_specs import TreeCoreAttention, megatron_dropout_refusal, to_tree_spec  # noqa: E402
+
+
+# megatron's attention variants set on mbridge's config (mbridge 0.15.1 builds no GPT-OSS; its
+# Gemma 3 keeps its windows in masks and is refused: tests/test_mcore_variants.py)
+VARIANTS = dict(window_size=(3, 0), window_attn_skip_freq=2, softmax_type="learnable")
 
 
 @pytest.fixture
@@ -49,7 +57,14 @@ def bridge(monkeypatch):
     return bridge
 
 
-def test_mbridge_qwen2_tree_model_matches_its_stock_model(bridge):
+@pytest.mark.parametrize("variants", [{}, VARIANTS])
+def test_mbridge_qwen2_tree_model_matches_its_stock_model(bridge, variants):
+    """mbridge's own Qwen2 build; with ``variants`` as verl's
+    ``override_transformer_config`` would set them on mbridge's config: megatron's sliding
+    window in every other layer and learnable sinks (the tree model's sink logits are the
+    stock ``softmax_offset`` parameters, loaded strictly)."""
+    for key, value in variants.items():
+        setattr(bridge.config, key, value)
     stock = bridge._model_provider([])(True, True)
     randomize_(stock, seed=2)
     stock_spec = bridge._get_transformer_layer_spec
@@ -58,6 +73,10 @@ def test_mbridge_qwen2_tree_model_matches_its_stock_model(bridge):
     assert type(tree.decoder.layers[0].self_attention.core_attention) is TreeCoreAttention
     assert list(tree.state_dict()) == list(stock.state_dict())
     tree.load_state_dict(stock.state_dict(), strict=True)
+    if variants:
+        cores = [layer.self_attention.core_attention for layer in tree.decoder.layers]
+        assert [c.window for c in cores] == [4, None]
+        assert all(isinstance(c.softmax_offset, torch.nn.Parameter) for c in cores)
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, VOCAB, 12)
     seqs = [np.concatenate([prompt, rng.integers(0, VOCAB, n)]) for n in (5, 2, 9)]

@@ -24,12 +24,13 @@ import torch
 pytest.importorskip("megatron.core")
 
 from forests import branching_forest, nasty_forests, random_forest  # noqa: E402
-from megatron_parallel_worker import KINDS, LAYOUTS, build_model, tree_step, world_size  # noqa: E402
+from megatron_parallel_worker import KINDS, LAYOUTS, VARIANT_KINDS, build_model, tree_step, world_size  # noqa: E402
 from megatron_shims import VOCAB, init_cpu_megatron, randomize_, run_torchrun, tiny_config  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
 from ps_mcore.attention import tree_attention  # noqa: E402
 from ps_mcore.attention.gather_kv import MATH_KERNEL, gather_kv_attention  # noqa: E402
+from ps_mcore.attention.variants import attention_variant  # noqa: E402
 from ps_mcore.layer_specs import (  # noqa: E402
     TreePackedSeqParams,
     assert_same_plan,
@@ -39,7 +40,7 @@ from ps_mcore.layer_specs import (  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_parallel_worker.py")
 # 4 processes on CI's 2 cores: one config (qwen3: GQA with one kv head per TP rank, qk-norm).
-LAYOUT_KINDS = {"cp2tp2sp": ("qwen3",)}
+LAYOUT_KINDS = {"cp2tp2sp": ("qwen3",), "cp2": KINDS + VARIANT_KINDS}
 init_cpu_megatron(1)
 
 
@@ -69,7 +70,7 @@ def reference():
     """Payload for the workers and the single-rank results of every kind."""
     init_cpu_megatron(1)
     payload, expected = {}, {}
-    for i, kind in enumerate(KINDS):
+    for i, kind in enumerate(KINDS + VARIANT_KINDS):
         cases = _cases(100 * i)
         assert any(c["plan"].num_tokens < c["plan"].num_input_tokens for c in cases)  # shares
         model = build_model(kind, "single")
@@ -175,23 +176,29 @@ def _cp_forests():
     return forests
 
 
+@pytest.mark.parametrize("variant", ["plain", "window+sinks"])
 @pytest.mark.parametrize("name", sorted(_cp_forests()))
-def test_local_attention_per_cp_rank_equals_full(name):
+def test_local_attention_per_cp_rank_equals_full(name, variant):
     """Each CP rank's local queries against the rank-major gathered K/V (fp32 math, segments
     cut at chunk borders): the single-rank output at its rows; gradients summed over ranks (the
-    all-gather's reduce-scatter) equal the single-rank ones."""
+    all-gather's reduce-scatter) equal the single-rank ones. With a sliding window (counted
+    along each sample's path: a segment's context is its whole root path, uncut) and per-head
+    sinks (whose gradients each rank computes for its rows) too."""
     plan = plan_prefix_tree(_cp_forests()[name], min_prefix_len=1)
     gen = torch.Generator().manual_seed(len(name))
     hq, hkv, d = 4, 2, 6
+    sinks = torch.linspace(-2.0, 2.0, hq, requires_grad=True)
+    kw = dict(window=3, sinks=sinks) if variant != "plain" else {}
     for cp, tp in ((2, 1), (3, 1), (2, 2)):
         psp0 = TreePackedSeqParams.from_plan(plan, 2 * cp * tp, cp_size=cp, cp_rank=0)
         t_pad = psp0.num_rows
         q, k, v = (torch.randn(t_pad, h, d, generator=gen, requires_grad=True)
                    for h in (hq, hkv, hkv))
+        leaves = (q, k, v, sinks) if kw else (q, k, v)
         g = torch.randn(t_pad, hq, d, generator=gen)
         t = plan.num_tokens
-        full = tree_attention(q[:t], k[:t], v[:t], plan, "chunked")
-        ref_grads = torch.autograd.grad((full * g[:t]).sum(), (q, k, v))
+        full = tree_attention(q[:t], k[:t], v[:t], plan, "chunked", **kw)
+        ref_grads = torch.autograd.grad((full * g[:t]).sum(), leaves)
         seen, tokens, loss = [], [], 0
         for rank in range(cp):
             lay = TreePackedSeqParams.from_plan(plan, 2 * cp * tp, cp_size=cp, cp_rank=rank).cp_layout
@@ -199,7 +206,7 @@ def test_local_attention_per_cp_rank_equals_full(name):
             real = rows[lay.query_rows]
             # K/V as the all-gather lays them out: rank-major
             kg, vg = k[lay.gathered_rows], v[lay.gathered_rows]
-            out = gather_kv_attention(q[real], kg, vg, lay, d**-0.5, MATH_KERNEL)
+            out = gather_kv_attention(q[real], kg, vg, lay, d**-0.5, MATH_KERNEL, attention_variant(q, **kw))
             torch.testing.assert_close(out, full[real], rtol=1e-5, atol=1e-6)
             loss = loss + (out * g[real]).sum()
             seen.append(rows)
@@ -208,7 +215,7 @@ def test_local_attention_per_cp_rank_equals_full(name):
             assert torch.equal(lay.gathered_rows[lay.plan_order], torch.arange(t_pad))
         assert sorted(torch.cat(seen).tolist()) == list(range(t_pad))
         assert sorted(torch.cat(tokens).tolist()) == list(range(plan.num_input_tokens))
-        for got, want in zip(torch.autograd.grad(loss, (q, k, v)), ref_grads):
+        for got, want in zip(torch.autograd.grad(loss, leaves), ref_grads):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

@@ -52,7 +52,7 @@ from ps_mcore.integrations.verl080 import mindspeed as ms_patch  # noqa: E402
 from ps_mcore.mindspeed import spec as ms_spec  # noqa: E402
 from ps_mcore.mindspeed import state as ms_state  # noqa: E402
 from ps_mcore.integrations.patching import Patcher  # noqa: E402
-from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 FORESTS = nasty_forests(3)
@@ -477,7 +477,7 @@ def test_documented_config_reaches_the_engine():
     from verl.utils.config import omega_conf_to_dataclass
     from verl_helpers import BASE_OVERRIDES, compose, verl_config_dir
 
-    from ps_mcore.integrations.verl080.config import install_config_patches, reset_actor_setting, resolve_setting
+    from ps_mcore.integrations.verl_common.config import install_config_patches, reset_actor_setting, resolve_setting
 
     overrides = _documented_overrides()
     assert "model_engine=mindspeed" in overrides

@@ -13,19 +13,20 @@ pytest.importorskip("verl")
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations.env import prefix_sharing_enabled, requested_patchsets  # noqa: E402
+from verl_helpers import fsdp_patchset, kv_trainer, megatron_patchset, verl_version  # noqa: E402
 
-MCORE = "verl080_mcore0161_ms0160"
+MCORE = megatron_patchset()
 
 
 def _targets():
     """Every attribute the patchsets touch, as (owner, name) pairs."""
     import verl.models.mcore as mcore
-    from verl.trainer import main_ppo_sync
     from verl.trainer.ppo import ray_trainer
     from verl.workers.engine.megatron import transformer_impl as impl
 
-    from ps_mcore.integrations.verl080.config import actor_config_classes, critic_config_classes
+    from ps_mcore.integrations.verl_common.config import actor_config_classes, critic_config_classes
 
+    kv_module, init = kv_trainer()
     pairs = [
         (mcore, "get_mcore_engine_forward_fn"),
         (impl, "prepare_micro_batches"),
@@ -37,10 +38,10 @@ def _targets():
         (impl.MegatronEngineWithValueHead, "forward_step"),
         (ray_trainer.RayPPOTrainer, "_balance_batch"),
         (ray_trainer.RayPPOTrainer, "init_workers"),
-        (main_ppo_sync.PPOTrainer, "_balance_batch"),
-        (main_ppo_sync.PPOTrainer, "init_workers"),
+        (kv_module.PPOTrainer, "_balance_batch"),
+        (kv_module.PPOTrainer, init),
         (ray_trainer, "reduce_metrics"),
-        (main_ppo_sync, "reduce_metrics"),
+        (kv_module, "reduce_metrics"),
     ]
     pairs += [(cls, "__init__") for cls in actor_config_classes() + critic_config_classes()]
     return pairs
@@ -83,7 +84,7 @@ def test_install_is_idempotent(clean):
 
 def test_importing_ps_mcore_patches_nothing():
     code = (
-        "import ps_mcore, ps_mcore.setup, ps_mcore.integrations.verl080.config, sys\n"
+        "import ps_mcore, ps_mcore.setup, ps_mcore.integrations.verl_common.config, sys\n"
         "from ps_mcore import setup\n"
         "assert setup.installed() == [], setup.installed()\n"
         "assert not any(m == 'verl' or m.startswith('verl.') for m in sys.modules), 'verl imported'\n"
@@ -98,7 +99,7 @@ def test_import_prefix_sharing_is_quiet_and_patches_verl_as_it_is_imported():
     notes) and prints nothing; each engine module is patched when the program imports it."""
     code = (
         "import sys, prefix_sharing\n"
-        f"assert prefix_sharing.INSTALLED == ['{MCORE}', 'verl080_fsdp'], prefix_sharing.INSTALLED\n"
+        f"assert prefix_sharing.INSTALLED == ['{MCORE}', '{fsdp_patchset()}'], prefix_sharing.INSTALLED\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('verl', 'megatron', 'transformers')]\n"
         "assert not heavy, heavy[:5]\n"
         "sys.stderr.write('IMPORTED\\n')\n"
@@ -124,7 +125,7 @@ def test_unknown_patchset_is_a_clear_error(clean):
     with pytest.raises(ValueError, match=r"unknown prefix-sharing patchset\(s\) \['verl999'\]") as err:
         setup.install("verl999")
     assert f"{MCORE}: available" in str(err.value)
-    assert "verl080_fsdp: " in str(err.value)
+    assert f"{fsdp_patchset()}: " in str(err.value)
     assert setup.installed() == []
 
 
@@ -156,8 +157,8 @@ def test_env_switches(monkeypatch):
     monkeypatch.setenv("ENABLE_PREFIX_SHARING", "maybe")
     with pytest.raises(ValueError, match="ENABLE_PREFIX_SHARING='maybe'"):
         prefix_sharing_enabled()
-    monkeypatch.setenv("PREFIX_SHARING_PATCHSET", f" {MCORE}, verl080_fsdp ,")
-    assert requested_patchsets() == [MCORE, "verl080_fsdp"]
+    monkeypatch.setenv("PREFIX_SHARING_PATCHSET", f" {MCORE}, {fsdp_patchset()} ,")
+    assert requested_patchsets() == [MCORE, fsdp_patchset()]
     monkeypatch.setenv("PREFIX_SHARING_PATCHSET", "")
     assert requested_patchsets() is None
 
@@ -202,3 +203,33 @@ def test_auto_install_skips_a_patchset_that_fails_but_explicit_raises(clean, mon
     with pytest.raises(ImportError, match="transformer_engine missing"):
         setup.install(MCORE)
     assert _snapshot() == before  # the shared component was rolled back too
+
+
+def _refusal(state):
+    """A patchset's detect() entry as its refusal message (None: available)."""
+    return getattr(state, "refusal", state)
+
+
+def test_detect_names_the_installed_release_and_why_not_the_others():
+    status = {name: _refusal(state) for name, state in setup.detect().items()}
+    ours = {MCORE, fsdp_patchset()}
+    assert {"verl080_mcore0161_ms0160", "verl080_fsdp", "verl091_mcore019", "verl091_fsdp"} <= set(status)
+    assert all(status[name] is None for name in ours), status
+    for name, refusal in status.items():
+        if name not in ours:
+            assert refusal is not None and f"verl {verl_version()} is installed" in refusal, (name, refusal)
+
+
+def test_verl091_megatron_needs_a_bridge_and_megatron_core_019(monkeypatch):
+    from ps_mcore.setup import patchsets
+
+    def installed(versions):
+        return lambda *names: next((versions[n] for n in names if n in versions), None)
+
+    monkeypatch.setattr(patchsets, "distribution_version", installed({"verl": "0.9.1", "megatron-core": "0.16.1"}))
+    assert patchsets.mcore019_refusal() == "megatron-core 0.16.1 is installed, this patchset is for 0.19.x"
+    assert patchsets.verl091_refusal() is None
+    assert "neither Megatron-Bridge nor mbridge" in patchsets.megatron_builder_refusal()
+    for builder in ({"megatron-bridge": "0.6.2"}, {"mbridge": "0.15.1"}):
+        monkeypatch.setattr(patchsets, "distribution_version", installed(builder))
+        assert patchsets.megatron_builder_refusal() is None, builder

@@ -75,17 +75,20 @@ def test_install_from_two_threads_patches_once_and_uninstall_restores(slow_patch
 
 def test_prefix_sharing_setup_exposes_the_documented_functions():
     pytest.importorskip("verl")  # the requested patchset below needs verl's stack
+    from verl_helpers import fsdp_patchset
+
+    fsdp = fsdp_patchset()
     code = (
         "import prefix_sharing.setup as s, ps_mcore.setup as m\n"
         "assert all(getattr(s, n) is getattr(m, n) for n in "
         "('install', 'uninstall', 'detect', 'requested_patchsets', 'installed'))\n"
         "status = s.detect()\n"
-        "assert set(status) >= {'verl080_mcore0161_ms0160', 'verl080_fsdp'}, status\n"
-        "assert s.requested_patchsets() == ['verl080_fsdp']\n"
-        "assert s.installed() == ['verl080_fsdp'] or not status['verl080_fsdp'].available\n"
+        "assert set(status) >= {'verl080_mcore0161_ms0160', 'verl080_fsdp', 'verl091_mcore019', 'verl091_fsdp'}, status\n"
+        f"assert s.requested_patchsets() == [{fsdp!r}]\n"
+        f"assert s.installed() == [{fsdp!r}]\n"
         "s.uninstall(); assert s.installed() == []\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PREFIX_SHARING_PATCHSET": "verl080_fsdp"}
+    env = {**os.environ, "PREFIX_SHARING_PATCHSET": fsdp}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

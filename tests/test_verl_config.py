@@ -1,16 +1,16 @@
-"""The ``prefix_grouper`` config on real verl 0.8.0: hydra composition of the shipped
+"""The ``prefix_grouper`` config on real verl (0.8.0, or 0.9.1 in the Python 3.12 stage): hydra composition of the shipped
 configs and of the ``+`` form on verl's stock configs, driver-side ``validate_config`` and
 worker-side ``omega_conf_to_dataclass``, defaults, bad values, ref/critic following."""
 
 from __future__ import annotations
 
 import pytest
-from verl_helpers import BASE_OVERRIDES, compose, installed_patchsets, verl_config_dir  # noqa: F401
+from verl_helpers import BASE_OVERRIDES, compose, installed_patchsets, integration_config_dir, verl_config_dir  # noqa: F401
 
 pytest.importorskip("verl")
 
-from ps_mcore.integrations.verl080 import CONFIG_DIR  # noqa: E402
-from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, reset_actor_setting  # noqa: E402
+CONFIG_DIR = integration_config_dir()  # the shipped configs of the installed verl release
+from ps_mcore.integrations.verl_common.config import ENGINE_ATTR, PrefixGrouperConfig, reset_actor_setting  # noqa: E402
 
 
 def _instantiate_worker_side(cfg):
@@ -57,7 +57,7 @@ def _fresh_actor_setting():
 
 @pytest.mark.parametrize("name", ["prefix_sharing_megatron", "prefix_sharing_fsdp"])
 def test_shipped_config_composes_validates_and_instantiates(name, installed_patchsets):
-    from ps_mcore.integrations.verl080.trainer import follow_actor_setting
+    from ps_mcore.integrations.verl_common.trainer import follow_actor_setting
 
     cfg = compose(CONFIG_DIR, name, BASE_OVERRIDES + ["actor_rollout_ref.actor.prefix_grouper.min_prefix_len=16"])
     assert cfg.actor_rollout_ref.actor.strategy == ("megatron" if "megatron" in name else "fsdp")
@@ -108,7 +108,7 @@ def test_flag_without_sub_config_means_prompt_only_defaults(installed_patchsets)
 
 
 def test_stock_config_without_flag_stays_off(installed_patchsets):
-    from ps_mcore.integrations.verl080.config import resolve_setting
+    from ps_mcore.integrations.verl_common.config import resolve_setting
 
     cfg = compose(verl_config_dir(), "ppo_megatron_trainer", BASE_OVERRIDES)
     actor, ref = _instantiate_worker_side(cfg)
@@ -177,8 +177,8 @@ def test_prefix_grouper_config_is_a_mapping():
 @pytest.mark.parametrize("driver_copies", [True, False], ids=["driver", "worker"])
 def test_ref_keeps_its_own_sub_config_and_follows_the_actor_flag(driver_copies, installed_patchsets):
     """One rule on both sides: a key the ref sets is its own, an unset key is the actor's."""
-    from ps_mcore.integrations.verl080.config import resolve_setting
-    from ps_mcore.integrations.verl080.trainer import follow_actor_setting
+    from ps_mcore.integrations.verl_common.config import resolve_setting
+    from ps_mcore.integrations.verl_common.trainer import follow_actor_setting
 
     cfg = _validated_plus_form("+actor_rollout_ref.ref.prefix_grouper.min_prefix_len=32")
     if driver_copies:

@@ -1,6 +1,6 @@
-"""verl 0.8.0's Megatron engine with sharing units larger than the token budget: the
-cross-micro-batch schedule (every shared prefix computed once per mini-batch) against verl's
-stock path on the unshared batch, on a real tiny megatron-core GPTModel (CPU, fp32), through
+"""verl's Megatron engine (the installed release: 0.8.0 or 0.9.1) with sharing units larger
+than the token budget: the cross-micro-batch schedule (every shared prefix computed once per
+mini-batch) against verl's stock path on the unshared batch, on a real tiny megatron-core GPTModel (CPU, fp32), through
 megatron-core's real no-pipelining schedule (test-only shim: its token counter on the CPU).
 
 Checked: update_actor's PPO loss and every gradient (gradient accumulation over the steps,
@@ -25,9 +25,10 @@ from verl_batches import (  # noqa: E402
     RTOL, add_value_targets, assert_grads, assert_outputs, engine_shell, make_batch, seq_last_mask, step_tokens,
     tiny_critic,
 )
+from verl_helpers import megatron_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 from ps_mcore.planner import plan_prefix_tree  # noqa: E402
 
 BUDGET = 40
@@ -88,7 +89,7 @@ def _run(impl, model, data, setting, patched, loss_fn=None, cls=None):
     previous = impl.get_forward_backward_func
     impl.get_forward_backward_func = get_forward_backward_func
     if patched:
-        setup.install(["verl080_mcore0161_ms0160"])
+        setup.install([megatron_patchset()])
     engine = engine_shell(cls or impl.MegatronEngineWithLMHead, model, setting)
     model.zero_grad(set_to_none=True)
     config = get_model_config(model)
@@ -109,7 +110,7 @@ def _run(impl, model, data, setting, patched, loss_fn=None, cls=None):
 
 
 def _unique_tokens(data):
-    from ps_mcore.integrations.verl080.batch import sequences
+    from ps_mcore.integrations.verl_common.batch import sequences
 
     return plan_prefix_tree(sequences(data), min_prefix_len=4).num_tokens
 
@@ -142,8 +143,9 @@ def test_log_prob_pass_matches_stock(env):
 
 
 def test_a_refusal_splits_with_one_warning(env):
-    """Per-sample temperatures (which the tree path refuses per micro-batch) cannot run inside
-    a schedule: the mini-batch is split as before, and stays equal to stock."""
+    """Per-sample temperatures run on the tree per micro-batch but not inside a schedule (its
+    calls score one temperature): the mini-batch is split as before, its micro-batches take
+    the tree path, and it stays equal to stock."""
     impl, model = env
     rng = np.random.default_rng(2)
     data = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET)
@@ -155,13 +157,39 @@ def test_a_refusal_splits_with_one_warning(env):
     for key, rows in (("log_probs", keep), ("entropy", slice(None))):
         torch.testing.assert_close(tree["model_output"][key].values()[rows],
                                    stock["model_output"][key].values()[rows], rtol=RTOL, atol=1e-6)
+    n, computed = step_tokens(tree)
+    assert n == int(data["input_ids"].offsets()[-1]) and _unique_tokens(data) < computed < n  # split, shared
+
+
+def test_per_micro_batch_options_refuse_the_schedule(env):
+    """Options the tree path runs per micro-batch but a schedule's calls do not (FP8's 128-row
+    padding, verl's Megatron fused forward, per-sample temperatures) refuse the schedule by
+    name; the same batch without them schedules."""
+    from ps_mcore.integrations.verl_common.megatron import megatron_schedule_refusal
+
+    impl, model = env
+    rng = np.random.default_rng(5)
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting())
+    data = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET)
+    assert megatron_schedule_refusal(engine, model, data) is None
+    fused = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET, use_fused_kernels=True)
+    assert "use_fused_kernels" in megatron_schedule_refusal(engine, model, fused)
+    data["temperature"] = torch.linspace(0.5, 1.0, len(data["input_ids"]))
+    assert "per-sample temperatures" in megatron_schedule_refusal(engine, model, data)
+    data["temperature"] = torch.full((len(data["input_ids"]),), 0.7)  # one value: schedules
+    assert megatron_schedule_refusal(engine, model, data) is None
+    model.config.fp8 = "hybrid"  # only the decision is checked: the model is not run
+    try:
+        assert "fp8" in megatron_schedule_refusal(engine, model, data)
+    finally:
+        model.config.fp8 = None
 
 
 def test_active_dropout_refuses_the_schedule(env):
     """A K/V-kept prefix runs its forward again at its release, which would draw other dropout
     masks: a training model with hidden_dropout splits its large units (even with
     prefix_grouper.shared_dropout, which covers the units that fit); in eval mode it schedules."""
-    from ps_mcore.integrations.verl080.megatron import megatron_schedule_refusal
+    from ps_mcore.integrations.verl_common.megatron import megatron_schedule_refusal
     from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
 
     impl, _ = env
@@ -174,9 +202,26 @@ def test_active_dropout_refuses_the_schedule(env):
     assert megatron_schedule_refusal(engine, model.eval(), data) is None
 
 
+def test_pad_to_length_refuses_the_schedule(env):
+    """verl 0.9.1's ``pad_to_length`` pads every micro-batch to a length bucket, which a
+    schedule's calls do not: its large units split (and their micro-batches run stock)."""
+    from ps_mcore.integrations.verl_common.megatron import megatron_schedule_refusal
+
+    impl, model = env
+    rng = np.random.default_rng(5)
+    data = make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET)
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting())
+    assert megatron_schedule_refusal(engine, model, data) is None
+    if not hasattr(engine.engine_config, "pad_to_length"):
+        pytest.skip("the installed verl has no pad_to_length (0.9.1 added it)")
+    object.__setattr__(engine.engine_config, "pad_to_length", True)
+    assert "pad_to_length" in megatron_schedule_refusal(engine, model, data)
+
+
 def test_critic_values_and_value_loss_match_stock(env, monkeypatch):
     """verl 0.8.0's value loss is a mean per micro-batch, so its gradient depends on how
-    samples are grouped: the stock reference runs on the schedule's own micro-batches."""
+    samples are grouped: the stock reference runs on the schedule's own micro-batches (0.9.1
+    normalises over the mini-batch; the same reference holds)."""
     impl, _ = env
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import McoreCriticConfig

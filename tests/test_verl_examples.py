@@ -35,7 +35,7 @@ def _instantiate(config_dir, name, overrides):
     """Driver-side validation, then the worker-side actor config and its engine setting."""
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from ps_mcore.integrations.verl080.config import ENGINE_ATTR
+    from ps_mcore.integrations.verl_common.config import ENGINE_ATTR
 
     cfg = compose(config_dir, name, overrides)
     validate_config(cfg, use_reference_policy=True, use_critic=False)
@@ -44,7 +44,7 @@ def _instantiate(config_dir, name, overrides):
 
 
 def test_megatron_script_config_composes_and_instantiates(installed_patchsets):
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 
     config_dir, name, overrides = _script_overrides("megatron", NGPUS="8", TP="2")
     assert name == "prefix_sharing_megatron"
@@ -56,7 +56,7 @@ def test_megatron_script_config_composes_and_instantiates(installed_patchsets):
 
 
 def test_fsdp_script_config_composes_and_instantiates(installed_patchsets):
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 
     config_dir, name, overrides = _script_overrides("fsdp", NGPUS="4")
     assert name == "prefix_sharing_fsdp"
@@ -81,7 +81,7 @@ def test_scripts_share_everything_but_the_engine():
 
 
 def test_prompt_only_mode_from_the_environment(installed_patchsets):
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 
     config_dir, name, overrides = _script_overrides("fsdp", PREFIX_GROUPER_MODE="prompt_only")
     _, setting = _instantiate(config_dir, name, overrides)

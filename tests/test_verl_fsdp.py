@@ -1,4 +1,4 @@
-"""verl 0.8.0 FSDP engines, patched (patchset ``verl080_fsdp``) vs stock, on real transformers
+"""verl's FSDP engines (0.8.0: patchset ``verl080_fsdp``; 0.9.1: ``verl091_fsdp``), patched vs stock, on real transformers
 models (tiny random Qwen2: GQA, qkv bias; fp32, CPU, sdpa as the stock attention).
 
 verl's real ``FSDPEngineWithLMHead`` / ``FSDPEngineWithValueHead`` run their real
@@ -26,18 +26,21 @@ pytest.importorskip("verl")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_warnings")  # each test sees its own one-time warnings
 
-from verl_batches import RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
+from verl_batches import (  # noqa: E402
+    RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, sample_temperatures, step_tokens,
+)
+from verl_helpers import fsdp_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations import patching  # noqa: E402
-from ps_mcore.integrations.verl080.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.integrations.verl080 import fsdp as fsdp_glue  # noqa: E402
-from ps_mcore.integrations.verl080.fsdp import tree_model_inputs  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
+from ps_mcore.integrations.verl_common import fsdp as fsdp_glue  # noqa: E402
+from ps_mcore.integrations.verl_common.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.fsdp import tree_model_inputs  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 from ps_mcore.fsdp_bridge import hf_attention  # noqa: E402
 from ps_mcore.attention import tree_attention  # noqa: E402
 
-PATCHSET = "verl080_fsdp"
+PATCHSET = fsdp_patchset()
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
 # Fixed-size micro-batches of batches already in group order: prefix-aware micro-batching is
 # verl's own there, so fallback runs must be bit-identical to stock over several micro-batches.
@@ -74,11 +77,12 @@ def _setting(mode, **kw):
     return PrefixSharingSetting(True, PrefixGrouperConfig(mode=mode, min_prefix_len=4, min_saved_fraction=0.0, **kw))
 
 
-def make_engine(impl, cls, model, setting):
-    """verl's engine class ``cls`` through its real ``__init__``, around ``model``."""
+def make_engine(impl, cls, model, setting, **engine_options):
+    """verl's engine class ``cls`` through its real ``__init__``, around ``model``
+    (``engine_options``: more ``FSDPEngineConfig`` fields, e.g. the Ulysses SP size)."""
     from verl.workers.config import FSDPEngineConfig
 
-    engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False)
+    engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, **engine_options)
     if setting is not None:
         object.__setattr__(engine_config, ENGINE_ATTR, setting)
     model_config = SimpleNamespace(use_remove_padding=True, lora_rank=0)
@@ -190,8 +194,8 @@ def test_fsdp2_wrapped_model_matches_stock(impl, monkeypatch, cast_inputs):
 
     made, seen = [], []
 
-    def linked_inputs(micro_batch, plan, temperature):
-        inputs, args = tree_model_inputs(micro_batch, plan, temperature)
+    def linked_inputs(micro_batch, plan, *args_, **kwargs):
+        inputs, args = tree_model_inputs(micro_batch, plan, *args_, **kwargs)
         args[fsdp_glue.PLAN_KEY].to("meta")  # host <-> moved copy, as plan.to("cuda") links them
         made.append(args[fsdp_glue.PLAN_KEY])
         return inputs, args
@@ -305,10 +309,17 @@ def _fallback_case(impl, model, data, setting, match, engine_setup=None, cls=Non
     assert len(tree["metrics"][TOKENS_IN]) >= 2 and step_tokens(tree) == (n, n)
 
 
-def test_fallback_per_sample_temperature_warns(impl):
-    data = _batch("grpo", 7, **FIXED_MBS)
-    data["temperature"] = torch.linspace(0.5, 1.0, data.batch_size[0])
-    _fallback_case(impl, make_model(), data, _setting("prompt_only"), "per-sample temperatures")
+@pytest.mark.parametrize("remove_padding", [True, False])
+@pytest.mark.parametrize("workload", ["grpo", "tree"])
+def test_per_sample_temperature_matches_stock(impl, workload, remove_padding):
+    """Per-sample temperatures (verl's ``[B]`` tensor) take the tree path: a shared row is
+    normalised once per distinct temperature among its samples. Log-probs, entropy, the PPO
+    loss and every gradient equal verl's stock per-sample division."""
+    data = _batch(workload, 7, use_remove_padding=remove_padding)
+    data["temperature"] = sample_temperatures(data.batch_size[0], seed=7)
+    tree = _assert_training_matches_stock(impl, make_model(), data, _setting(MODES[workload]), _ppo())
+    n, t = step_tokens(tree)
+    assert t < n  # the tree path ran
 
 
 def _dropout_model(seed: int = 0) -> torch.nn.Module:
@@ -364,22 +375,9 @@ def test_fallback_engine_subclass_overriding_seams(impl):
     _fallback_case(impl, make_model(), data, _setting("arbitrary_prefix"), "Subclass overrides", cls=Subclass)
 
 
-def test_fallback_ulysses_sp_flag_on_engine(impl):
-    """``use_ulysses_sp`` on the engine: verl's stock SP input path (pad and slice for the SP
-    group, gather of the outputs) runs at an SP world of one. A real SP group of 2 needs
-    all-to-all, which gloo (CPU) lacks; the batch-level ``sp_size`` flag is checked in
-    :func:`test_whole_batch_fallback_keeps_verl_micro_batches`."""
-
-    def sp(engine):
-        engine.use_ulysses_sp = True
-
-    data = _batch("stepwise", 9, **FIXED_MBS)
-    _fallback_case(impl, make_model(), data, _setting("arbitrary_prefix"), "Ulysses", engine_setup=sp)
-
-
 def _partitions(impl, engine, data):
     """The FSDP module's ``prepare_micro_batches`` as ``forward_backward_batch`` calls it."""
-    from ps_mcore.integrations.verl080.engine import with_engine_context
+    from ps_mcore.integrations.verl_common.engine import with_engine_context
 
     def forward_backward_batch(_engine):
         return impl.prepare_micro_batches(data=data, dp_group=None, same_micro_num_in_dp=True)[1]
@@ -387,10 +385,13 @@ def _partitions(impl, engine, data):
     return with_engine_context(forward_backward_batch)(engine)
 
 
-@pytest.mark.parametrize("flags", [dict(use_fused_kernels=True), dict(sp_size=2), {}])
+@pytest.mark.parametrize(
+    "flags", [dict(use_fused_kernels=True, use_remove_padding=False), dict(use_fused_kernels=True), {}]
+)
 def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
-    """Fused kernels / SP: every micro-batch runs verl's stock forward, so micro-batching
-    stays verl's (raw-token budget); without them it is the prefix-aware one."""
+    """Fused kernels without remove-padding: every micro-batch runs verl's stock forward, so
+    micro-batching stays verl's (raw-token budget); otherwise (Ulysses SP and fused kernels
+    included) it is the prefix-aware one."""
     rng = np.random.default_rng(10)
     samples = WORKLOADS["grpo"](rng, prompts=3, group=2)
     samples = [samples[i] for i in rng.permutation(len(samples))]
@@ -400,40 +401,110 @@ def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
     stock = _partitions(impl, make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting), data)
     setup.install([PATCHSET])
     patched = _partitions(impl, make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting), data)
-    assert (patched == stock) is bool(flags)
+    whole_batch_stock = flags.get("use_remove_padding") is False
+    assert (patched == stock) is whole_batch_stock
     uids = list(data["uid"])
-    assert bool(flags) or all(len({uids[i] for i in part}) == 1 for part in patched)
+    assert whole_batch_stock or all(len({uids[i] for i in part}) == 1 for part in patched)
 
 
-def test_fallback_fused_kernels_full_step(impl, monkeypatch):
-    """``use_fused_kernels=True`` with verl's real fused forward (torch backend:
-    ``patch_forward_with_backends`` swaps the model class's forward, restored afterwards):
-    every micro-batch runs it (the engine reads ``log_probs`` from its output: a crash without
-    it), one warning, stock numbers bit for bit."""
+@pytest.fixture
+def fused_model(monkeypatch):
+    """``make_model`` with verl's real fused forward (``patch_forward_with_backends`` swaps the
+    model class's ``forward``; restored after the test); ``backend`` "torch" runs on CPU.
+
+    The patchset is uninstalled first: its tree wrapper of the class's fused forward would
+    otherwise be undone by a later test's uninstall, putting verl's fused forward back on the
+    restored class."""
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
 
+    def build(seed=6, backend="torch"):
+        model = make_model(seed=seed)
+        monkeypatch.setattr(type(model), "forward", type(model).forward)
+        patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=backend)
+        return model
+
+    yield build
+    setup.uninstall()  # before monkeypatch restores the class (this fixture tears down first)
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_fused_kernels_match_stock(impl, fused_model, workload):
+    """``use_fused_kernels=True`` (verl's torch kernel, ``FusedLinearForPPO``): the decoder runs
+    the tree, the kernel runs on the distinct (row, next-token) pairs; log-probs, entropy, the
+    PPO loss and every gradient equal verl's fused forward on the unshared batch."""
+    data = _batch(workload, 13, use_fused_kernels=True, temperature=0.8)
+    tree = _assert_training_matches_stock(impl, fused_model(), data, _setting(MODES[workload]), _ppo())
+    n, t = step_tokens(tree)
+    assert t < n  # the tree path ran
+
+
+def test_fused_kernels_run_verl_fused_forward_on_labelled_rows(impl, fused_model, monkeypatch):
+    """The kernel the tree path calls is verl's, on U = T + (extra labels at branch points)
+    rows, each with its own label; without the fused forward the engine would find no
+    ``log_probs`` in the output."""
+    from verl.utils.experimental import torch_functional
+
+    calls = []
+    stock_apply = torch_functional.FusedLinearForPPOFunction.apply
+
+    def recording(hidden, weight, labels, *args):
+        calls.append((hidden.shape[0], labels.clone()))
+        return stock_apply(hidden, weight, labels, *args)
+
+    monkeypatch.setattr(torch_functional.FusedLinearForPPOFunction, "apply", recording)
+    data = _batch("tree", 14, use_fused_kernels=True)
+    setting = _setting("arbitrary_prefix")
+    tree, _ = _run(impl, fused_model(), data, setting, True)
+    from ps_mcore.integrations.verl_common.batch import plan_batch
+    from ps_mcore.logprobs import labelled_rows
+
+    plan = plan_batch(data, setting.config)
+    rows = labelled_rows(plan)
+    assert len(calls) == 1 and calls[0][0] == rows.num_pairs > plan.num_tokens
+    assert torch.equal(calls[0][1], rows.labels)
+    assert step_tokens(tree) == (plan.num_input_tokens, plan.num_tokens)
+
+
+def test_fallback_fused_kernels_without_remove_padding(impl, fused_model):
+    """verl's fused forward without remove-padding returns ``[B, response_length]`` (its own
+    PPO loss cannot read that layout in verl 0.8.0): forward only, stock bit for bit."""
+    model, setting = fused_model(), _setting("prompt_only")
+    data = _batch("grpo", 15, use_fused_kernels=True, use_remove_padding=False, **FIXED_MBS)
+    stock, _ = _run(impl, model, data, setting, False)
+    with pytest.warns(UserWarning, match="use_remove_padding=False"):
+        tree, _ = _run(impl, model, data, setting, True)
+    _bit_identical(stock, tree)
+    n = int(data["input_ids"].offsets()[-1])
+    assert len(tree["metrics"][TOKENS_IN]) >= 2 and step_tokens(tree) == (n, n)
+
+
+def test_fallback_fused_kernels_liger_backend(impl, fused_model):
+    """verl 0.9.1's ``fused_kernels_backend: liger`` (Liger's kernel inside verl's torch-backend
+    forward; verl's torch kernel where Liger is not installed): stock, the backend named."""
+    import inspect
+
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    if "impl_backend" not in inspect.signature(FusedLinearForPPO).parameters:
+        pytest.skip("this verl has no liger fused-kernel backend")
+    data = _batch("grpo", 17, use_fused_kernels=True, **FIXED_MBS)
+    _fallback_case(impl, fused_model(backend="liger"), data, _setting("prompt_only"), "fused_kernels_backend='liger'")
+
+
+def test_fallback_fused_forward_of_another_model(impl, monkeypatch):
+    """A fused forward that is not verl's dense one (the VLM models have their own): stock."""
     model = make_model(seed=6)
-    monkeypatch.setattr(type(model), "forward", type(model).forward)  # restored after the test
-    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
-    data = _batch("grpo", 13, use_fused_kernels=True, **FIXED_MBS)
-    _fallback_case(impl, model, data, _setting("prompt_only"), "use_fused_kernels=True")
 
+    def own_fused_forward(self, *args, **kwargs):
+        return type(self).__mro__[1].forward(self, *args, **kwargs)
 
-def test_fallback_fused_kernels_gives_verl_model_inputs(impl):
-    """The fused forward patches the model class globally, so only the seam is run here."""
-    data = _batch("grpo", 12, use_fused_kernels=True)
-    setting = _setting("prompt_only")
-    setup.uninstall()
-    stock_engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting)
-    stock_inputs, stock_args = stock_engine.prepare_model_inputs(data)
+    monkeypatch.setattr(type(model), "forward", own_fused_forward)
+    data = _batch("grpo", 16, use_fused_kernels=True, **FIXED_MBS)
+    engine = make_engine(impl, impl.FSDPEngineWithLMHead, model, _setting("prompt_only"))
     setup.install([PATCHSET])
-    engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting)
-    with pytest.warns(UserWarning, match="use_fused_kernels=True"):
-        inputs, args = engine.prepare_model_inputs(data)
+    with pytest.warns(UserWarning, match="own fused forward"):
+        inputs, _ = engine.prepare_model_inputs(data)
     assert "shift_labels" in inputs and "tree_call" not in inputs  # verl's fused-kernel inputs
-    assert set(inputs) == set(stock_inputs) and set(args) == set(stock_args)
-    for key in ("input_ids", "position_ids", "shift_labels"):
-        assert torch.equal(inputs[key], stock_inputs[key])
 
 
 def test_fallback_position_ids_not_offsets(impl):

@@ -22,12 +22,16 @@ pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
-from verl_batches import RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell, make_batch, step_tokens, tiny_critic  # noqa: E402
+from verl_batches import (  # noqa: E402
+    RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell,
+    make_batch, sample_temperatures, step_tokens, tiny_critic,
+)
+from verl_helpers import megatron_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations import patching  # noqa: E402
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN  # noqa: E402
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN  # noqa: E402
 
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
 
@@ -62,7 +66,7 @@ def _setting(mode, **kw):
 def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=None, monkeypatch=None):
     """One forward(+backward) through the engine; returns (output, grads)."""
     if patched:
-        setup.install(["verl080_mcore0161_ms0160"])
+        setup.install([megatron_patchset()])
     else:
         setup.uninstall()
     if monkeypatch is not None and env_value is not None:
@@ -179,17 +183,25 @@ def test_fallback_when_savings_too_small(env):
     assert n == t == 30
 
 
-def test_fallback_per_sample_temperature_warns_once(env):
+@pytest.mark.parametrize("workload", ["grpo", "tree"])
+def test_per_sample_temperature_matches_stock(env, workload):
+    """Per-sample temperatures (verl's ``[B]`` tensor) take the tree path: log-probs, entropy,
+    the PPO loss and every gradient equal verl's stock per-sample division."""
     impl, model = env
     rng = np.random.default_rng(7)
-    samples = WORKLOADS["grpo"](rng)
+    samples = WORKLOADS[workload](rng)
     data = make_batch(samples, rng)
-    data["temperature"] = torch.linspace(0.5, 1.0, len(samples))
-    setting = _setting("prompt_only")
+    data["temperature"] = sample_temperatures(len(samples), seed=7)
+    setting = _setting(MODES[workload])
     stock, _ = _run(impl, model, data, setting, False)
-    with pytest.warns(UserWarning, match="per-sample temperatures"):
-        tree, _ = _run(impl, model, data, setting, True)
-    assert torch.equal(stock["model_output"]["entropy"].values(), tree["model_output"]["entropy"].values())
+    tree, _ = _run(impl, model, data, setting, True)
+    assert_outputs(stock, tree)
+    n, t = step_tokens(tree)
+    assert t < n  # the tree path ran
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    tree, g_tree = _run(impl, model, data, setting, True, _ppo())
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    assert_grads(g_stock, g_tree)
 
 
 def test_critic_values_and_value_loss_match_stock(env):
@@ -268,11 +280,11 @@ def _mbridge_engine(impl, monkeypatch, config, **engine_config):
 @pytest.mark.parametrize("enabled", ["1", "0"])
 def test_model_build_gets_tree_specs_through_mbridge(env, monkeypatch, enabled):
     from ps_mcore.layer_specs import TreeCoreAttention
-    from ps_mcore.integrations.verl080.megatron import has_tree_attention
+    from ps_mcore.integrations.verl_common.megatron import has_tree_attention
 
     impl, _ = env
     monkeypatch.setenv("ENABLE_PREFIX_SHARING", enabled)
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     config = tiny_config("qwen2")
     config.apply_rope_fusion = True  # as a TE build would have it (cannot be built so on CPU)
     engine = _mbridge_engine(impl, monkeypatch, config)
@@ -291,7 +303,7 @@ def test_tree_path_serves_padded_bshd_configs(env):
     data = make_batch(WORKLOADS["tree"](rng), rng)
     setting = _setting("arbitrary_prefix")
     stock, g_stock = _run(impl, model, data, setting, False, _ppo())
-    setup.install(["verl080_mcore0161_ms0160"])
+    setup.install([megatron_patchset()])
     engine = engine_shell(impl.MegatronEngineWithLMHead, model, setting, use_remove_padding=False)
     model.zero_grad(set_to_none=True)
     tree = engine.forward_backward_batch(data.clone(), loss_function=_ppo(), forward_only=False)
@@ -340,7 +352,7 @@ def _fallback_case(impl, model, data, match, engine_setup=None):
     Returns the patched inference output."""
 
     def run(patched, loss_fn=None):
-        setup.install(["verl080_mcore0161_ms0160"]) if patched else setup.uninstall()
+        setup.install([megatron_patchset()]) if patched else setup.uninstall()
         engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("prompt_only"))
         if engine_setup is not None:
             engine_setup(engine)
@@ -424,20 +436,73 @@ def _spy(monkeypatch, module, name):
     return calls
 
 
-def test_fallback_fp8(env, monkeypatch, fresh_warnings):
-    """``config.fp8 = "e4m3"``: verl's stock forward pads THD sequences by its fp8 rules
-    (checked: ``preprocess_thd_engine(use_fp8_padding=True)``). The fp8 GEMMs themselves need
-    Transformer Engine on a GPU; the local-spec model here computes in fp32."""
+@pytest.mark.parametrize("fp8", ["e4m3", "hybrid"])
+def test_fp8_config_runs_the_tree_with_rows_padded_for_fp8(env, monkeypatch, fp8):
+    """``config.fp8``: the tree path runs, its packed rows padded to a multiple of 128 (verl's
+    FP8 THD rule: TE's FP8 GEMMs need 16-, 32- or 128-row alignment by recipe), while verl's
+    stock forward pads each sequence by its FP8 rule. The FP8 GEMMs themselves need Transformer
+    Engine on a GPU (tests/test_gpu_fp8.py); the local-spec model here computes in fp32, so
+    outputs, loss and gradients equal stock's."""
     from verl.models.mcore import model_forward
+
+    from ps_mcore.layer_specs import TreePackedSeqParams
 
     impl, _ = env
     cfg = tiny_config("qwen2")
     model = build_gpt(cfg, _tree_spec(cfg))
     randomize_(model, seed=4)
-    model.config.fp8 = "e4m3"
-    calls = _spy(monkeypatch, model_forward, "preprocess_thd_engine")
-    _fallback_case(impl, model, _fallback_batch(20), "fp8")
-    assert calls and all(c["use_fp8_padding"] for c in calls)
+    model.config.fp8 = fp8
+    stock_calls = _spy(monkeypatch, model_forward, "preprocess_thd_engine")
+    rows = []
+    from_plan = TreePackedSeqParams.from_plan.__func__
+
+    def recording(cls, plan, *args, **kwargs):
+        psp = from_plan(cls, plan, *args, **kwargs)
+        rows.append((plan.num_tokens, int(psp.position_ids.numel())))
+        return psp
+
+    monkeypatch.setattr(TreePackedSeqParams, "from_plan", classmethod(recording))
+    rng = np.random.default_rng(20)
+    data = make_batch(WORKLOADS["tree"](rng), rng, temperature=0.8)
+    setting = _setting("arbitrary_prefix")
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    tree, g_tree = _run(impl, model, data, setting, True, _ppo())
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    assert_grads(g_stock, g_tree)
+    assert stock_calls and all(c["use_fp8_padding"] for c in stock_calls)
+    assert rows and all(t_pad % 128 == 0 and t_pad - t < 128 for t, t_pad in rows)
+    n, t = step_tokens(tree)
+    assert t < n
+
+
+def test_fp8_refusals_and_row_multiple(env):
+    from types import SimpleNamespace as NS
+
+    from ps_mcore.layer_specs.fp8 import fp8_tree_refusal, tree_row_multiple
+
+    assert tree_row_multiple(NS(fp8=None), tp=2) == 2 and tree_row_multiple(NS(fp8="e4m3"), tp=2) == 256
+    assert tree_row_multiple(NS(fp8="hybrid"), tp=2, cp=2) == 8 * 128
+    assert fp8_tree_refusal(NS(fp8=None, fp8_dot_product_attention=True)) is None
+    assert "fp8_dot_product_attention" in fp8_tree_refusal(NS(fp8="e4m3", fp8_dot_product_attention=True))
+    assert "MoE" in fp8_tree_refusal(NS(fp8="e4m3", num_moe_experts=4))
+    assert fp8_tree_refusal(NS(fp8="e4m3")) is None
+
+
+@pytest.mark.parametrize("lengths", [[5, 17, 33], [128], [1, 1, 1, 200]])
+def test_fp8_thd_layout_is_verls(env, lengths):
+    """``fp8_thd_layout`` (the stock FP8 baseline of tests/test_gpu_fp8.py and the model
+    benchmark) pads like verl's own ``preprocess_thd_engine(use_fp8_padding=True)``."""
+    from verl.models.mcore.model_forward import preprocess_thd_engine
+
+    from ps_mcore.layer_specs.fp8 import fp8_thd_layout
+
+    ids = torch.nested.as_nested_tensor([torch.arange(1, n + 1) for n in lengths], layout=torch.jagged)
+    packed, verl_params, _ = preprocess_thd_engine(ids, pre_process=True, use_fp8_padding=True)
+    params, rows = fp8_thd_layout(lengths)
+    assert torch.equal(params.cu_seqlens_q_padded.cpu(), verl_params.cu_seqlens_q_padded.cpu())
+    assert torch.equal(params.cu_seqlens_q.cpu(), verl_params.cu_seqlens_q.cpu())
+    assert params.max_seqlen_q == verl_params.max_seqlen_q
+    assert torch.equal(packed.reshape(-1)[rows], ids.values())  # verl puts the tokens where we read them
 
 
 def _moe_model(seed=0, **options):
@@ -465,31 +530,134 @@ def test_fallback_moe_token_dropping(env, fresh_warnings):
     (dict(), None),  # exact MoE options: the tree path runs it
 ])
 def test_moe_fallback_decision(env, options, word):
-    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal
+    from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal
 
     reason = megatron_batch_refusal(_moe_model(**options), {}, None)
     assert reason is None if word is None else word in reason, reason
 
 
-def test_fallback_multi_token_prediction(env, fresh_warnings):
-    """A real megatron-core MTP block (1 layer) with verl's MTP ``_postprocess`` patch, and
-    the engine's ``model_config.mtp`` enabled for training: verl's stock forward passes labels
-    and loss masks to the model, which adds the MTP loss (its metric shows up)."""
+def _mtp_model(depths: int, detach: bool, seed: int = 5, **config):
+    """A real megatron-core MTP block (``depths`` layers, tree specs like the decoder's) with
+    verl's MTP patches, as ``MegatronEngine`` applies them (``patch_engine_mtp``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from verl.models.mcore.mtp_patch import patch_postprocess
+    from verl.models.mcore.mtp_patch import patch_mtp_layer_get_embeddings, patch_postprocess
 
-    impl, _ = env
-    cfg = tiny_config("qwen2", mtp_num_layers=1)
+    cfg = tiny_config("qwen2", mtp_num_layers=depths, **config)
     spec = _tree_spec(cfg)
     model = build_gpt(cfg, spec, mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
-    randomize_(model, seed=5)
-    patch_postprocess(model)  # what MegatronEngine._build_megatron_module does with MTP on
+    randomize_(model, seed=seed)
+    patch_postprocess(model)
+    if detach:
+        patch_mtp_layer_get_embeddings(model)
+    return model
 
-    def mtp(engine):
-        engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True)
 
-    tree = _fallback_case(impl, model, _fallback_batch(21), "multi-token prediction (MTP)", mtp)
-    assert any(key.startswith("mtp_losses/") for key in tree["metrics"])
+def _mtp_engine(engine, detach: bool = False):
+    engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True, detach_encoder=detach)
+
+
+def _tree_mtp():
+    """Skip where megatron-core's own MTP loss (``process_mtp_loss``) refuses the tree MTP path
+    (:func:`test_multi_token_prediction_process_mtp_loss_falls_back` covers that stack)."""
+    from ps_mcore.integrations.verl_common.mtp import mtp_loss_api_refusal
+
+    reason = mtp_loss_api_refusal()
+    if reason is not None:
+        pytest.skip(f"MTP on the tree is refused here: {reason}")
+
+
+def _mtp_run(impl, model, data, patched, detach, loss_fn=None, **setting):
+    setup.install([megatron_patchset()]) if patched else setup.uninstall()
+    engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("arbitrary_prefix", **setting))
+    _mtp_engine(engine, detach)
+    model.zero_grad(set_to_none=True)
+    out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+    return out, {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("depths, detach", [(1, False), (2, False), (2, True)], ids=["d1", "d2", "d2-detach"])
+def test_multi_token_prediction_matches_stock(env, fresh_warnings, depths, detach):
+    """MTP training on the tree: each depth's rows follow every sample's own path (a shared
+    row predicts once per distinct continuation, weighted by the samples behind it). Against
+    verl's stock MTP (megatron's block, rolled ids / labels / mask per sequence) on the
+    unshared batch: log-probs, entropy, the PPO loss, every gradient (MTP layers, embedding
+    and decoder, which the MTP loss reaches unless ``detach_encoder``) and the logged MTP
+    losses. Branching tree, GRPO groups and step-wise samples, several micro-batches."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    _tree_mtp()
+    impl, _ = env
+    MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depth count
+    model = _mtp_model(depths, detach)
+    rng = np.random.default_rng(30 + depths)
+    samples = WORKLOADS["tree"](rng) + WORKLOADS["grpo"](rng, prompts=1) + WORKLOADS["stepwise"](rng, steps=3)
+    # fixed micro-batches of whole groups (the same in both runs: the logged MTP loss is a mean
+    # of per-micro-batch means)
+    data = make_batch(samples, rng, temperature=0.9, use_dynamic_bsz=False, micro_batch_size_per_gpu=6)
+    stock, _ = _mtp_run(impl, model, data, False, detach)
+    tree, _ = _mtp_run(impl, model, data, True, detach)
+    assert_outputs(stock, tree)
+    n, t = step_tokens(tree)
+    assert t < n and len(tree["metrics"][TOKENS_IN]) >= 2  # the tree path ran, several micro-batches
+    stock_t, g_stock = _mtp_run(impl, model, data, False, detach, _ppo())
+    tree_t, g_tree = _mtp_run(impl, model, data, True, detach, _ppo())
+    np.testing.assert_allclose(tree_t["loss"], stock_t["loss"], rtol=RTOL)  # per micro-batch
+    mtp_keys = sorted(k for k in stock_t["metrics"] if k.startswith("mtp_losses/"))
+    assert len(mtp_keys) == depths and mtp_keys == sorted(k for k in tree_t["metrics"] if k.startswith("mtp_losses/"))
+    for key in mtp_keys:
+        np.testing.assert_allclose(np.sum(tree_t["metrics"][key]), np.sum(stock_t["metrics"][key]), rtol=RTOL)
+    assert g_stock.keys() == g_tree.keys()
+    assert_grads([g_stock[k] for k in g_stock], [g_tree[k] for k in g_stock])
+    # the MTP loss really reached the MTP layers (and, without detach, the decoder's embedding)
+    assert all(float(g.abs().max()) > 0 for k, g in g_tree.items() if k.startswith("mtp."))
+
+
+def test_multi_token_prediction_with_shared_dropout(env, recwarn):
+    """prefix_grouper.shared_dropout=true with hidden dropout in training: the MTP layers' own
+    tree batches (one per depth) carry the opt-in too, so the step runs on the tree, the MTP
+    loss reaching the MTP layers, reproducible under a seed."""
+    _tree_mtp()
+    impl, _ = env
+    model = _mtp_model(1, False, hidden_dropout=0.1).train()
+    rng = np.random.default_rng(33)
+    data = make_batch(WORKLOADS["tree"](rng), rng, temperature=0.9)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(_mtp_run(impl, model, data, True, False, _ppo(), shared_dropout=True))
+    assert not [w for w in recwarn if "stock forward" in str(w.message)]
+    (first, g_first), (again, g_again) = runs
+    n, t = step_tokens(first)
+    assert t < n
+    np.testing.assert_array_equal(first["loss"], again["loss"])
+    assert all(torch.equal(g_first[k], g_again[k]) for k in g_first if g_first[k] is not None)
+    assert all(float(g.abs().max()) > 0 for k, g in g_first.items() if k.startswith("mtp."))
+
+
+def test_multi_token_prediction_process_mtp_loss_falls_back(env, fresh_warnings):
+    """megatron-core 0.19's ``process_mtp_loss`` (which verl's MTP postprocess calls there):
+    every micro-batch takes verl's stock MTP forward, one warning names it, stock bit for bit."""
+    from megatron.core.transformer import multi_token_prediction
+
+    if not hasattr(multi_token_prediction, "process_mtp_loss"):
+        pytest.skip("this megatron-core has no process_mtp_loss: MTP runs on the tree")
+    impl, _ = env
+    multi_token_prediction.MTPLossLoggingHelper.tracker.clear()
+    _fallback_case(impl, _mtp_model(1, False), _fallback_batch(34), "process_mtp_loss", _mtp_engine)
+
+
+def test_multi_token_prediction_layout_refusal_names_it(env):
+    from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal
+
+    _tree_mtp()
+    model = _mtp_model(1, False)
+    model.config.num_moe_experts = 4  # only the decision is checked: the model is not run
+    try:
+        reason = megatron_batch_refusal(model, {"mtp_enable_train": True}, None)
+    finally:
+        model.config.num_moe_experts = None
+    assert "multi-token prediction (MTP) training" in reason and "MoE" in reason
+    assert megatron_batch_refusal(model, {"mtp_enable_train": True, "logits_processor": None}, None) is None
 
 
 class _VisionLanguageStandIn(torch.nn.Module):
@@ -543,7 +711,7 @@ def test_parallel_layout_refusals_name_the_feature(env):
     its micro-batches (``local_cp_size``) take the stock forward, each naming the feature."""
     from types import SimpleNamespace
 
-    from ps_mcore.integrations.verl080.megatron import megatron_batch_refusal, tree_build_refusal
+    from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal, tree_build_refusal
 
     impl, model = env
     engine = SimpleNamespace(engine_config=SimpleNamespace(context_parallel_size=2, dynamic_context_parallel=False))
@@ -555,3 +723,55 @@ def test_parallel_layout_refusals_name_the_feature(env):
     reason = megatron_batch_refusal(model, {"local_cp_size": 2}, batch)
     assert reason is not None and "dynamic context parallelism (local_cp_size)" in reason
     assert megatron_batch_refusal(model, {"logits_processor": None}, batch) is None
+
+
+# ----------------------------------------------------------------------------- attention variants
+
+
+def test_windows_and_sinks_model_matches_stock(env, fresh_warnings):
+    """A model with megatron's sliding windows (every other layer) and learnable sinks
+    (``softmax_type="learnable"``): verl's engine with prefix sharing equals its stock forward
+    (log-probs, entropy, PPO loss and every gradient, the sink logits' included)."""
+    impl, _ = env
+    cfg = tiny_config("qwen2-swa-sinks")
+    model = build_gpt(cfg, _tree_spec(cfg))
+    randomize_(model, seed=12)
+    assert [layer.self_attention.core_attention.window for layer in model.decoder.layers] == [3, None]
+    rng = np.random.default_rng(13)
+    data = make_batch(WORKLOADS["tree"](rng), rng)
+    setting = _setting("arbitrary_prefix")
+    stock, g_stock = _run(impl, model, data, setting, False, _ppo())
+    tree, g_tree = _run(impl, model, data, setting, True, _ppo())
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    assert_grads(g_stock, g_tree)
+    sinks = [i for i, (n, _) in enumerate(model.named_parameters()) if n.endswith("softmax_offset")]
+    assert sinks and all(float(g_stock[i].abs().min()) > 0 for i in sinks)
+    stock_i, _ = _run(impl, model, data, setting, False)
+    tree_i, _ = _run(impl, model, data, setting, True)
+    assert_outputs(stock_i, tree_i)
+    n, t = step_tokens(tree_i)
+    assert t < n
+
+
+@pytest.mark.parametrize("window_size, tree", [((2, 0), True), ((2, 1), False)])
+def test_model_build_with_windows_and_sinks(env, monkeypatch, fresh_warnings, window_size, tree):
+    """The mbridge build of a windowed, sink-softmax model gets tree specs; a window with a
+    right side (no tree form) builds stock specs with one warning naming it."""
+    from ps_mcore.integrations.verl_common.megatron import has_tree_attention
+
+    impl, _ = env
+    setup.install([megatron_patchset()])
+    config = tiny_config("qwen2-swa-sinks")
+    object.__setattr__(config, "window_size", window_size)
+    engine = _mbridge_engine(impl, monkeypatch, config)
+    if tree:
+        module = engine._build_megatron_module()
+    else:
+        with pytest.warns(UserWarning, match=r"stock specs: window_size=\(2, 1\): a right window"):
+            module = engine._build_megatron_module()
+    assert has_tree_attention(module[0]) is tree
+    if not tree:  # Megatron-Bridge: verl's tf_config is None until the model exists; the provider is the config
+        from ps_mcore.integrations.verl_common.megatron import tree_build_refusal
+
+        bridge_engine = SimpleNamespace(engine_config=engine.engine_config, tf_config=None, provider=config)
+        assert "window_size=(2, 1)" in tree_build_refusal(bridge_engine)

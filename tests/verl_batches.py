@@ -14,6 +14,54 @@ import torch
 VOCAB = 128
 
 
+def use_cpu_platform() -> None:
+    """Test-only: verl 0.9.1 knows CUDA, NPU and ROCm platforms and, with none available, falls
+    back to CUDA (its engines then move batches to ``cuda``); on the CPU the tests set a CPU
+    platform. verl 0.8.0 falls back to the CPU by itself."""
+    try:
+        from verl.plugin.platform import platform_manager
+        from verl.plugin.platform.platform_cuda import PlatformCUDA
+    except ImportError:
+        return
+    if torch.cuda.is_available() or getattr(platform_manager._current_platform, "device_name", None) == "cpu":
+        return
+
+    class CPUPlatform(PlatformCUDA):
+        device_name = property(lambda self: "cpu")
+        device_module = property(lambda self: torch.cpu)
+
+        def is_available(self):
+            return True
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, device_index):
+            pass
+
+        def synchronize(self, device_index=None):
+            pass
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        manual_seed_all = manual_seed
+
+        def empty_cache(self):
+            pass
+
+        def communication_backend_name(self):
+            return "gloo"
+
+    platform_manager.set_platform(CPUPlatform())
+
+
+use_cpu_platform()
+
+
 def _tokens(rng, n):
     return rng.integers(1, VOCAB, size=n).tolist()
 
@@ -93,9 +141,33 @@ def make_batch(samples, rng, temperature=1.0, **non_tensor):
         max_token_len_per_gpu=4096,
         micro_batch_size_per_gpu=b,
         global_batch_size=b,
+        return_model_output=True,  # verl 0.9.1's FSDP engine drops training outputs without it
     )
     meta.update(non_tensor)
     return tu.get_tensordict(tensor_dict=tensors, non_tensor_dict=meta)
+
+
+def sample_temperatures(num_samples: int, seed: int) -> torch.Tensor:
+    """``[B]`` float32 per-sample temperatures drawn from (0.6, 1.0, 1.4), so shared prefixes
+    are held by samples at several temperatures (and a few at the same one)."""
+    rng = np.random.default_rng(seed)
+    return torch.tensor(rng.choice([0.6, 1.0, 1.4], size=num_samples), dtype=torch.float32)
+
+
+def tree_setting(min_prefix_len: int = 3):
+    """Prefix sharing on (``arbitrary_prefix``, every plan taken: no savings threshold)."""
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
+
+    config = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=min_prefix_len, min_saved_fraction=0.0)
+    return PrefixSharingSetting(True, config)
+
+
+def with_value_targets(data, seed: int):
+    """``data`` with random critic targets (``values``, ``returns``) on its response tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+    return data
 
 
 def engine_shell(cls, model, setting=None, use_remove_padding=True):
@@ -104,7 +176,7 @@ def engine_shell(cls, model, setting=None, use_remove_padding=True):
     ``forward_backward_batch`` / ``forward_step`` read."""
     from verl.workers.config import McoreEngineConfig
 
-    from ps_mcore.integrations.verl080.config import ENGINE_ATTR
+    from ps_mcore.integrations.verl_common.config import ENGINE_ATTR
 
     engine = object.__new__(cls)
     engine_config = McoreEngineConfig(use_remove_padding=use_remove_padding)
@@ -119,6 +191,10 @@ def engine_shell(cls, model, setting=None, use_remove_padding=True):
     engine.tf_config = model.config
     engine.module = [model]
     engine.mini_layer_topk_idx_list = []
+    # verl 0.9.1 reads these too (unused attributes on 0.8.0)
+    engine.enable_routing_replay = False
+    engine.optimizer_config = {}
+    engine.is_value_model = cls.__name__.endswith("ValueHead")
     return engine
 
 
@@ -179,7 +255,7 @@ def assert_grads(g_stock, g_tree):
 
 def step_tokens(out):
     """(tokens in, tokens packed) summed over a step's prefix-sharing metrics."""
-    from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
+    from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
 
     return sum(out["metrics"][TOKENS_IN]), sum(out["metrics"][TOKENS_PACKED])
 

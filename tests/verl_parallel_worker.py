@@ -6,11 +6,17 @@ tiny tree-spec GPTModels, on gloo (CPU) or NCCL (one GPU per rank).
 Layouts: CP=2, CP=4, TP=2 + SP, PP=2 x VPP=2 (megatron's interleaved 1F1B), CP=2 x TP=2 + SP.
 The stock run is verl's stock forward on the unshared batch (under CP the tree-spec model runs
 verl's per-sequence CP chunks); the patched run shares prefixes. Per rank: log-probs, entropy,
-the PPO loss and every local gradient of an actor; values, the value loss and every gradient
+the PPO loss and every local gradient of an actor (per-sample temperatures under CP); values, the value loss and every gradient
 of a critic; and ``ENABLE_PREFIX_SHARING=0`` against stock, bit for bit.
 
-Usage: ``torchrun --standalone --nproc_per_node N verl_parallel_worker.py LAYOUT OUT [cpu|cuda]``;
-rank 0 writes every rank's JSON report to OUT.
+Builders: ``direct`` (megatron's GPTModel with the local tree spec, random weights) or, with
+verl 0.9.1 and Megatron-Bridge, ``bridge``: verl's own engine build (``_build_tf_config`` +
+``_build_megatron_module``: ``AutoBridge`` on the HF checkpoints the test wrote, the provider's
+TE spec converted by the patchset, Bridge loading the weights; TE shimmed for the CPU,
+tests/te_cpu_shims.py).
+
+Usage: ``torchrun --standalone --nproc_per_node N verl_parallel_worker.py LAYOUT OUT [cpu|cuda]
+[bridge ACTOR_HF CRITIC_HF]``; rank 0 writes every rank's JSON report to OUT.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ LAYOUTS = {
     "cp2tp2sp": dict(tp=2, cp=2, pp=1, vpp=None, sp=True),
 }
 DEVICE = torch.device("cpu")
+BRIDGE_CHECKPOINTS: dict[str, str] = {}  # kind -> HF checkpoint path when models come from Megatron-Bridge
 
 
 def world_size(layout: str) -> int:
@@ -79,9 +86,36 @@ class ValueHead(torch.nn.Module):
         return self.linear(x), None
 
 
+def bridge_chunks(layout: str, kind: str, value_head: bool) -> list:
+    """This rank's model chunks built by verl 0.9.1's Megatron engine through Megatron-Bridge
+    with the patchset installed (tree layers, HF weights); a value model's head (verl's
+    ``LinearForLastLayer``, not in the checkpoint) is re-initialised alike on every rank."""
+    from bridge_helpers import bridge_engine
+    from verl.workers.engine.megatron import transformer_impl as impl
+    from verl_helpers import megatron_patchset
+
+    from ps_mcore import setup
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
+
+    lay = LAYOUTS[layout]
+    setup.install([megatron_patchset()])
+    cls = impl.MegatronEngineWithValueHead if value_head else impl.MegatronEngineWithLMHead
+    engine = bridge_engine(
+        cls, BRIDGE_CHECKPOINTS[kind], PrefixSharingSetting(True, PrefixGrouperConfig()), value=value_head,
+        tensor_model_parallel_size=lay["tp"], context_parallel_size=lay["cp"],
+        pipeline_model_parallel_size=lay["pp"], virtual_pipeline_model_parallel_size=lay["vpp"],
+        sequence_parallel=lay["sp"])
+    for chunk in engine.module:
+        if value_head and chunk.post_process:
+            torch.nn.init.normal_(chunk.output_layer.weight, std=0.3, generator=torch.Generator().manual_seed(0))
+    return [chunk.to(DEVICE) for chunk in engine.module]
+
+
 def build_chunks(layout: str, kind: str, seed: int, value_head: bool = False) -> list:
     """This rank's model chunks (one per virtual stage) with tree specs, randomized alike on
-    every rank of the same shard."""
+    every rank of the same shard (or from Megatron-Bridge: :func:`bridge_chunks`)."""
+    if BRIDGE_CHECKPOINTS:
+        return bridge_chunks(layout, kind, value_head)
     from megatron.core import parallel_state as ps
 
     from megatron_shims import build_gpt, layer_spec_args, randomize_, sp_block_spec, tiny_config
@@ -134,11 +168,12 @@ def make_data(layout: str, seed: int, **meta):
 def run_engine(cls, chunks, data, setting, loss_fn, patched, env_value=None):
     """One ``forward_backward_batch``; returns (output, this rank's grads)."""
     from verl_batches import engine_shell
+    from verl_helpers import megatron_patchset
 
     from ps_mcore import setup
 
     if patched:
-        setup.install(["verl080_mcore0161_ms0160"])
+        setup.install([megatron_patchset()])
     else:
         setup.uninstall()
     previous = os.environ.get("ENABLE_PREFIX_SHARING")
@@ -195,15 +230,17 @@ def actor_report(layout: str) -> dict:
     from verl.workers.config import McoreActorConfig
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.losses import ppo_loss
-    from verl_batches import seq_last_mask
+    from verl_batches import seq_last_mask, tree_setting
 
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting
-    from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
+    from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
 
     chunks = build_chunks(layout, "qwen2", seed=11)
     data = make_data(layout, 5)
-    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3,
-                                                             min_saved_fraction=0.0))
+    if LAYOUTS[layout]["cp"] > 1:  # per-sample temperatures: each CP rank's tokens read their own
+        from verl_batches import sample_temperatures
+
+        data["temperature"] = sample_temperatures(data.batch_size[0], seed=5)
+    setting = tree_setting()
     loss_fn = partial(ppo_loss, config=McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2,
                                                         entropy_coeff=0.01))
     cls = impl.MegatronEngineWithLMHead
@@ -241,17 +278,13 @@ def critic_report(layout: str) -> dict:
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.losses import value_loss
 
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting
+    from verl_batches import tree_setting, with_value_targets
 
     chunks = build_chunks(layout, "qwen3", seed=3, value_head=True)
     # value_loss is a per-micro-batch mean: the same fixed micro-batches in both runs (12
     # samples in unit order, so the prefix-aware split is verl's)
-    data = make_data(layout, 8, use_dynamic_bsz=False, micro_batch_size_per_gpu=3)
-    gen = torch.Generator().manual_seed(8)
-    data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
-    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3,
-                                                             min_saved_fraction=0.0))
+    data = with_value_targets(make_data(layout, 8, use_dynamic_bsz=False, micro_batch_size_per_gpu=3), seed=8)
+    setting = tree_setting()
     loss_fn = partial(value_loss, config=McoreCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
     cls = impl.MegatronEngineWithValueHead
     stock_i, _ = run_engine(cls, chunks, data, setting, None, patched=False)
@@ -271,9 +304,9 @@ def plan_mismatch_report(layout: str) -> dict:
     """A rank whose micro-batch differs: the plan check raises before the schedule."""
     from megatron.core import parallel_state as ps
 
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
-    from ps_mcore.integrations.verl080.engine import EngineStep
-    from ps_mcore.integrations.verl080.megatron import check_same_plans
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
+    from ps_mcore.integrations.verl_common.engine import EngineStep
+    from ps_mcore.integrations.verl_common.megatron import check_same_plans
 
     if not (ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1
             or ps.get_context_parallel_world_size() > 1):
@@ -291,10 +324,16 @@ def plan_mismatch_report(layout: str) -> dict:
     return {"plan_mismatch": message}
 
 
-def main(layout: str, out_path: str, device: str = "cpu") -> None:
+def main(layout: str, out_path: str, device: str = "cpu", builder: str = "direct", actor_hf: str = "",
+         critic_hf: str = "") -> None:
     from megatron_shims import write_reports
 
     init(layout, device)
+    if builder == "bridge":
+        from bridge_helpers import prepare_cpu_bridge
+
+        prepare_cpu_bridge()
+        BRIDGE_CHECKPOINTS.update(qwen2=actor_hf, qwen3=critic_hf)
     import verl.workers.engine.megatron.transformer_impl as impl
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -311,4 +350,4 @@ def main(layout: str, out_path: str, device: str = "cpu") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:7])

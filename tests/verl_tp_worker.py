@@ -27,7 +27,7 @@ def main(out_path: str) -> None:
 
     from ps_mcore import setup
     from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
-    from ps_mcore.integrations.verl080.config import PrefixGrouperConfig, PrefixSharingSetting
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
 
     impl.get_forward_backward_func = cpu_forward_backward_func
     cfg = tiny_config("qwen2", tensor_model_parallel_size=2)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ps_mcore.analyze.read import Rollouts
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
-from ps_mcore.integrations.verl080.microbatch import split_unit_tokens
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.microbatch import split_unit_tokens
 from ps_mcore.minibatch import schedule_tree
 from ps_mcore.planner import plan_prefix_tree
 from ps_mcore.table import format_table

@@ -17,7 +17,7 @@ import numpy as np
 from ps_mcore.analyze.progress import QUIET, Progress
 from ps_mcore.analyze.read import Rollouts
 from ps_mcore.analyze.sweep import ModeTries
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.planner import TreePlan, plan_prefix_tree
 from ps_mcore.table import format_table
 

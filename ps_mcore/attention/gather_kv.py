@@ -262,11 +262,11 @@ def gather_context(plan, window: int | None, device: torch.device) -> GatherCont
     """The plan's gather-KV key side on ``device``; with a sliding ``window`` W each node's
     context is cut to the rows its queries' windows reach: the last W - 1 rows before the
     node on its path, then its own rows (built once per plan, window and device on the plan's
-    host copy). Plan-like layouts that are not :class:`TreePlan` (context parallelism) take
-    no window."""
+    host copy). Plan-like layouts that are not :class:`TreePlan` (a context-parallel
+    :class:`~ps_mcore.layer_specs.parallel.cp_layout.CPLayout`) keep their contexts whole: each
+    is its segment's root path up to the segment's last query, in depth order, so the kernel's
+    bottom-right window is exact without the cut."""
     if not isinstance(plan, TreePlan):
-        if window is not None:
-            raise NotImplementedError("a sliding window needs a TreePlan (context-parallel layouts take none)")
         kv_index = None if plan.is_trivial else plan.kv_index
         return GatherContext(kv_index, plan.cu_seqlens_kv, plan.max_seqlen_kv)
     if plan.is_trivial:  # without sharing every node's context is itself: skip the gather

@@ -25,6 +25,7 @@ import torch
 
 from ps_mcore.attention import tree_attention
 from ps_mcore.attention.context import context_attention
+from ps_mcore.fsdp_bridge.sequence_parallel import SequenceParallelPlan
 from ps_mcore.fsdp_bridge.unwrap import unwrap_model
 from ps_mcore.minibatch import ContextPlan
 from ps_mcore.planner import TreePlan
@@ -73,9 +74,10 @@ def base_implementation(config: Any) -> str:
 class TreeCall:
     """One tree forward's call data, handed to the model as the kwarg ``tree_call=`` and read
     by :func:`prefix_tree_attention` in every layer: ``plan`` (a :class:`TreePlan` on the
-    model's device, or one call of a cross-micro-batch schedule, a
-    :class:`~ps_mcore.minibatch.ContextPlan` with its runtime) and ``backend`` (a
-    :func:`tree_attention` backend).
+    model's device, one call of a cross-micro-batch schedule, a
+    :class:`~ps_mcore.minibatch.ContextPlan` with its runtime, or a Ulysses rank's share of a
+    plan, a :class:`~ps_mcore.fsdp_bridge.sequence_parallel.SequenceParallelPlan`) and
+    ``backend`` (a :func:`tree_attention` backend).
 
     Deliberately neither a dataclass nor a tensor or container: wrappers that walk a forward's
     kwargs pass it through as it is, the same object to every layer. FSDP2 with
@@ -88,16 +90,19 @@ class TreeCall:
 
     __slots__ = ("plan", "backend")
 
-    def __init__(self, plan: TreePlan | ContextPlan, backend: str = "auto"):
-        if not isinstance(plan, (TreePlan, ContextPlan)):
-            raise TypeError(f"TreeCall needs a TreePlan or a ContextPlan, got {type(plan).__name__}")
+    def __init__(self, plan: TreePlan | ContextPlan | SequenceParallelPlan, backend: str = "auto"):
+        if not isinstance(plan, (TreePlan, ContextPlan, SequenceParallelPlan)):
+            raise TypeError(
+                f"TreeCall needs a TreePlan, a ContextPlan or a SequenceParallelPlan, got {type(plan).__name__}"
+            )
         if not isinstance(backend, str):
             raise TypeError(f"TreeCall backend must be a backend name, got {type(backend).__name__}")
         self.plan = plan
         self.backend = backend
 
     def __repr__(self) -> str:
-        return f"TreeCall(T={self.plan.num_tokens}, N={self.plan.num_input_tokens}, backend={self.backend!r})"
+        plan = self.plan.plan if isinstance(self.plan, SequenceParallelPlan) else self.plan
+        return f"TreeCall(T={plan.num_tokens}, N={plan.num_input_tokens}, backend={self.backend!r})"
 
 
 def _bare_plan_refusal(kwargs: dict) -> str | None:
@@ -259,8 +264,9 @@ def prefix_tree_attention(
         query: ``[1, Hq, T, D]``; key/value ``[1, Hkv, T, D]`` (HF layout, the forest as one row).
         tree_call: the micro-batch's :class:`TreeCall` (plan and backend; the plan may be one
             call of a cross-micro-batch schedule, a :class:`~ps_mcore.minibatch.ContextPlan`:
-            its rows against the kept context K/V, kept per ``module.layer_idx``); None runs
-            the model's stock implementation.
+            its rows against the kept context K/V, kept per ``module.layer_idx``; or a
+            :class:`SequenceParallelPlan`: this Ulysses rank's rows, query ``[1, Hq, c, D]``);
+            None runs the model's stock implementation.
         kwargs: what the layer passes; read on a tree call: ``sliding_window`` (the layer's
             window, None on full layers), ``s_aux`` (GPT-OSS's per-head sink logits),
             ``softcap`` (Gemma 2's logit softcapping).
@@ -285,6 +291,11 @@ def _tree_call(module, query, key, value, attention_mask, scaling, dropout, tree
     if not isinstance(tree_call, TreeCall):
         raise TypeError(f"tree_call must be a TreeCall(plan, backend), got {type(tree_call).__name__}")
     plan = tree_call.plan
+    if isinstance(plan, SequenceParallelPlan):  # this rank's rows: all-to-all around the call
+        return plan.attend(
+            prefix_tree_attention, module, query, key, value, attention_mask,
+            scaling=scaling, dropout=dropout, tree_call=TreeCall(plan.plan, tree_call.backend), **kwargs,
+        )
     _check_tree_call(module, query, key, attention_mask, dropout, plan, kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     variant = dict(window=kwargs.get("sliding_window"), sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"))

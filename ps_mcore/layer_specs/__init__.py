@@ -31,7 +31,13 @@ those specs build, ``parallel/`` context and pipeline parallelism, and ``packed_
 the :class:`TreePackedSeqParams` every layer reads its batch from.
 """
 
-from ps_mcore.layer_specs.conversion.bridge import tree_layer_spec, tree_layer_spec_from
+from ps_mcore.layer_specs.conversion.bridge import (
+    provider_spec_field,
+    tree_hybrid_stack_spec_from,
+    tree_layer_spec,
+    tree_layer_spec_from,
+    tree_provider_spec,
+)
 from ps_mcore.layer_specs.conversion.gpt import (
     get_gpt_decoder_block_tree_spec,
     get_gpt_layer_local_tree_spec,
@@ -63,8 +69,11 @@ __all__ = [
     "get_gpt_layer_with_tree_attention_spec",
     "megatron_dropout_refusal",
     "plan_fingerprint",
+    "provider_spec_field",
     "to_tree_spec",
     "token_logprobs",
+    "tree_hybrid_stack_spec_from",
     "tree_layer_spec",
     "tree_layer_spec_from",
+    "tree_provider_spec",
 ]

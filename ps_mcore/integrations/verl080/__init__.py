@@ -1,20 +1,10 @@
-"""verl 0.8.0 glue (knows verl; installed by ``ps_mcore.setup.patchsets``, imported by tests).
+"""verl 0.8.0: what differs from the shared glue (:mod:`ps_mcore.integrations.verl_common`).
 
-* :mod:`~ps_mcore.integrations.verl080.config`: the ``prefix_grouper`` keys on verl's config
-  dataclasses and the "follow the actor's setting" rule.
-* :mod:`~ps_mcore.integrations.verl080.batch`: verl batches -> sequences, plans, flags.
-* :mod:`~ps_mcore.integrations.verl080.microbatch`: prefix-aware micro-batching.
-* :mod:`~ps_mcore.integrations.verl080.engine`: the engine / micro-batch context shared by
-  both engines, and the tree-or-stock decision.
-* :mod:`~ps_mcore.integrations.verl080.megatron`: tree specs and the tree forward for the
-  Megatron engine.
-* :mod:`~ps_mcore.integrations.verl080.mindspeed`: the ``mindspeed_megatron`` engine building
-  its model with the MindSpeed tree spec.
-* :mod:`~ps_mcore.integrations.verl080.fsdp`: the FSDP engines (through ``fsdp_bridge``).
-* :mod:`~ps_mcore.integrations.verl080.trainer`: DP balancing keeping groups together, step
-  metrics.
-* :mod:`~ps_mcore.integrations.verl080.install`: which verl attributes each patchset wraps.
-* ``configs/``: hydra configs extending verl's trainer configs.
+* :mod:`~ps_mcore.integrations.verl080.install`: which verl 0.8.0 attributes each patchset
+  wraps (trainers ``main_ppo`` / ``main_ppo_sync``, the Megatron, MindSpeed and FSDP engines).
+* :mod:`~ps_mcore.integrations.verl080.mindspeed`: verl 0.8.0's ``mindspeed_megatron`` engine
+  building its model with the MindSpeed tree spec.
+* ``configs/``: hydra configs extending verl 0.8.0's trainer configs.
 """
 
 import os

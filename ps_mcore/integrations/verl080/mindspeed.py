@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 from ps_mcore.integrations.env import module_importable
 from ps_mcore.integrations.patching import Patcher, info_once
-from ps_mcore.integrations.verl080.megatron import ROPE_FUSION_REFUSAL, tree_build, tree_build_refusal
+from ps_mcore.integrations.verl_common.megatron import ROPE_FUSION_REFUSAL, tree_build, tree_build_refusal
 from ps_mcore.mindspeed.state import CONTEXT_PARALLEL_REFUSAL, RESET_ATTENTION_MASK_REFUSAL
 
 ENGINE_MODULE = "verl.workers.engine.mindspeed.transformer_impl"
@@ -47,7 +47,7 @@ def engine_available() -> bool:
 def tree_spec_args(args: Any) -> Iterator[None]:
     """Within the block: ``args.spec`` is the tree spec entry, the previous spec (if any) is
     ``args.tree_base_spec``, ``args.apply_rope_fusion`` is False. Restored exactly after."""
-    from ps_mcore.mindspeed.spec import BASE_SPEC_ARG, SPEC_ENTRY  # after MindSpeed's repatch (see verl080.megatron)
+    from ps_mcore.mindspeed.spec import BASE_SPEC_ARG, SPEC_ENTRY  # after MindSpeed's repatch (see verl_common.megatron)
 
     names = ("spec", BASE_SPEC_ARG, "apply_rope_fusion")
     saved = {name: vars(args).get(name, _MISSING) for name in names}
@@ -79,13 +79,13 @@ def build_refusal(engine: Any, args: Any) -> str | None:
 
 
 def _mindspeed_refusal(engine) -> str | None:
-    from ps_mcore.mindspeed.spec import megatron_args  # after MindSpeed's repatch (see verl080.megatron)
+    from ps_mcore.mindspeed.spec import megatron_args  # after MindSpeed's repatch (see verl_common.megatron)
 
     return build_refusal(engine, megatron_args())
 
 
 def _mindspeed_tree_build(engine, original: Callable):
-    from ps_mcore.mindspeed.spec import megatron_args  # after MindSpeed's repatch (see verl080.megatron)
+    from ps_mcore.mindspeed.spec import megatron_args  # after MindSpeed's repatch (see verl_common.megatron)
 
     info_once("rope-fusion", ROPE_FUSION_REFUSAL)
     with tree_spec_args(megatron_args()):

@@ -1,15 +1,19 @@
-"""Megatron-Bridge: ``transformer_layer_spec`` callables that convert a provider's spec.
+"""Megatron-Bridge: spec callables that convert a provider's spec.
 
 Bridge exposes ``GPTModelProvider.transformer_layer_spec`` (a ModuleSpec, a block spec or a
-callable ``spec(provider)`` / ``spec(provider, vp_stage=...)``). :func:`tree_layer_spec` and
-:func:`tree_layer_spec_from` are such callables; Bridge itself is imported only when a
-provider's class default is needed (it imports transformer_engine at import).
+callable ``spec(provider)`` / ``spec(provider, vp_stage=...)``) and
+``HybridModelProvider.hybrid_stack_spec`` (None for Bridge's default, a ModuleSpec or a
+callable ``spec()`` / ``spec(provider)``). :func:`tree_layer_spec`, :func:`tree_layer_spec_from`
+and :func:`tree_hybrid_stack_spec_from` are such callables; :func:`provider_spec_field` names
+the field a provider builds its model from. Bridge itself is imported only when a provider's
+default spec is needed (it imports transformer_engine at import).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any, Callable
 
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -43,14 +47,38 @@ def _provider_base_spec(provider) -> Callable | Any:
     return base
 
 
-def _tree_spec_of(provider, base, vp_stage):
+# Megatron-Bridge picks a parameter's tensor-parallel layout (column / row / replicated) from
+# its module's class name; tree modules that own parameters take their stock class's layout.
+_BRIDGE_LAYOUTS = {
+    "TreeTopKRouter": "replicated",  # TopKRouter's
+    # (TE)DotProductAttention's: the learnable sink logits (softmax_offset) split over TP by head
+    "TreeCoreAttention": "column",
+    "TreeCoreAttentionTEState": "column",
+}
+
+
+def _register_with_bridge() -> None:
+    """Tell Bridge's weight mappings the tree modules' layouts, when Bridge is loaded (it made
+    the provider that calls our spec); never imports Bridge."""
+    param_mapping = sys.modules.get("megatron.bridge.models.conversion.param_mapping")
+    if param_mapping is not None:
+        for name, layout in _BRIDGE_LAYOUTS.items():
+            param_mapping.AutoMapping.register_module_type(name, layout)
+
+
+def _refuse_local_attention(provider) -> None:
     backend = getattr(provider, "attention_backend", None)
     if getattr(backend, "name", backend) == "local":
         raise ValueError(
             "Megatron-Bridge with attention_backend='local' replaces core attention by "
             "DotProductAttention after building the spec; use attention_backend='auto' (or "
-            "'flash') with tree_layer_spec"
+            "'flash') with tree specs"
         )
+
+
+def _tree_spec_of(provider, base, vp_stage):
+    _refuse_local_attention(provider)
+    _register_with_bridge()
     if base is None:
         base = getattr(provider, "transformer_layer_spec", None)
         if base is None or _is_tree_spec_callable(base):  # already ours: the class's default
@@ -88,3 +116,44 @@ def tree_layer_spec_from(base) -> Callable:
 
     spec._ps_mcore_tree_spec = True
     return spec
+
+
+def tree_hybrid_stack_spec_from(base) -> Callable:
+    """A ``HybridModelProvider.hybrid_stack_spec`` callable converting ``base`` (None: Bridge's
+    default for the provider, a stack ModuleSpec, or a callable taking the provider or nothing)
+    to tree layers (attention, Mamba, GDN, MoE; see :func:`~ps_mcore.layer_specs.to_tree_spec`)."""
+
+    if _is_tree_spec_callable(base):
+        return base
+
+    def spec(provider):
+        _refuse_local_attention(provider)
+        _register_with_bridge()
+        resolved = base
+        if resolved is None:
+            from megatron.bridge.models.hybrid.hybrid_provider import get_default_hybrid_stack_spec
+
+            resolved = get_default_hybrid_stack_spec(provider)
+        elif not isinstance(resolved, ModuleSpec):
+            resolved = resolved(provider) if inspect.signature(resolved).parameters else resolved()
+        return to_tree_spec(resolved, getattr(provider, "tree_attention_backend", None))
+
+    spec._ps_mcore_tree_spec = True
+    return spec
+
+
+def provider_spec_field(provider) -> str:
+    """The provider field its model's layers are built from: ``hybrid_stack_spec`` for Bridge's
+    hybrid providers, ``transformer_layer_spec`` for GPT providers."""
+    fields = getattr(type(provider), "__dataclass_fields__", {})
+    return "hybrid_stack_spec" if "hybrid_stack_spec" in fields else "transformer_layer_spec"
+
+
+def tree_provider_spec(provider) -> Callable:
+    """The tree version of what ``provider`` builds its layers from (for
+    :func:`provider_spec_field`): ``setattr(provider, provider_spec_field(provider),
+    tree_provider_spec(provider))`` before ``provide`` gives the provider's model tree layers,
+    its own spec (instance or class default) converted."""
+    field = provider_spec_field(provider)
+    stock = getattr(provider, field)
+    return tree_hybrid_stack_spec_from(stock) if field == "hybrid_stack_spec" else tree_layer_spec_from(stock)

@@ -10,6 +10,10 @@ One module serves every batch a GPT model sees:
   kernels (a plan without sharing whose nodes are the sequences).
 * no packed params (sbhd): causal SDPA, plus the boolean ``attention_mask`` if one is given.
 
+Every batch kind applies the layer's sliding window and attention sinks as megatron-core's own
+core attention reads them from the config (``window_size``, ``window_attn_skip_freq``,
+``softmax_type``: :func:`layer_window`, :func:`megatron_attention_refusal`).
+
 Under context parallelism (K/V all-gathered over the CP group, local queries against the
 global rows: :mod:`ps_mcore.layer_specs.parallel.context_parallel`) tree batches run in one 2*cp chunk
 layout over all packed rows; ordinary THD batches in Megatron's / verl's per-sequence chunk
@@ -44,6 +48,82 @@ from ps_mcore.minibatch import ContextPlan
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def megatron_attention_refusal(config) -> str | None:
+    """Why the attention options of ``config`` (a ``TransformerConfig``) have no tree form;
+    None when every layer can run on trees.
+
+    Runs: ``window_size=(left, 0)`` with ``window_attn_skip_freq`` (:func:`layer_window`) and
+    ``softmax_type`` ``vanilla`` / ``off-by-one`` / ``learnable``. Refused: a right window
+    (attention to later tokens), FP8 attention, and configs whose windows live in attention
+    masks the layer never sees on a tree (mbridge's Gemma 3)."""
+    softmax = getattr(config, "softmax_type", "vanilla")
+    if softmax not in SOFTMAX_TYPES:
+        return f"softmax_type={softmax!r} (tree attention computes {', '.join(SOFTMAX_TYPES)})"
+    window = getattr(config, "window_size", None)
+    if window is not None:
+        reason = _window_size_refusal(window)
+        if reason is not None:
+            return reason
+    if getattr(config, "fp8_dot_product_attention", False):
+        return (
+            "fp8_dot_product_attention (the tree kernels run in the activation dtype; turn it off "
+            "for tree specs)"
+        )
+    if hasattr(config, "sliding_window_pattern"):
+        return (
+            f"{type(config).__name__}.sliding_window_pattern: this model applies its sliding "
+            "windows through attention masks and a second RoPE table in its own layers "
+            "(mbridge's Gemma 3), which a tree batch does not carry; megatron-core's window_size "
+            "+ window_attn_skip_freq run on trees"
+        )
+    return None
+
+
+def _window_size_refusal(window) -> str | None:
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):
+        return f"window_size={window!r}: expected megatron-core's (left, right) pair of ints"
+    if right != 0:
+        return (
+            f"window_size={tuple(window)}: a right window other than 0 (attention to later "
+            "tokens) is not causal attention; tree attention computes (left, 0) windows"
+        )
+    if left < -1:
+        return f"window_size={tuple(window)}: the left window must be >= 0, or -1 for none"
+    return None
+
+
+def layer_window(config, layer_number: int) -> int | None:
+    """The sliding window W of layer ``layer_number`` (1-based) in tree attention's convention
+    (a token at depth d attends to depths > d - W), or None for full causal attention.
+
+    megatron-core's ``window_size=(left, 0)`` lets query i attend to keys ``i - left .. i``,
+    so ``W = left + 1`` (``left = -1``: no window); which layers have it is megatron-core's own
+    ``is_layer_window_attention(window_size, window_attn_skip_freq, layer_number)`` (an int N:
+    every N-th layer is full attention; a list: 1 marks a windowed layer), the helper its
+    ``DotProductAttention`` and ``TEDotProductAttention`` ask."""
+    window = getattr(config, "window_size", None)
+    if window is None:
+        return None
+    skip = getattr(config, "window_attn_skip_freq", None)
+    try:
+        from megatron.core.transformer.utils import is_layer_window_attention
+    except ImportError:  # an older megatron-core: every layer windowed, as it then did
+        if skip is not None:
+            raise NotImplementedError(
+                "window_attn_skip_freq needs megatron-core's is_layer_window_attention (0.16+)"
+            ) from None
+        windowed = True
+    else:
+        windowed = is_layer_window_attention(window, skip, layer_number)
+    left = int(window[0])
+    return left + 1 if windowed and left >= 0 else None
+
+
 def _check_config(config, attention_type: str, attn_mask_type) -> None:
     if attention_type != "self":
         raise NotImplementedError(f"TreeCoreAttention is self attention only, got {attention_type!r}")
@@ -51,19 +131,20 @@ def _check_config(config, attention_type: str, attn_mask_type) -> None:
         raise NotImplementedError(
             f"TreeCoreAttention computes causal attention; attn_mask_type={attn_mask_type} is not supported"
         )
-    if getattr(config, "softmax_type", "vanilla") != "vanilla":
-        raise NotImplementedError(
-            f"softmax_type={config.softmax_type!r} (attention sinks) is not supported by TreeCoreAttention"
-        )
-    if getattr(config, "fp8_dot_product_attention", False):
-        raise NotImplementedError(
-            "fp8_dot_product_attention is not supported by TreeCoreAttention (it runs the tree "
-            "kernels in the activation dtype); turn it off for tree specs"
-        )
-    if getattr(config, "window_size", None) is not None:
-        raise NotImplementedError(
-            f"sliding-window attention (window_size={config.window_size}) is not supported by TreeCoreAttention"
-        )
+    refusal = megatron_attention_refusal(config)
+    if refusal is not None:
+        raise NotImplementedError(f"TreeCoreAttention cannot run {refusal}")
+
+
+def _tp_group(pgs):
+    """The TP group of ``pg_collection`` (or an older release's ``model_comm_pgs``), else
+    megatron's parallel state's."""
+    group = getattr(pgs, "tp", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    return group
 
 
 def _cp_group(config, pg_collection, kwargs):
@@ -92,6 +173,14 @@ class TreeCoreAttention(MegatronModule):
             input back by it, so the effective scale is unchanged: our kernels use it directly.
         backend: a ``tree_attention`` backend; default ``config.tree_attention_backend`` if
             that attribute is set, else ``"auto"``.
+
+    Variants, as megatron-core's own core attention reads them from the config:
+    ``window_size`` / ``window_attn_skip_freq`` give this layer's sliding window
+    (:func:`layer_window`: ``self.window``, counted along each sample's path on a tree);
+    ``softmax_type="learnable"`` adds the layer's sink logits, the parameter
+    ``softmax_offset`` ``[heads per TP rank]`` (the stock key and shape; its gradient comes from
+    the tree kernels), ``"off-by-one"`` a sink logit of 0. What has no tree form is refused at
+    construction (:func:`megatron_attention_refusal`).
 
     Context parallelism: tree batches (``TreePackedSeqParams.from_plan(..., cp_size=,
     cp_rank=)``) and ordinary THD batches in the per-sequence chunk layout; K/V are all-gathered over the CP group whatever ``cp_comm_type`` says, and
@@ -124,6 +213,9 @@ class TreeCoreAttention(MegatronModule):
             backend = getattr(config, "tree_attention_backend", None) or "auto"
         check_backend_name(backend)
         self.backend = backend
+        self.window = layer_window(config, self.layer_number)
+        self._pgs = pg_collection if pg_collection is not None else kwargs.get("model_comm_pgs")
+        self._init_softmax_offset(config)
         self.cp_group = _cp_group(config, pg_collection, kwargs)
         self.cp_size = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
         if self.cp_size > 1 and backend not in cp_backend_names():
@@ -131,6 +223,53 @@ class TreeCoreAttention(MegatronModule):
                 f"tree attention backend {backend!r} cannot run under context parallelism "
                 f"(cp={self.cp_size}): it needs a gather-KV kernel; use one of {cp_backend_names()}"
             )
+
+    @property
+    def tp_group(self):
+        return _tp_group(self._pgs)
+
+    def _init_softmax_offset(self, config) -> None:
+        """``softmax_offset`` as the stock core attention this module replaces has it: None
+        (vanilla), a zeros tensor (off-by-one, not a parameter) or the learnable parameter."""
+        kind = getattr(config, "softmax_type", "vanilla")
+        if kind == "vanilla":
+            self.softmax_offset = None
+            return
+        heads = config.num_attention_heads // torch.distributed.get_world_size(self.tp_group)
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
+        if kind == "off-by-one":
+            self.softmax_offset = torch.zeros(heads, device=device, dtype=config.params_dtype)
+        else:
+            self.softmax_offset = torch.nn.Parameter(self._new_sink_logits(config, heads, device))
+
+    def _new_sink_logits(self, config, heads: int, device) -> torch.Tensor:
+        """Megatron's local ``DotProductAttention``: ``params_dtype``, its ``init_method``."""
+        sinks = torch.empty(heads, device=device, dtype=config.params_dtype)
+        if config.perform_initialization:
+            config.init_method(sinks)
+        return sinks
+
+    def _variant(self) -> dict:
+        """The ``tree_attention`` variant keywords of this layer (off-by-one: a 0 sink logit)."""
+        kind = getattr(self.config, "softmax_type", "vanilla")
+        sinks = self.softmax_offset if kind == "learnable" else (0.0 if kind == "off-by-one" else None)
+        return dict(window=self.window, sinks=sinks)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """As megatron-core's core attentions: the learnable ``softmax_offset`` split over TP
+        along its head axis, nothing otherwise."""
+        if getattr(self.config, "softmax_type", "vanilla") != "learnable":
+            return {}
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
+        )
 
     def _scale(self, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim) if self.softmax_scale is None else self.softmax_scale
@@ -195,17 +334,20 @@ class TreeCoreAttention(MegatronModule):
                     f"core attention got {rows} rows but this CP rank holds {layout.num_local_rows} "
                     f"of the {layout.num_rows} padded THD rows"
                 )
-            return cp_tree_attention(q, k, v, layout, self.cp_group, self.backend, scale).reshape(rows, -1)
+            return cp_tree_attention(q, k, v, layout, self.cp_group, self.backend, scale,
+                                     **self._variant()).reshape(rows, -1)
         if plan is None:  # ordinary packed batch: one node per sequence, no gather
             plan = plan_for_thd(psp, rows, q.device)
-            return tree_attention(q, k, v, plan, self.backend, scale).reshape(rows, -1)
+            return tree_attention(q, k, v, plan, self.backend, scale, **self._variant()).reshape(rows, -1)
         layout = getattr(psp, "cp_layout", None)
         if layout is not None or self.cp_size > 1:
             return self._thd_cp(q, k, v, layout, scale).reshape(rows, -1)
+        variant = self._variant()
         if isinstance(plan, ContextPlan):  # one call of a cross-micro-batch schedule
-            attend = lambda q, k, v: context_attention(q, k, v, plan, self.layer_number, self.backend, scale)  # noqa: E731
+            attend = lambda q, k, v: context_attention(  # noqa: E731
+                q, k, v, plan, self.layer_number, self.backend, scale, **variant)
         else:
-            attend = lambda q, k, v: tree_attention(q, k, v, plan, self.backend, scale)  # noqa: E731
+            attend = lambda q, k, v: tree_attention(q, k, v, plan, self.backend, scale, **variant)  # noqa: E731
         t = plan.num_tokens
         expected = psp.num_rows if isinstance(psp, TreePackedSeqParams) else t
         if rows != expected:
@@ -225,7 +367,7 @@ class TreeCoreAttention(MegatronModule):
                 f"built for cp={1 if layout is None else layout.cp_size}; use "
                 "TreePackedSeqParams.from_plan(plan, pad_to_multiple_of=2*cp*tp, cp_size=cp, cp_rank=rank)"
             )
-        return cp_tree_attention(q, k, v, layout, self.cp_group, self.backend, scale)
+        return cp_tree_attention(q, k, v, layout, self.cp_group, self.backend, scale, **self._variant())
 
     def _sbhd(self, q, k, v, attention_mask) -> torch.Tensor:
         if q.dim() != 4:
@@ -241,22 +383,52 @@ class TreeCoreAttention(MegatronModule):
         kb = k.permute(1, 2, 0, 3).repeat_interleave(group, 1)
         vb = v.permute(1, 2, 0, 3).repeat_interleave(group, 1)
         scale = self._scale(d)
-        if attention_mask is None:
+        variant = self._variant()
+        allowed = _sbhd_allowed(attention_mask, s, b, variant["window"], q.device)
+        if variant["sinks"] is not None:
+            out = _attention_with_sinks(qb, kb, vb, allowed, scale, variant["sinks"])
+        elif allowed is None:
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
         else:
-            if attention_mask.dtype != torch.bool:
-                raise ValueError(
-                    f"attention_mask must be boolean (True = masked), got {attention_mask.dtype}"
-                )
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            if attention_mask.shape == (b, s):
-                # verl's padded (bshd) path hands TE-style key-padding masks, True = token.
-                # Padding keys are hidden; a padding query still sees the real keys before it.
-                allowed = causal & attention_mask[:, None, None, :]
-            else:
-                allowed = causal & ~attention_mask
             out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # v's head dim (MLA: != d)
+
+
+def _sbhd_allowed(attention_mask, s: int, b: int, window: int | None, device) -> torch.Tensor | None:
+    """``[b or 1, 1, s, s]`` bool, True where query row i may attend to key row j: causal,
+    inside the sliding window (``j > i - W``), and what ``attention_mask`` allows. None: plain
+    causal attention."""
+    if attention_mask is None and window is None:
+        return None
+    i = torch.arange(s, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
+    if attention_mask is None:
+        return allowed[None, None]
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(f"attention_mask must be boolean (True = masked), got {attention_mask.dtype}")
+    if attention_mask.shape == (b, s):
+        # verl's padded (bshd) path hands TE-style key-padding masks, True = token.
+        # Padding keys are hidden; a padding query still sees the real keys before it.
+        return allowed & attention_mask[:, None, None, :]
+    return allowed & ~attention_mask
+
+
+def _attention_with_sinks(q, k, v, allowed, scale: float, sinks) -> torch.Tensor:
+    """Softmax attention ``[b, h, s, d]`` with one sink logit per head in every row's
+    denominator (megatron's ``SoftmaxOne``), computed in fp32 (fp64 for fp64 inputs); a row
+    that may attend to nothing gives 0. ``sinks``: ``[h]`` tensor or a number."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    b, h, s, _ = q.shape
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if allowed is None:
+        allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(acc) if isinstance(sinks, torch.Tensor) else torch.full((h,), float(sinks), dtype=acc, device=q.device)
+    logits = torch.cat([scores, sink.view(1, h, 1, 1).expand(b, h, s, 1)], -1)
+    probs = torch.softmax(logits, -1)[..., :-1]
+    return torch.matmul(probs, v.to(acc)).to(q.dtype)
 
 
 class TreeCoreAttentionTEState(TreeCoreAttention):
@@ -265,7 +437,8 @@ class TreeCoreAttentionTEState(TreeCoreAttention):
 
     TE stores ``core_attention._extra_state`` (its FP8 metadata; an empty uint8 tensor for a
     module that never ran FP8) in ``state_dict``, contributes nothing to megatron's
-    ``sharded_state_dict`` (``TEDotProductAttention``, vanilla softmax) and tolerates the key
+    ``sharded_state_dict`` with vanilla softmax (with ``learnable``: ``softmax_offset``, TE's
+    float32 zeros-initialised parameter, split over TP, and the extra state) and tolerates the key
     missing on load. This module does the same, so a stock TE checkpoint loads strictly into
     the tree model and back. A non-empty state (a checkpoint trained with FP8 attention) is kept
     as it came and saved again unchanged; the tree kernels never read it.
@@ -293,9 +466,9 @@ class TreeCoreAttentionTEState(TreeCoreAttention):
                 "format expected (convert older TE checkpoints with TE first)"
             )
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        """Empty, as ``TEDotProductAttention`` gives for vanilla softmax."""
-        return {}
+    def _new_sink_logits(self, config, heads: int, device) -> torch.Tensor:
+        """TE's ``DotProductAttention``: float32 zeros (whatever ``params_dtype`` says)."""
+        return torch.zeros(heads, device=device, dtype=torch.float32)
 
 
 def _tolerate_missing_te_extra_state(module, incompatible_keys) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from ps_mcore.attention.backends import cp_backend_names, cp_kernel
 from ps_mcore.attention.gather_kv import gather_kv_attention
+from ps_mcore.attention.variants import attention_variant
 from ps_mcore.layer_specs.parallel.cp_collectives import (
     AllGatherKV,
     GatherRows,
@@ -50,12 +51,19 @@ def cp_tree_attention(
     group,
     backend: str,
     softmax_scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Tree attention of this CP rank's rows.
 
     Args:
         q: ``[t, Hq, D]`` local queries (layout order); k/v: ``[t, Hkv, D]`` local keys/values.
         layout: this rank's :class:`CPLayout`; group: the CP process group.
+        window, sinks: the variants of :func:`~ps_mcore.attention.tree_attention`. Every
+            segment's context is its whole root path up to its last query, in depth order, so
+            the kernel's bottom-right window is the window along the sample's path; each rank's
+            sink gradient covers its own rows (summed over CP with the other parameters').
 
     Returns:
         ``[t, Hq, D]``: each local row's tree attention over the global rows (padding rows 0).
@@ -69,9 +77,10 @@ def cp_tree_attention(
     kv = AllGatherKV.apply(torch.cat([k, v], 1), group, layout.cp_size)  # one collective for both
     if layout.query_rows.numel() == 0:  # only padding here: stay in the backward's reduce-scatter
         return q.new_zeros(q.shape) + 0 * kv.sum()
-    kernel = cp_kernel(backend, q)
+    variant = attention_variant(q, window, sinks)
+    kernel = cp_kernel(backend, q, variant=variant)
     queries = q if layout.all_rows_real else q.index_select(0, layout.query_rows)
-    out = gather_kv_attention(queries, kv[:, :hkv], kv[:, hkv:], layout, softmax_scale, kernel)
+    out = gather_kv_attention(queries, kv[:, :hkv], kv[:, hkv:], layout, softmax_scale, kernel, variant)
     if layout.all_rows_real:
         return out
     return q.new_zeros(q.shape).index_copy(0, layout.query_rows, out)

@@ -1,66 +1,29 @@
 """Per-token log-probs under context parallelism: each rank normalises only its own rows.
 
 :func:`ps_mcore.token_logprobs` reads a small protocol (:class:`ps_mcore.logprobs.TokenRows`);
-:class:`LocalTokenRows` is that protocol over one CP rank's rows, so no stand-in plan is built.
+:class:`~ps_mcore.logprobs.LocalTokenRows` is that protocol over one CP rank's rows, so no
+stand-in plan is built.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from ps_mcore.layer_specs.parallel.cp_collectives import SumDisjoint, check_cp_group, cp_group_or_default
 from ps_mcore.layer_specs.parallel.cp_layout import CPLayout
-from ps_mcore.logprobs import token_logprobs
+from ps_mcore.logprobs import LocalTokenRows, token_logprobs, token_temperatures
 from ps_mcore.planner import TreePlan
 
 
-@dataclass(frozen=True)
-class LocalTokenRows:
-    """The original tokens whose packed row is on this CP rank (a :class:`TokenRows`).
-
-    Attributes:
-        num_tokens: t, this rank's rows.
-        unpack_index: ``[n]`` local row of each such token.
-        next_token_ids, next_token_mask: ``[n]`` their next-token labels and validity.
-        max_token_id: the largest token id of the whole plan.
-    """
-
-    num_tokens: int
-    unpack_index: torch.Tensor
-    next_token_ids: torch.Tensor
-    next_token_mask: torch.Tensor
-    max_token_id: int
-
-    @classmethod
-    def of(cls, plan: TreePlan, layout: CPLayout) -> "LocalTokenRows":
-        """Original token ``layout.token_index[i]`` reads local row ``layout.token_rows[i]``."""
-        dev = layout.local_rows.device
-        return cls(
-            num_tokens=layout.num_local_rows,
-            unpack_index=layout.token_rows,
-            next_token_ids=plan.next_token_ids.to(dev).index_select(0, layout.token_index),
-            next_token_mask=plan.next_token_mask.to(dev).index_select(0, layout.token_index),
-            max_token_id=plan.max_token_id,
-        )
-
-    def to(self, device) -> "LocalTokenRows":
-        if self.unpack_index.device == torch.device(device):
-            return self
-        return LocalTokenRows(
-            self.num_tokens,
-            self.unpack_index.to(device),
-            self.next_token_ids.to(device),
-            self.next_token_mask.to(device),
-            self.max_token_id,
-        )
+def local_token_rows(plan: TreePlan, layout: CPLayout) -> LocalTokenRows:
+    """Original token ``layout.token_index[i]`` reads local row ``layout.token_rows[i]``."""
+    return LocalTokenRows.select(plan, layout.token_index, layout.token_rows, layout.num_local_rows)
 
 
 def cp_token_logprobs(
     logits: torch.Tensor,
     packed_seq_params,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     compute_entropy: bool = False,
     tp_group=None,
     cp_group=None,
@@ -70,6 +33,7 @@ def cp_token_logprobs(
     Args:
         logits: ``[t, V_local]`` this rank's LM-head rows (a vocab shard under TP).
         packed_seq_params: the batch's ``TreePackedSeqParams`` (built with ``cp_size``).
+        temperature: one float, or ``[B]`` per sample / ``[N]`` per token of the whole plan.
         tp_group: the vocab-parallel group; cp_group: the CP group (default: Megatron's).
 
     Returns:
@@ -87,7 +51,9 @@ def cp_token_logprobs(
             f"cp_token_logprobs expects logits [{layout.num_local_rows}, V] (this CP rank's "
             f"rows), got {tuple(logits.shape)}"
         )
-    lp, ent = token_logprobs(logits, LocalTokenRows.of(plan, layout), temperature, compute_entropy, tp_group)
+    if isinstance(temperature, torch.Tensor):  # this rank's tokens' temperatures
+        temperature = token_temperatures(plan, temperature)[layout.token_index.cpu()]
+    lp, ent = token_logprobs(logits, local_token_rows(plan, layout), temperature, compute_entropy, tp_group)
 
     def combine(x: torch.Tensor) -> torch.Tensor:
         full = x.new_zeros(plan.num_input_tokens).index_copy(0, layout.token_index, x)

@@ -1,4 +1,4 @@
-"""verl 0.8.0 Megatron engine glue: tree specs at model build, the tree forward per
+"""verl Megatron engine glue (0.8.0 and 0.9.1): tree specs at model build, the tree forward per
 micro-batch, and the fallbacks.
 
 Forward (wraps what ``verl.models.mcore.get_mcore_engine_forward_fn`` returns): for each
@@ -27,10 +27,15 @@ schedule, that every TP / PP / CP rank holds the same plans.
 Per micro-batch it runs verl's own forward instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
-context parallelism (``local_cp_size``), VLM inputs, MTP training, fp8 padding, per-sample
-temperatures, ``calculate_sum_pi_squared``, distillation top-k and active dropout of a
-training model (megatron-core's ``hidden_dropout`` default 0.1, unless
-``prefix_grouper.shared_dropout``; attention dropout always). Fused kernels take
+context parallelism (``local_cp_size``), VLM inputs, MTP training outside what
+:mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
+FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
+:mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k, active
+dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unless
+``prefix_grouper.shared_dropout``; attention dropout always), and in verl 0.9.1 ``pad_to_length``
+buckets, the contiguous CP layout and distillation-only passes. Per-sample temperatures run on
+the tree (a shared row is normalised once per distinct temperature among its samples). Fused
+kernels take
 verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
 
@@ -41,6 +46,7 @@ model: on NPUs its tree modules then subclass the megatron classes MindSpeed's `
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from typing import Any, Callable
@@ -49,15 +55,15 @@ import torch
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl080.batch import (
+from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
+    batch_temperature,
     lm_head_batch_refusal,
     nested_like,
     plan_batch,
-    uniform_temperature,
 )
-from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN, resolve_setting
-from ps_mcore.integrations.verl080.engine import (
+from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN, resolve_setting
+from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
     current_step,
@@ -66,7 +72,8 @@ from ps_mcore.integrations.verl080.engine import (
     prefix_aware,
     run_step_with_context,
 )
-from ps_mcore.integrations.verl080.schedule import megatron_kv_row_cost, schedule_outputs, scheduler_for
+from ps_mcore.integrations.verl_common.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
+from ps_mcore.integrations.verl_common.schedule import megatron_kv_row_cost, schedule_outputs, scheduler_for
 from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
 from ps_mcore.mindspeed.state import reset_attention_mask_active
 
@@ -82,18 +89,16 @@ def _unwrap(model):
     return unwrap_model(model)
 
 
-def has_tree_attention(model) -> bool:
-    """True when the (unwrapped) model's attention layers are ``TreeCoreAttention``."""
-    from ps_mcore.layer_specs import TreeCoreAttention  # after MindSpeed's repatch
+_TREE_MODULES = "ps_mcore.layer_specs.modules."
 
+
+def has_tree_attention(model) -> bool:
+    """True when the (unwrapped) model has tree token mixers: ``TreeCoreAttention`` or, in a
+    hybrid model, the tree Mamba / Gated DeltaNet mixers."""
     inner = _unwrap(model)
     if inner not in _HAS_TREE:
-        _HAS_TREE[inner] = any(isinstance(m, TreeCoreAttention) for m in inner.modules())
+        _HAS_TREE[inner] = any(type(m).__module__.startswith(_TREE_MODULES) for m in inner.modules())
     return _HAS_TREE[inner]
-
-
-def _uniform_temperature(args: dict) -> float | None:
-    return uniform_temperature((args.get("logits_processor_args") or {}).get("temperature"))
 
 
 def megatron_batch_refusal(model, args: dict, batch) -> str | None:
@@ -103,12 +108,21 @@ def megatron_batch_refusal(model, args: dict, batch) -> str | None:
         return reason
     if args.get("local_cp_size") is not None:
         return "dynamic context parallelism (local_cp_size) is not supported by tree attention"
+    if args.get("cp_layout", "zigzag") != "zigzag":  # verl 0.9.1: contiguous CP rows (DeepSeek-V4)
+        return f"context-parallel layout {args['cp_layout']!r} is not supported (tree rows use the zigzag layout)"
+    if args.get("pad_to_length_bucket") is not None:  # verl 0.9.1's static padding (pad_to_length)
+        return "pad_to_length (padding micro-batches to fixed length buckets) is not supported"
     if args.get("vision_model") or args.get("multi_modal_inputs"):
         return "vision-language inputs are not supported"
     if args.get("mtp_enable_train"):
-        return "multi-token prediction (MTP) training is not supported"
-    if getattr(_unwrap(model).config, "fp8", None):
-        return "fp8 (its THD padding rules) is not supported"
+        mtp_reason = mtp_refusal(_unwrap(model))
+        if mtp_reason is not None:
+            return f"multi-token prediction (MTP) training: {mtp_reason} is not supported on a tree"
+    from ps_mcore.layer_specs.fp8 import fp8_tree_refusal  # after MindSpeed's repatch
+
+    fp8_reason = fp8_tree_refusal(_unwrap(model).config)
+    if fp8_reason is not None:
+        return f"{fp8_reason} is not supported on a tree"
     if not has_tree_attention(model):
         return "the model was not built with tree layer specs (ENABLE_PREFIX_SHARING=0 at build, or a bridge ignored them)"
     from ps_mcore.layer_specs.modules.moe_router import moe_refusal  # after MindSpeed's repatch
@@ -117,7 +131,7 @@ def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     if refusal is not None:  # the tree router would raise inside the model
         return f"MoE with {refusal} cannot be exact on a prefix tree"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        refusal = lm_head_batch_refusal(batch, _uniform_temperature(args))
+        refusal = lm_head_batch_refusal(batch)
         if refusal is not None:
             return refusal
     return _dropout_refusal(model, args)
@@ -147,25 +161,35 @@ def _tp_group():
     return mpu.get_tensor_model_parallel_group()
 
 
-def tree_packed_params(plan, shared_dropout: bool = False):
+def tree_packed_params(plan, config=None, shared_dropout: bool = False):
     """The micro-batch's ``TreePackedSeqParams`` on this rank: rows padded as verl pads THD
-    (a multiple of TP, of ``2*cp*tp`` under context parallelism), this CP rank's layout;
-    ``shared_dropout``: ``prefix_grouper.shared_dropout``."""
+    (a multiple of TP, of ``2*cp*tp`` under context parallelism, times 128 for an FP8
+    ``config``), this CP rank's layout; ``shared_dropout``: ``prefix_grouper.shared_dropout``."""
     from megatron.core import parallel_state as mpu
 
     from ps_mcore.layer_specs import TreePackedSeqParams  # after MindSpeed's repatch
+    from ps_mcore.layer_specs.fp8 import tree_row_multiple
 
     tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
     return TreePackedSeqParams.from_plan(
         plan,
-        pad_to_multiple_of=2 * cp * tp if cp > 1 else tp,
+        pad_to_multiple_of=tree_row_multiple(config, tp, cp),
         cp_size=cp,
         cp_rank=mpu.get_context_parallel_rank() if cp > 1 else 0,
         shared_dropout=shared_dropout,
     )
 
 
-def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) -> Any:
+def _mtp_context(model, plan, input_ids: torch.Tensor, args: dict, engine, shared_dropout: bool):
+    """The tree MTP loss around the model call when verl trains MTP (else nothing)."""
+    if not args.get("mtp_enable_train") or not _unwrap(model).post_process:
+        return contextlib.nullcontext()
+    mtp = getattr(getattr(engine, "model_config", None), "mtp", None)
+    detach = bool(getattr(mtp, "detach_encoder", False))
+    return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach, shared_dropout)
+
+
+def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, engine=None) -> Any:
     """One model call on ``plan``; returns what verl's engine forward returns.
 
     Shapes: model output ``[1, T_pad / cp, V/tp]`` (LM) or ``[1, T_pad / cp, 1]`` (value
@@ -177,14 +201,16 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
     micro = current_micro_batch()
-    psp = tree_packed_params(plan, micro is not None and micro.setting.config.shared_dropout)
+    shared_dropout = micro is not None and micro.setting.config.shared_dropout
+    psp = tree_packed_params(plan, _unwrap(model).config, shared_dropout)
     set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
-    output = model(
-        input_ids=psp.cp_shard(plan.input_ids)[None],
-        attention_mask=None,
-        position_ids=psp.cp_shard(psp.position_ids)[None],
-        packed_seq_params=psp,
-    )
+    with _mtp_context(model, plan, input_ids, args, engine, shared_dropout):
+        output = model(
+            input_ids=psp.cp_shard(plan.input_ids)[None],
+            attention_mask=None,
+            position_ids=psp.cp_shard(psp.position_ids)[None],
+            packed_seq_params=psp,
+        )
     if not _unwrap(model).post_process:
         return output  # hidden states go to the next pipeline stage as they are
     local = output[0] if psp.cp_layout is not None else output[0, : plan.num_tokens]
@@ -194,7 +220,7 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch) ->
     logprobs, entropy = cp_token_logprobs(
         local,
         psp,
-        temperature=_uniform_temperature(args),
+        temperature=batch_temperature(batch["temperature"]),  # one float, or [B] per sample
         compute_entropy=batch_flag(batch, "calculate_entropy"),
         tp_group=_tp_group(),
     )
@@ -217,10 +243,13 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
     if "multi_modal_inputs" in data.keys():
         return "vision-language inputs"
     if getattr(_unwrap(model).config, "fp8", None):
-        return "fp8"
+        return "fp8 (a schedule's calls are padded to the TP size only, not to FP8's 128-row multiple)"
+    if batch_flag(data, "use_fused_kernels"):
+        return "use_fused_kernels=True (verl's fused forward, which runs no schedule step)"
     if not isinstance(engine, _value_engine_class()):
-        temperature = uniform_temperature(data["temperature"]) if "temperature" in data.keys() else 1.0
-        reason = lm_head_batch_refusal(data, temperature)
+        if isinstance(_schedule_temperature(data), torch.Tensor):
+            return "per-sample temperatures (a schedule's calls score every row at one temperature)"
+        reason = lm_head_batch_refusal(data)
         if reason is not None:
             return reason
     if len(engine.module) > 1:
@@ -229,6 +258,9 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
         return "the model was not built with tree layer specs"
     if getattr(engine.engine_config, "dynamic_context_parallel", False):
         return "dynamic context parallelism"
+    config = engine.engine_config
+    if getattr(config, "pad_to_length", False) and config.use_remove_padding:  # verl 0.9.1's static padding
+        return "pad_to_length (padding micro-batches to fixed length buckets)"
     if megatron_dropout_refusal(_unwrap(model)) is not None:  # shared_dropout or not
         return ("active dropout (a K/V-kept prefix runs its forward again at its release, which "
                 "would draw other dropout masks)")
@@ -237,6 +269,12 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
         moe = moe_refusal(_unwrap(model).config)
         refusal = None if moe is None else f"MoE with {moe}"
     return refusal
+
+
+def _schedule_temperature(data) -> float | torch.Tensor:
+    """The temperature of a batch that a schedule scores with (one float), or its ``[B]``
+    per-sample tensor (refused)."""
+    return batch_temperature(data["temperature"] if "temperature" in data.keys() else None)
 
 
 def _value_engine_class():
@@ -271,14 +309,17 @@ def run_schedule_step(model, micro, input_ids: torch.Tensor, args: dict) -> Any:
             "a cross-micro-batch schedule step returns log-probs or values; this forward asked "
             "for raw logits (no logits_processor)"
         )
-    reason = None if value else lm_head_batch_refusal(micro.batch, _uniform_temperature(args))
+    temperature = 1.0 if value else _schedule_temperature(micro.batch)
+    reason = None if value else lm_head_batch_refusal(micro.batch)
+    if reason is None and isinstance(temperature, torch.Tensor):
+        reason = "per-sample temperatures"
     if reason is not None:
         raise NotImplementedError(f"a cross-micro-batch schedule step cannot run: {reason}")
 
     def make_run_call():
         return gpt_call(
             model,
-            temperature=1.0 if value else _uniform_temperature(args),
+            temperature=temperature,
             compute_entropy=not value and batch_flag(micro.batch, "calculate_entropy"),
             tp_group=_tp_group(),
             pad_to_multiple_of=mpu.get_tensor_model_parallel_world_size(),
@@ -311,7 +352,7 @@ def tree_engine_forward(stock: Callable) -> Callable:
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
         if plan is None:
             return stock(*call_args, **call_kwargs)
-        return run_tree_forward(model, plan, input_ids, args, micro.batch)
+        return run_tree_forward(model, plan, input_ids, args, micro.batch, micro.engine)
 
     return forward
 
@@ -432,6 +473,11 @@ def tree_build_refusal(engine) -> str | None:
         return "dynamic context parallelism"
     if getattr(engine, "_qat_enabled", False):
         return "QAT (its own layer spec)"
+    config = getattr(engine, "tf_config", None) or getattr(engine, "provider", None)  # Megatron-Bridge: the provider
+    if config is not None:
+        from ps_mcore.layer_specs.modules.core_attention import megatron_attention_refusal  # after MindSpeed's repatch
+
+        return megatron_attention_refusal(config)
     return None
 
 
@@ -506,16 +552,18 @@ def _build_with_mbridge(engine, original: Callable):
 
 
 def _build_with_bridge_provider(engine, original: Callable):
-    """Megatron-Bridge: the provider's own spec (instance or class default), converted."""
-    from ps_mcore.layer_specs import tree_layer_spec_from  # after MindSpeed's repatch
+    """Megatron-Bridge: the provider's own spec (instance or class default), converted: the
+    layer spec of a GPT provider, the stack spec of a hybrid one (Mamba / GDN layers too)."""
+    from ps_mcore.layer_specs import provider_spec_field, tree_provider_spec  # after MindSpeed's repatch
 
     provider = engine.provider
-    stock_spec = provider.transformer_layer_spec
-    provider.transformer_layer_spec = tree_layer_spec_from(stock_spec)
+    field = provider_spec_field(provider)
+    stock_spec = getattr(provider, field)
+    setattr(provider, field, tree_provider_spec(provider))
     try:
         return original(engine)
     finally:
-        provider.transformer_layer_spec = stock_spec
+        setattr(provider, field, stock_spec)
 
 
 def install_forward_fn_patch(patcher) -> None:
@@ -526,8 +574,9 @@ def install_forward_fn_patch(patcher) -> None:
 
 
 def install_megatron_patches(patcher) -> None:
-    """The Megatron-engine class patches of the ``verl080_mcore0161_ms0160`` patchset (with
-    :func:`install_forward_fn_patch`, all of them)."""
+    """The Megatron-engine class patches of patchsets ``verl080_mcore0161_ms0160`` and
+    ``verl091_mcore019`` (with :func:`install_forward_fn_patch`, all of them; the engine seams
+    are the same in both releases)."""
     from verl.workers.engine.megatron import transformer_impl as impl
 
     patcher.wrap(impl, "get_forward_backward_func", megatron_get_forward_backward_func)

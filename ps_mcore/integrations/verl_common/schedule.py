@@ -1,4 +1,4 @@
-"""Cross-micro-batch schedules in verl 0.8.0's engines.
+"""Cross-micro-batch schedules in verl's engines (0.8.0 and 0.9.1).
 
 With a token budget (``use_dynamic_bsz``), the micro-batcher hands the sharing units larger
 than the budget to a :class:`MiniBatchScheduler` (``prefix_grouper.cross_microbatch``, on by
@@ -29,9 +29,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl080.batch import plan_sequences
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
-from ps_mcore.integrations.verl080.microbatch import _local_count, _sync_count, _Units, partition_units
+from ps_mcore.integrations.verl_common.batch import plan_sequences
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.microbatch import _local_count, _sync_count, _Units, partition_units
 from ps_mcore.minibatch import MiniBatchPlan, kept_kv_row_cost, schedule_tree
 from ps_mcore.schedule import RunCall, ScheduleRunner
 

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import info_once, warn_once
-from ps_mcore.integrations.verl080.batch import batch_flag, plan_batch, saved_fraction
-from ps_mcore.integrations.verl080.config import PrefixSharingSetting, resolve_setting
-from ps_mcore.integrations.verl080.microbatch import prefix_aware_prepare_micro_batches, restore_order
-from ps_mcore.integrations.verl080.trainer import TOKENS_IN, TOKENS_PACKED
+from ps_mcore.integrations.verl_common.batch import batch_flag, plan_batch, saved_fraction
+from ps_mcore.integrations.verl_common.config import PrefixSharingSetting, resolve_setting
+from ps_mcore.integrations.verl_common.microbatch import prefix_aware_prepare_micro_batches, restore_order
+from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
 from ps_mcore.planner import TreePlan
 
 
@@ -53,7 +53,7 @@ class EngineStep:
         micro: the micro-batch whose ``forward_step`` runs now (None between steps).
         forward_only: the step computes no gradients (a log-prob pass).
         schedule: the cross-micro-batch schedule of the units larger than the token budget
-            (:mod:`ps_mcore.integrations.verl080.schedule`), when the micro-batcher made one.
+            (:mod:`ps_mcore.integrations.verl_common.schedule`), when the micro-batcher made one.
     """
 
     engine: Any
@@ -100,11 +100,16 @@ def with_engine_context(original: Callable) -> Callable:
     return forward_backward_batch
 
 
-def prefix_aware(stock: Callable, scheduler_for: Callable | None = None) -> Callable:
+def prefix_aware(
+    stock: Callable,
+    scheduler_for: Callable | None = None,
+    images_of: Callable[[Any], Any] | None = None,
+) -> Callable:
     """Replacement for an engine module's ``prepare_micro_batches`` name (verl's signature).
 
     ``scheduler_for(step, setting, data)`` gives the engine step's cross-micro-batch scheduler
-    (:class:`~ps_mcore.integrations.verl080.schedule.MiniBatchScheduler`) or None."""
+    (:class:`~ps_mcore.integrations.verl_common.schedule.MiniBatchScheduler`) or None;
+    ``images_of(engine)`` the engine model's image placeholder layout (vision-language), or None."""
 
     def prepare_micro_batches(
         data,
@@ -125,9 +130,10 @@ def prefix_aware(stock: Callable, scheduler_for: Callable | None = None) -> Call
         setting = active_setting(None if step is None else step.engine)
         if setting is None:
             return stock(data=data, **options)
+        images = None if images_of is None else images_of(step.engine)
         scheduler = None if scheduler_for is None else scheduler_for(step, setting, data)
         result = prefix_aware_prepare_micro_batches(
-            data, setting.config, stock, plans=step.plans, scheduler=scheduler, **options
+            data, setting.config, stock, plans=step.plans, images=images, scheduler=scheduler, **options
         )
         if scheduler is not None and scheduler.schedule is not None and scheduler.schedule.batches:
             step.schedule = scheduler.schedule
@@ -147,14 +153,17 @@ def restoring(stock: Callable) -> Callable:
 
 
 def with_token_metrics(postprocess: Callable, tokens: tuple[int, int]) -> Callable:
-    """Add the micro-batch's (N, T) to the metrics its postprocess function returns."""
+    """Add the micro-batch's (N, T) to the metrics its postprocess function returns: verl's
+    ``(loss, output)``, or ``(loss_sum, num_tokens, output)`` under Megatron's per-token loss
+    (verl 0.9.1 with ``calculate_per_token_loss``)."""
 
     def postprocess_micro_batch(*args, **kwargs):
-        loss, output = postprocess(*args, **kwargs)
+        result = postprocess(*args, **kwargs)
+        output = result[-1]
         metrics = dict(output.get("metrics") or {})
         metrics[TOKENS_IN], metrics[TOKENS_PACKED] = tokens
         output["metrics"] = metrics
-        return loss, output
+        return result
 
     return postprocess_micro_batch
 
@@ -201,6 +210,7 @@ def plan_or_stock(
     batch,
     num_input_tokens: int,
     reason: str | None,
+    images=None,
 ) -> TreePlan | None:
     """The tree-or-stock decision of one micro-batch, for every engine.
 
@@ -212,6 +222,7 @@ def plan_or_stock(
         batch: the micro-batch to plan when no plan was carried.
         num_input_tokens: N, the micro-batch's tokens (recorded when it runs stock).
         reason: why the micro-batch cannot take the tree path (None: it can).
+        images: a vision-language model's image placeholder layout (plans key images by content).
 
     Returns:
         The plan to run the tree forward with, or None: run verl's stock forward (after one
@@ -222,7 +233,8 @@ def plan_or_stock(
         warn_once(f"{key}:{reason}", f"{engine_name} micro-batch runs verl's stock forward: {reason}")
         plan = None
     else:
-        plan = micro.plan if micro is not None and micro.plan is not None else plan_batch(batch, setting.config)
+        carried = micro.plan if micro is not None else None
+        plan = carried if carried is not None else plan_batch(batch, setting.config, images)
         if saved_fraction(plan) < setting.config.min_saved_fraction:
             info_once(
                 f"{key}:small-savings",

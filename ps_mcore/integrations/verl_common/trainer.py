@@ -1,10 +1,12 @@
 """Driver-side glue: DP balancing that keeps sharing groups on one rank, and the
 ``prefix_sharing/*`` step metrics.
 
-Both verl 0.8.0 trainers reorder the batch so every DP rank gets similar work
-(``_balance_batch``) and then cut it into equal slices. ``main_ppo`` keeps ``uid`` groups
-together only when they are contiguous and their count divides the DP size;
-``main_ppo_sync`` never does. The patched ``_balance_batch`` (when
+verl's trainers reorder the batch so every DP rank gets similar work (``_balance_batch``) and
+then cut it into equal slices. The ``DataProto`` trainer (``RayPPOTrainer``: 0.8.0's
+``main_ppo``, 0.9.1's ``main_ppo_v0``) keeps ``uid`` groups together under
+``use_prefix_grouper`` only when their count divides the DP size (0.8.0: only when contiguous;
+0.9.1 raises otherwise); the ``KVBatchMeta`` trainer (0.8.0's ``main_ppo_sync``, 0.9.1's
+``main_ppo``: ``verl.trainer.ppo.v1``) never does. The patched ``_balance_batch`` (when
 ``actor.use_prefix_grouper`` is on and ``ENABLE_PREFIX_SHARING`` is not 0) partitions whole
 groups with verl's Karmarkar-Karp balancing when that is possible, otherwise greedily
 (largest first), splitting a group only when equal slices leave no other choice.
@@ -12,11 +14,12 @@ groups with verl's Karmarkar-Karp balancing when that is possible, otherwise gre
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl080.config import setting_from_keys
+from ps_mcore.integrations.verl_common.config import setting_from_keys
 
 TOKENS_IN = "prefix_sharing/tokens_in"
 TOKENS_PACKED = "prefix_sharing/tokens_packed"
@@ -96,15 +99,17 @@ def ray_trainer_balance_batch(original: Callable) -> Callable:
 
 
 def sync_trainer_balance_batch(original: Callable) -> Callable:
-    """``PPOTrainer._balance_batch`` (``main_ppo_sync``) keeping prompt groups on one rank
-    (keys are ``{uid}_{session_id}_{index}``: the group is the ``uid``)."""
+    """``PPOTrainer._balance_batch`` of the ``KVBatchMeta`` trainer (0.8.0's ``main_ppo_sync``,
+    0.9.1's ``verl.trainer.ppo.v1.trainer_base``) keeping prompt groups on one rank (keys are
+    ``{uid}_{session_id}_{index}``: the group is the ``uid``). verl's helpers are read from the
+    module that defines the patched method."""
 
     def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         if not _grouping_on(self.config):
             return original(self, batch, metrics, logging_prefix, keep_minibatch)
         import torch
-        from verl.trainer import main_ppo_sync as m
 
+        m = sys.modules[original.__module__]
         worker_group = self.actor_rollout_wg
         if "actor" not in worker_group._dispatch_info:
             worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
@@ -186,3 +191,16 @@ def init_workers_following_actor(original: Callable) -> Callable:
         return original(self, *args, **kwargs)
 
     return init_workers
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def install_trainer_patches(patcher, module, trainer: type, balance: Callable, setup_method: str) -> None:
+    """The driver-side patches of one verl trainer class: ``_balance_batch`` (``balance``:
+    :func:`ray_trainer_balance_batch` or :func:`sync_trainer_balance_batch`), the method that
+    makes its workers (``init_workers`` / ``init``: ref and critic follow the actor first) and
+    its module's ``reduce_metrics`` (the ``prefix_sharing/*`` step metrics)."""
+    patcher.wrap(trainer, "_balance_batch", balance)
+    patcher.wrap(trainer, setup_method, init_workers_following_actor)
+    patcher.wrap(module, "reduce_metrics", reduce_metrics_with_prefix_sharing)

@@ -1,4 +1,4 @@
-"""Prefix-aware micro-batching for verl 0.8.0 engines.
+"""Prefix-aware micro-batching for verl's engines.
 
 verl's ``prepare_micro_batches`` balances raw token counts and scatters samples that share
 a prefix across micro-batches, so nothing is left to share. Here samples are first grouped
@@ -11,7 +11,7 @@ into *units* (the samples that would share: same prompt within a ``uid`` for
   as the budget allows, the count is synced over DP and rounded as verl does, and the
   workload ordering (``use_dynamic_bsz_balance``) is verl's. Units larger than the budget
   run as one cross-micro-batch schedule when the engine's scheduler takes them (its steps
-  come first, in order; :mod:`ps_mcore.integrations.verl080.schedule`), else each is split
+  come first, in order; :mod:`ps_mcore.integrations.verl_common.schedule`), else each is split
   in its sorted order (its pieces still share within themselves).
 * fixed micro-batch size: samples are ordered unit by unit before verl's chunking (a unit
   larger than the micro-batch is split at the chunk boundary); when that order is the
@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ps_mcore.integrations.verl080.batch import group_ids, plan_sequences, prompt_lengths, sequences
-from ps_mcore.integrations.verl080.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.batch import group_ids, plan_sequences, prompt_lengths, sharing_sequences
+from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.planner import common_prefix_len
 
 
@@ -243,7 +243,13 @@ def fixed_order(units: _Units) -> list[int]:
 
 
 def prefix_aware_prepare_micro_batches(
-    data, config: PrefixGrouperConfig, stock: Callable, plans: dict | None = None, scheduler=None, **options
+    data,
+    config: PrefixGrouperConfig,
+    stock: Callable,
+    plans: dict | None = None,
+    images=None,
+    scheduler=None,
+    **options,
 ):
     """Drop-in for verl's ``prepare_micro_batches`` keeping sharing units together.
 
@@ -254,8 +260,10 @@ def prefix_aware_prepare_micro_batches(
         plans: when given, ``id(micro_batch) -> (micro_batch, TreePlan)`` is filled for every
             micro-batch built here, planned from the sequences already read for sizing, so the
             forward uses that plan instead of planning the micro-batch again (same plan:
-            :func:`~ps_mcore.integrations.verl080.batch.plan_batch` of the micro-batch). The
+            :func:`~ps_mcore.integrations.verl_common.batch.plan_batch` of the micro-batch). The
             entry holds the micro-batch, so its id cannot be reused while the entry lives.
+        images: a vision-language model's :class:`~ps_mcore.integrations.verl_common.batch.ImageTokens`
+            (image placeholders are keyed by content, so units follow what can really be shared).
         scheduler: with a token budget, plans the units larger than it as one
             cross-micro-batch schedule (its ``partitions(units, budget, options)`` returns the
             micro-batches, the schedule's steps first, or None to split those units as before;
@@ -271,7 +279,7 @@ def prefix_aware_prepare_micro_batches(
     stock_args = dict(data=data, **options)
     if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
         return stock(**stock_args)  # reward-model pairs: verl's own grouping rule
-    seqs = sequences(data)
+    seqs = sharing_sequences(data, images)
     prompts = prompt_lengths(data)
     if config.mode == "prompt_only" and prompts is None:
         return stock(**stock_args)

@@ -1,4 +1,4 @@
-"""verl 0.8.0 FSDP engine glue (patchset ``verl080_fsdp``): the tree forward per
+"""verl FSDP engine glue (patchsets ``verl080_fsdp``, ``verl091_fsdp``): the tree forward per
 micro-batch for ``FSDPEngineWithLMHead`` and ``FSDPEngineWithValueHead``, and the fallbacks.
 
 The engine's own seams are patched, so verl's ``forward_step`` (autocast, loss call,
@@ -13,27 +13,41 @@ metrics) runs unchanged around them:
   passes it through unchanged). The model's decoder is switched to that attention on first
   use (unshared calls keep its own one; the patchset's uninstall switches it back).
 * ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
-  :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature; value head (token
+  :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature (one float, or per
+  sample: a shared row is normalised once per distinct temperature); value head (token
   classification, ``num_labels=1``) -> ``values``. Both as jagged tensors with
   ``input_ids``'s offsets, row t holding the value for token t+1 (log-probs) or token t
   (values), as verl's stock code returns them. The last row of every sequence predicts
   nothing; verl's losses never read it and the tree path returns 0 there (stock returns the
   log-prob of the next sequence's first token).
+* ``use_fused_kernels``: verl's fused forward (torch or Triton backend) runs the decoder on
+  the tree and its kernel on the plan's distinct (row, next-token) pairs
+  (:mod:`ps_mcore.integrations.verl_common.fused`); log-probs and entropy come from the kernel.
 
 ``use_remove_padding`` only changes how verl's stock path lays the batch out (one packed row
 vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns the same
 layout. ``use_dynamic_bsz``: verl's ``prepare_micro_batches`` in the FSDP engine module is
-replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl080.microbatch`).
+replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl_common.microbatch`).
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
-rule) and for what the tree path does not support: Ulysses sequence parallelism, fused
-kernels, VLM inputs, per-sample temperatures, ``calculate_sum_pi_squared``, distillation
-top-k, position ids other than ``0..len-1``, active dropout of a training model (attention
-dropout always; residual / classifier / LoRA dropouts unless ``prefix_grouper.shared_dropout``),
-trl value-head wrappers and engine subclasses that override these seams (VeOmni). When a whole batch is known to fall
-back (SP, fused kernels, VLM), micro-batching stays verl's, so the stock forward keeps the
-raw-token budget it was sized for.
+rule) and for what the tree path does not support: ``calculate_sum_pi_squared``,
+distillation top-k, position ids other than ``0..len-1``, active dropout of a training model
+(attention dropout always; residual / classifier / LoRA dropouts unless
+``prefix_grouper.shared_dropout``), trl value-head wrappers, engine subclasses that override
+these seams (VeOmni), VLM inputs other than Qwen2-VL / Qwen2.5-VL images, and fused kernels
+without ``use_remove_padding``, behind a model's own fused forward (the VLM ones), with a
+temperature tensor or with Ulysses SP. When a whole batch is known to fall back (fused kernels
+without remove-padding), micro-batching stays verl's, so the stock forward keeps the raw-token
+budget it was sized for.
+
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``): the packed tree rows
+are split over the SP ranks and the ``"prefix_tree"`` attention runs an all-to-all around
+tree attention (:mod:`ps_mcore.fsdp_bridge.sequence_parallel`); log-probs, entropy and values
+come back complete on every SP rank with verl's gradient scaling.
+
+Cross-micro-batch schedules are refused (:data:`FSDP_SCHEDULE_REFUSAL`): sharing units larger
+than the token budget are split, as before.
 """
 
 from __future__ import annotations
@@ -41,18 +55,21 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
-from ps_mcore.integrations.verl080.batch import (
+from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
+from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
+    batch_temperature,
     lm_head_batch_refusal,
     nested_like,
     sequence_lengths,
-    uniform_temperature,
+    sequences,
 )
-from ps_mcore.integrations.verl080.config import SHARED_DROPOUT_OPT_IN
-from ps_mcore.integrations.verl080.engine import (
+from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN
+from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
     install_engine_micro_batching,
@@ -60,14 +77,28 @@ from ps_mcore.integrations.verl080.engine import (
     prefix_aware,
     run_step_with_context,
 )
-from ps_mcore.integrations.verl080.schedule import scheduler_for
-from ps_mcore.logprobs import token_logprobs
+from ps_mcore.integrations.verl_common.fused import (
+    FUSED_ROWS_KWARG,
+    enable_tree_fused_forward,
+    fused_forward_refusal,
+)
+from ps_mcore.integrations.verl_common.schedule import scheduler_for
+from ps_mcore.integrations.verl_common.vision import (
+    engine_image_tokens,
+    is_vision_batch,
+    record_hf_attention_forwards,
+    route_tree_attention,
+    tree_vision_inputs,
+    vlm_refusal,
+)
+from ps_mcore.logprobs import labelled_rows, token_logprobs
+from ps_mcore.multimodal import with_tokens
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
 PLAN_KEY = "ps_mcore_tree_plan"
 TEMPERATURE_KEY = "ps_mcore_temperature"
 _SEAMS = ("forward_step", "prepare_model_inputs", "prepare_model_outputs")
-_SP_REFUSAL = "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported"
+SP_PLAN_KEY = "ps_mcore_sp_plan"
 
 
 def _impl():
@@ -82,17 +113,11 @@ def _impl():
 def batch_flags_refusal(batch) -> str | None:
     """Why every micro-batch of ``batch`` takes verl's stock path, judged from the batch's
     own flags (so micro-batching can stay stock too); None if nothing rules it out."""
-    from verl.utils import tensordict_utils as tu
-
-    if tu.get_non_tensor_data(batch, key="sp_size", default=1) > 1:
-        return _SP_REFUSAL
-    if batch_flag(batch, "use_fused_kernels"):
+    if batch_flag(batch, "use_fused_kernels") and not batch_flag(batch, "use_remove_padding", True):
         return (
-            "use_fused_kernels=True: verl's fused forward computes the log-probs itself (set "
-            "actor_rollout_ref.model.use_fused_kernels=False to share)"
+            "use_fused_kernels=True with use_remove_padding=False (verl's fused forward returns a "
+            "response-padded layout there; set use_remove_padding=True to share)"
         )
-    if "multi_modal_inputs" in batch.keys() or batch["position_ids"].dim() == 3:
-        return "vision-language inputs are not supported"
     return None
 
 
@@ -115,14 +140,8 @@ def _positions_are_offsets(batch) -> bool:
     lens = offsets.diff()
     start = torch.repeat_interleave(offsets[:-1], lens)
     expected = torch.arange(int(offsets[-1]), device=offsets.device) - start
-    return torch.equal(pos.values(), expected.to(pos.values().dtype))
-
-
-def micro_batch_temperature(batch) -> float | None:
-    """The micro-batch's single temperature with verl's ``clamp(min=1e-8)``, or None when
-    samples have different temperatures."""
-    temperature = uniform_temperature(batch["temperature"])
-    return None if temperature is None else max(temperature, 1e-8)
+    values = pos.values()[0] if pos.dim() == 3 else pos.values()  # 4-row VLM positions: the text row
+    return torch.equal(values, expected.to(values.dtype))
 
 
 def fsdp_batch_refusal(engine, batch) -> str | None:
@@ -132,8 +151,6 @@ def fsdp_batch_refusal(engine, batch) -> str | None:
 
     if _overrides_seams(engine):
         return f"{type(engine).__name__} overrides the FSDP engine's model input/output methods"
-    if getattr(engine, "use_ulysses_sp", False):
-        return _SP_REFUSAL
     reason = batch_flags_refusal(batch)
     if reason is not None:
         return reason
@@ -141,14 +158,31 @@ def fsdp_batch_refusal(engine, batch) -> str | None:
         return "only verl's no-padding batch layout is supported"
     if not (batch["input_ids"].is_nested and batch["position_ids"].is_nested):
         return "input_ids / position_ids are not jagged nested tensors"
+    if is_vision_batch(batch):
+        reason = vlm_refusal(engine, batch)
+        if reason is not None:
+            return reason
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        reason = lm_head_batch_refusal(batch, micro_batch_temperature(batch))
+        reason = lm_head_batch_refusal(batch)
         if reason is not None:
             return reason
+        if batch_flag(batch, "use_fused_kernels"):
+            reason = _fused_refusal(engine, batch)
+            if reason is not None:
+                return reason
     setting = active_setting(engine)
     return _model_refusal(engine.module, setting is not None and setting.config.shared_dropout)
+
+
+def _fused_refusal(engine, batch) -> str | None:
+    """Why verl's fused forward cannot run this LM micro-batch on the tree (None: it can)."""
+    if isinstance(batch["temperature"], torch.Tensor):
+        return "use_fused_kernels=True with a temperature tensor (verl's fused forward refuses it)"
+    if getattr(engine, "use_ulysses_sp", False):
+        return "use_fused_kernels=True with Ulysses sequence parallelism is not supported on a tree"
+    return fused_forward_refusal(engine.module)
 
 
 def _model_refusal(module, shared_dropout: bool = False) -> str | None:
@@ -172,19 +206,32 @@ def _switch_attention(module: torch.nn.Module, patcher) -> None:
         patcher.set(config, "_attn_implementation_internal", ATTN_NAME)
 
 
-def tree_model_inputs(micro_batch, plan, temperature: float) -> tuple[dict, dict]:
-    """(model inputs, output args) for one forward over ``plan``'s packed forest.
+def tree_model_inputs(
+    micro_batch, plan, temperature: float | torch.Tensor, fused: bool = False, sp_group=None
+) -> tuple[dict, dict]:
+    """(model inputs, output args) for one forward over ``plan``'s packed forest; ``fused``:
+    for verl's fused forward (its kernel runs on the plan's labelled rows); ``sp_group``: the
+    Ulysses group whose ranks split the packed rows.
 
-    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``.
+    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]`` (``[1, ceil(T / sp)]`` under SP).
     """
     plan = plan.to(micro_batch["input_ids"].device)
+    sp_plan = None
+    if sp_group is not None and dist.get_world_size(sp_group) > 1:
+        sp_plan = sequence_parallel_plan(plan, sp_group)
+    rows = (lambda x: x) if sp_plan is None else sp_plan.local
     model_inputs = {
-        "input_ids": plan.input_ids[None],
+        "input_ids": rows(plan.input_ids)[None],
         "attention_mask": None,
-        "position_ids": plan.position_ids[None],
-        "tree_call": TreeCall(plan),
+        "position_ids": rows(plan.position_ids)[None],
+        "tree_call": TreeCall(plan if sp_plan is None else sp_plan),
     }
-    return model_inputs, {PLAN_KEY: plan, TEMPERATURE_KEY: temperature}
+    output_args = {PLAN_KEY: plan, TEMPERATURE_KEY: temperature, SP_PLAN_KEY: sp_plan}
+    if fused:
+        rows = labelled_rows(plan)
+        model_inputs.update({FUSED_ROWS_KWARG: rows, "temperature": temperature, "return_dict": True})
+        output_args[FUSED_ROWS_KWARG] = rows
+    return model_inputs, output_args
 
 
 def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
@@ -201,23 +248,45 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
         reason = fsdp_batch_refusal(self, source)
-        plan = plan_or_stock("FSDP", micro, setting, source, n, reason)
+        images = engine_image_tokens(self) if reason is None and is_vision_batch(source) else None
+        plan = plan_or_stock("FSDP", micro, setting, source, n, reason, images)
         if plan is None:
             return original(self, micro_batch)
         _switch_attention(self.module, patcher)
-        return tree_model_inputs(micro_batch, plan, micro_batch_temperature(source))
+        if images is not None:
+            plan = with_tokens(plan, sequences(source))  # planned on image keys
+            route_tree_attention(self.module, patcher)
+        fused = batch_flag(source, "use_fused_kernels") and not _is_value_engine(self)
+        if fused:
+            enable_tree_fused_forward(self.module, patcher)
+        sp_group = getattr(self, "ulysses_parallel_group", None) if getattr(self, "use_ulysses_sp", False) else None
+        inputs, output_args = tree_model_inputs(
+            micro_batch, plan, batch_temperature(source["temperature"]), fused, sp_group
+        )
+        if images is not None:
+            inputs.update(tree_vision_inputs(source, plan, images, inputs["input_ids"].device))
+        return inputs, output_args
 
     return prepare_model_inputs
 
 
 def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
-    """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``."""
-    logprobs, entropy = token_logprobs(
-        output.logits[0],
-        output_args[PLAN_KEY],
-        temperature=output_args[TEMPERATURE_KEY],
-        compute_entropy=batch_flag(micro_batch, "calculate_entropy"),
-    )
+    """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``,
+    or from the fused kernel's ``[1, U]`` results per labelled row."""
+    compute_entropy = batch_flag(micro_batch, "calculate_entropy")
+    rows = output_args.get(FUSED_ROWS_KWARG)
+    sp_plan = output_args[SP_PLAN_KEY]
+    if rows is not None:
+        logprobs, entropy = rows.per_token(output.log_probs[0], output.entropy[0] if compute_entropy else None)
+    elif sp_plan is not None:
+        logprobs, entropy = sp_token_logprobs(output.logits[0], sp_plan, output_args[TEMPERATURE_KEY], compute_entropy)
+    else:
+        logprobs, entropy = token_logprobs(
+            output.logits[0],
+            output_args[PLAN_KEY],
+            temperature=output_args[TEMPERATURE_KEY],
+            compute_entropy=compute_entropy,
+        )
     result = {"log_probs": nested_like(logprobs, micro_batch["input_ids"])}
     if entropy is not None:
         result["entropy"] = nested_like(entropy, micro_batch["input_ids"])
@@ -226,8 +295,10 @@ def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.T
 
 def tree_value_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
     """``values`` ``[B, j]`` jagged from a token-classification head's ``[1, T, 1]`` logits."""
-    plan = output_args[PLAN_KEY]
-    values = plan.unpack(output.logits[0].squeeze(-1))
+    plan, sp_plan, values = output_args[PLAN_KEY], output_args[SP_PLAN_KEY], output.logits[0].squeeze(-1)
+    if sp_plan is not None:
+        values = sp_gather_rows(values, sp_plan)
+    values = plan.unpack(values)
     return {"values": nested_like(values, micro_batch["input_ids"])}
 
 
@@ -279,7 +350,7 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
     """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
     batches whose every micro-batch runs verl's stock forward (their token budget must
     count raw tokens)."""
-    aware = prefix_aware(stock, fsdp_scheduler)
+    aware = prefix_aware(stock, fsdp_scheduler, images_of=engine_image_tokens)
 
     def prepare_micro_batches(data, *args, **kwargs):
         if batch_flags_refusal(data) is not None:
@@ -293,7 +364,9 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 
 def install_verl_fsdp_patches(patcher) -> None:
-    """Every FSDP-engine patch of the ``verl080_fsdp`` patchset (verl 0.8.0)."""
+    """Every FSDP-engine patch (patchsets ``verl080_fsdp`` and ``verl091_fsdp``: the seams are
+    the same in both releases)."""
+    record_hf_attention_forwards()  # before verl patches a VLM's attention classes
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
     patcher.wrap(lm, "forward_step", fsdp_forward_step)

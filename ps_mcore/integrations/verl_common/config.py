@@ -6,7 +6,8 @@ User-facing keys (``actor_rollout_ref.actor``)::
     use_prefix_grouper: true
     prefix_grouper: {mode: prompt_only, min_prefix_len: 8, min_group_size: 2}
 
-verl 0.8.0 knows the flag (a bool nobody reads) but not the sub-config: its actor config
+verl knows the flag (0.8.0 and 0.9.1: a bool no engine reads; the trainers' DP balancing
+does) but not the sub-config: its actor config
 dataclasses reject the ``prefix_grouper`` keyword. The patch wraps their ``__init__`` so
 they accept it, validate it and hand the resolved :class:`PrefixSharingSetting` to the
 engine config (``engine_config.ps_mcore_prefix_sharing``), which is what the engines read.
@@ -231,7 +232,7 @@ def _wrap_config_init(original, *, flag_known: bool, is_actor: bool):
 
 
 def actor_config_classes() -> list[type]:
-    """verl 0.8.0's actor config dataclasses (each has its own generated ``__init__``)."""
+    """verl's actor config dataclasses (each has its own generated ``__init__``)."""
     from verl.workers.config import actor
 
     return [

@@ -1,0 +1,116 @@
+"""verl's fused LM-head kernels on a prefix tree (FSDP engine, ``use_fused_kernels=True``).
+
+verl's fused forward (``patch_forward_with_backends``: the model class's ``forward`` becomes
+``dense_common.forward_with_torch_backend`` or ``forward_with_triton_backend``) runs the decoder,
+then one kernel that takes the last hidden states, the LM-head weight and one label per row
+and returns each row's log-prob and entropy without materialising ``[rows, V]`` logits
+(``FusedLinearForPPO`` in torch, ``linear_cross_entropy`` in Triton).
+
+On a tree, the decoder runs the ``T`` packed rows and the same kernel runs on the distinct
+(row, next-token label) pairs (:func:`ps_mcore.logprobs.labelled_rows`): every row inside a
+node once, the last row of a node with k children k times (its hidden state gathered, so the
+backward scatter-adds into the shared row). Each original token then reads its own pair.
+
+The model class's forward is wrapped (:func:`tree_fused_forward`, on first use, undone with
+the patchset) so that a call carrying :data:`FUSED_ROWS_KWARG` takes this path; every other
+call runs verl's fused forward unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ps_mcore.fsdp_bridge import unwrap_model
+from ps_mcore.logprobs import LabelledRows
+
+FUSED_ROWS_KWARG = "ps_mcore_fused_rows"  # model kwarg: the LabelledRows of a tree call
+_TREE_FUSED = "_ps_mcore_tree_fused"  # marks the wrapped class forward
+
+
+def torch_fused_kernel(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float):
+    """verl's torch fused kernel: ``(log_probs [U] fp32, entropy [U])`` of ``hidden [U, D]``."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    return FusedLinearForPPO()(hidden, weight, labels, temperature)
+
+
+def triton_fused_kernel(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float):
+    """verl's Triton kernel (CUDA): ``(log_probs [U] fp32, entropy [U] fp32)``."""
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(hidden, weight, labels, float(temperature), "none")
+
+
+def _stock_forward(cls: type) -> Callable:
+    forward = cls.forward
+    return getattr(forward, "__ps_mcore_original__", forward) if getattr(forward, _TREE_FUSED, False) else forward
+
+
+def fused_kernel(cls: type) -> Callable | None:
+    """The kernel behind ``cls.forward`` when it is verl's dense fused forward (torch or
+    Triton backend), else None.
+
+    Returns: ``kernel(hidden [U, D], weight [V, D], labels [U], temperature) ->
+    (log_probs [U] float32, entropy [U])``.
+    """
+    from verl.models.transformers import dense_common
+
+    forward = _stock_forward(cls)
+    if forward is dense_common.forward_with_torch_backend:
+        return torch_fused_kernel
+    if forward is dense_common.forward_with_triton_backend:
+        return triton_fused_kernel
+    return None
+
+
+def fused_forward_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s fused forward cannot run on a tree (None: it can)."""
+    inner = unwrap_model(model)
+    cls = type(inner)
+    if fused_kernel(cls) is None:
+        return (
+            f"use_fused_kernels=True with {cls.__name__}'s own fused forward (only verl's dense "
+            "forward_with_torch_backend / forward_with_triton_backend run on a tree)"
+        )
+    if getattr(inner, "_verl_fused_kernels_backend", None) == "liger":  # verl 0.9.1
+        return "use_fused_kernels=True with fused_kernels_backend='liger' (the tree runs verl's torch or Triton kernel)"
+    return None
+
+
+def tree_fused_forward(original: Callable, kernel: Callable) -> Callable:
+    """``original`` (verl's fused class forward), running a call that carries
+    :data:`FUSED_ROWS_KWARG` on the tree: the decoder over the packed rows (``tree_call``
+    reaches the ``"prefix_tree"`` attention), then ``kernel`` on the labelled rows.
+
+    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``; returns ``log_probs`` / ``entropy``
+    ``[1, U]``, one per labelled row (:class:`~ps_mcore.logprobs.LabelledRows`).
+    """
+    from verl.models.transformers.dense_common import CausalLMOutputForPPO
+
+    def forward(self, *args, **kwargs):
+        rows: LabelledRows | None = kwargs.pop(FUSED_ROWS_KWARG, None)
+        if rows is None:
+            return original(self, *args, **kwargs)
+        temperature = kwargs.pop("temperature", 1.0)
+        for key in ("return_dict", "use_cache", "shift_labels", "labels"):
+            kwargs.pop(key, None)
+        outputs = self.model(*args, use_cache=False, **kwargs)
+        hidden = outputs[0][0].index_select(0, rows.rows)  # [U, D]; backward scatter-adds
+        log_probs, entropy = kernel(hidden, self.lm_head.weight, rows.labels, temperature)
+        return CausalLMOutputForPPO(log_probs=log_probs[None], entropy=entropy[None])
+
+    setattr(forward, _TREE_FUSED, True)
+    return forward
+
+
+def enable_tree_fused_forward(model: torch.nn.Module, patcher) -> None:
+    """Wrap the fused forward of ``model``'s class (once; recorded in ``patcher``)."""
+    cls = type(unwrap_model(model))
+    if getattr(cls.forward, _TREE_FUSED, False):
+        return
+    kernel = fused_kernel(cls)
+    if kernel is None:
+        raise ValueError(fused_forward_refusal(model))
+    patcher.wrap(cls, "forward", lambda original: tree_fused_forward(original, kernel))

@@ -1,0 +1,137 @@
+"""Megatron-Bridge with real Transformer Engine on a GPU (skipped without CUDA, TE or
+Megatron-Bridge). NCCL world 1, bf16, the provider's own TE spec.
+
+For Qwen2, Qwen3 and Qwen3-MoE (Nemotron-H too where mamba-ssm is installed): the test writes
+a tiny HF checkpoint (bf16 safetensors), ``AutoBridge.from_hf_pretrained`` makes the provider,
+it builds the stock model and, with :func:`~ps_mcore.layer_specs.tree_provider_spec`, the tree
+model; Bridge loads the checkpoint into both strictly (every parameter written, the export
+gives back exactly the checkpoint). Then the tree model on a branching forest vs the stock
+model (TE fused attention) on the unshared THD batch: bf16 log-probs and the gradients of a
+per-sample-weighted loss (the tolerances of tests/test_gpu_te.py), and both vs the Hugging Face
+model in fp32.
+
+    python -m pytest -q tests/test_gpu_bridge.py     # on the GPU machine, TE + Megatron-Bridge
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("transformer_engine")
+pytest.importorskip("megatron.core")
+pytest.importorskip("transformers")
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("Megatron-Bridge is not installed", allow_module_level=True)
+
+from bridge_helpers import VOCAB, load_strictly, write_hf_checkpoint  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+
+from ps_mcore import plan_prefix_tree, plan_unshared, token_logprobs  # noqa: E402
+from ps_mcore.layer_specs import TreePackedSeqParams, provider_spec_field, tree_provider_spec  # noqa: E402
+
+FAMILIES = ["qwen2", "qwen3", "qwen3_moe"] + (
+    ["nemotron_h"] if importlib.util.find_spec("mamba_ssm") is not None else [])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nccl_world_1():
+    from megatron_shims import init_gpu_megatron
+
+    init_gpu_megatron()
+    yield
+
+
+def _build(provider) -> torch.nn.Module:
+    return provider.provide_distributed_model(wrap_with_ddp=False, bf16=True, mixed_precision_wrapper=None)[0]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    from megatron.bridge import AutoBridge
+
+    path = tmp_path_factory.mktemp(request.param)
+    hf, tensors = write_hf_checkpoint(request.param, path, seed=5, dtype=torch.bfloat16)
+    bridge = AutoBridge.from_hf_pretrained(str(path))
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.gradient_accumulation_fusion = False
+    provider.finalize()
+    stock = _build(provider)
+    load_strictly(bridge, [stock], tensors)
+    setattr(provider, provider_spec_field(provider), tree_provider_spec(provider))
+    tree = _build(provider)
+    load_strictly(bridge, [tree], tensors)
+    return request.param, hf.cuda(), stock, tree
+
+
+def _forest():
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, VOCAB, 300)
+    seqs = [np.concatenate([prompt, rng.integers(0, VOCAB, n)]) for n in (120, 77, 1, 200)]
+    branch = np.concatenate([prompt, rng.integers(0, VOCAB, 40)])
+    return seqs + [np.concatenate([branch, rng.integers(0, VOCAB, n)]) for n in (30, 9)] + [prompt[:50],
+                                                                                            rng.integers(0, VOCAB, 33)]
+
+
+def _stock_thd_logprobs(model, seqs):
+    lens = [len(s) for s in seqs]
+    cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device="cuda")
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                          max_seqlen_kv=max(lens), total_tokens=sum(lens))
+    ids = torch.as_tensor(np.concatenate(seqs), device="cuda")[None]
+    logits = model(input_ids=ids, position_ids=None, attention_mask=None, packed_seq_params=psp)[0]
+    plan = plan_unshared(seqs).to("cuda")  # rows = the sequences back to back
+    return token_logprobs(logits, plan)[0]
+
+
+def _tree_logprobs(model, seqs):
+    plan = plan_prefix_tree(seqs).to("cuda")
+    psp = TreePackedSeqParams.from_plan(plan)
+    logits = model(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None], attention_mask=None,
+                   packed_seq_params=psp)[0]
+    return token_logprobs(logits[: plan.num_tokens], plan)[0]
+
+
+@torch.no_grad()
+def _hf_logprobs(hf, seqs):
+    out = []
+    for s in seqs:
+        ids = torch.as_tensor(s, device="cuda")[None]
+        logp = torch.log_softmax(hf(input_ids=ids, use_cache=False).logits[0].float(), -1)
+        nxt = torch.cat([ids[0, 1:], ids[0, :1]])  # the last row predicts nothing: 0 below
+        row = logp.gather(-1, nxt[:, None])[:, 0]
+        row[-1] = 0.0
+        out.append(row)
+    return torch.cat(out)
+
+
+def test_tree_model_equals_stock_te_model_and_hugging_face(family):
+    name, hf, stock, tree = family
+    seqs = _forest()
+    weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
+    stock.zero_grad(set_to_none=True)
+    tree.zero_grad(set_to_none=True)
+    ref = _stock_thd_logprobs(stock, seqs)
+    (ref * weights).sum().backward()
+    got = _tree_logprobs(tree, seqs)
+    (got * weights).sum().backward()
+    last = torch.as_tensor(np.cumsum([len(s) for s in seqs]) - 1, device="cuda")
+    keep = torch.ones_like(ref, dtype=torch.bool)
+    keep[last] = False
+    diff = (got.float() - ref.float()).abs()[keep]
+    assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02, (name, float(diff.max()), float(diff.mean()))
+    hf_ref = _hf_logprobs(hf, seqs)[keep]
+    for side in (ref, got):  # bf16 models vs the fp32 reference: the same distance either way
+        assert float((side.float()[keep] - hf_ref).abs().mean()) < 0.05, name
+    grads = dict(stock.named_parameters())
+    for pname, p in tree.named_parameters():
+        g = grads[pname].grad
+        if g is None:
+            continue
+        rel = float((p.grad.float() - g.float()).norm() / g.float().norm().clamp_min(1e-6))
+        assert rel < 0.05, (name, pname, rel)

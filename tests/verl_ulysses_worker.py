@@ -1,0 +1,180 @@
+"""torchrun worker for tests/test_verl_ulysses.py: verl's real FSDP engine (0.8.0 or 0.9.1) under
+DeepSpeed-Ulysses sequence parallelism (``ulysses_sequence_parallel_size`` = world size,
+tiny random Qwen2: 4 query / 2 kv heads), patched vs stock, on gloo (CPU) or NCCL.
+
+Stock: verl's own Ulysses path (rows padded and sliced per rank, verl's all-to-all around
+``_flash_attention_forward``, log-probs gathered with its gradient scaling). Patched: the
+packed tree rows split over the SP ranks (``ps_mcore.fsdp_bridge.sequence_parallel``). Per
+rank: actor log-probs and entropy (one float temperature and per-sample temperatures), the
+PPO loss and every gradient summed over the SP group (what FSDP's reduction sees), critic
+values, value loss and gradients. Test-only shims: ``tests/ulysses_shims.py`` (gloo has no
+all_to_all; no flash-attn kernel on CPU or on the GPU machine).
+
+Usage: ``torchrun --standalone --nproc_per_node SP verl_ulysses_worker.py OUT [cpu|cuda]``;
+rank 0 writes every rank's JSON report to OUT.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import verl_batches  # noqa: F401  (before verl: verl 0.9.1 without a GPU gets the CPU platform)
+
+
+def init(device: str) -> torch.device:
+    if device == "cuda":
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl")
+        return dev
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def stock_ulysses_model(seed: int, value: bool, device: torch.device):
+    """A tiny Qwen2 as verl's FSDP engine builds it for Ulysses: flash_attention_2 (the
+    kernel shimmed), ``apply_monkey_patch(ulysses_sp_size=...)``."""
+    from test_verl_fsdp import make_model
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+
+    model = make_model(seed=seed, value=value).to(device)
+    model.config._attn_implementation_internal = "flash_attention_2"
+    apply_monkey_patch(model, ulysses_sp_size=dist.get_world_size(), use_remove_padding=True)
+    return model
+
+
+def _engine(cls, model, setting):
+    from test_verl_fsdp import make_engine
+    from verl.utils.ulysses import set_ulysses_sequence_parallel_group
+    from verl.workers.engine.fsdp import transformer_impl as impl
+
+    engine = make_engine(impl, cls, model, setting, ulysses_sequence_parallel_size=dist.get_world_size())
+    set_ulysses_sequence_parallel_group(engine.ulysses_parallel_group)  # what train/eval mode sets
+    return engine
+
+
+def _run(cls, model, data, setting, loss_fn, patched):
+    from verl_helpers import fsdp_patchset
+
+    from ps_mcore import setup
+
+    if patched:
+        setup.install([fsdp_patchset()])
+    else:
+        setup.uninstall()
+    engine = _engine(cls, model, setting)
+    model.zero_grad(set_to_none=True)
+    out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+    grads = []
+    for p in model.parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        dist.all_reduce(g, group=engine.ulysses_parallel_group)  # FSDP reduces over data x SP
+        grads.append(g)
+    return out, grads
+
+
+def _grad_rel(a, b) -> float:
+    return max(float((x - y).abs().max()) / max(float(x.abs().max()), 1e-12) for x, y in zip(a, b))
+
+
+def _max_diff(a, b, mask=None) -> float:
+    a, b = a.values().detach().cpu().float(), b.values().detach().cpu().float()
+    if mask is not None:
+        a, b = a[mask], b[mask]
+    return float((a - b).abs().max())
+
+
+def _data(seed, **meta):
+    from verl_batches import WORKLOADS, make_batch
+
+    rng = np.random.default_rng(seed)
+    samples = WORKLOADS["tree"](rng) + WORKLOADS["grpo"](rng, prompts=1) + WORKLOADS["stepwise"](rng, steps=3)
+    return make_batch(samples, rng, **{"temperature": 0.8, "max_token_len_per_gpu": 30, **meta})
+
+
+def actor_report(device, per_sample: bool) -> dict:
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.engine.fsdp import transformer_impl as impl
+    from verl.workers.utils.losses import ppo_loss
+    from verl_batches import sample_temperatures, seq_last_mask, step_tokens, tree_setting
+
+    model = stock_ulysses_model(seed=4, value=False, device=device)
+    data = _data(5)
+    if per_sample:
+        data["temperature"] = sample_temperatures(data.batch_size[0], seed=5)
+    setting = tree_setting()
+    loss_fn = partial(ppo_loss, config=FSDPActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2,
+                                                       entropy_coeff=0.01))
+    cls = impl.FSDPEngineWithLMHead
+    stock_i, _ = _run(cls, model, data, setting, None, patched=False)
+    tree_i, _ = _run(cls, model, data, setting, None, patched=True)
+    stock_t, g_stock = _run(cls, model, data, setting, loss_fn, patched=False)
+    tree_t, g_tree = _run(cls, model, data, setting, loss_fn, patched=True)
+    s, t = stock_i["model_output"], tree_i["model_output"]
+    keep = seq_last_mask(s["log_probs"])
+    n, packed = step_tokens(tree_i)
+    return {
+        "offsets_equal": bool(torch.equal(s["log_probs"].offsets().cpu(), t["log_probs"].offsets().cpu())),
+        "log_probs": _max_diff(s["log_probs"], t["log_probs"], keep),
+        "entropy": _max_diff(s["entropy"], t["entropy"]),
+        "loss": [float(np.sum(stock_t["loss"])), float(np.sum(tree_t["loss"]))],
+        "grad_rel": _grad_rel(g_stock, g_tree),
+        "grad_norm": float(sum(float(g.norm()) for g in g_stock)),
+        "tokens": [n, packed],
+        "micro_batches": len(tree_i["metrics"]["prefix_sharing/tokens_in"]) if "prefix_sharing/tokens_in" in
+        tree_i["metrics"] else 0,
+    }
+
+
+def critic_report(device) -> dict:
+    from verl.workers.config import FSDPCriticConfig
+    from verl.workers.engine.fsdp import transformer_impl as impl
+    from verl.workers.utils.losses import value_loss
+
+    from verl_batches import tree_setting, with_value_targets
+
+    model = stock_ulysses_model(seed=3, value=True, device=device)
+    data = with_value_targets(_data(8, use_dynamic_bsz=False, micro_batch_size_per_gpu=3), seed=8)
+    setting = tree_setting()
+    loss_fn = partial(value_loss, config=FSDPCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
+    cls = impl.FSDPEngineWithValueHead
+    stock_i, _ = _run(cls, model, data, setting, None, patched=False)
+    tree_i, _ = _run(cls, model, data, setting, None, patched=True)
+    stock_t, g_stock = _run(cls, model, data, setting, loss_fn, patched=False)
+    tree_t, g_tree = _run(cls, model, data, setting, loss_fn, patched=True)
+    s, t = stock_i["model_output"]["values"], tree_i["model_output"]["values"]
+    return {
+        "values": _max_diff(s, t),
+        "loss": [float(np.sum(stock_t["loss"])), float(np.sum(tree_t["loss"]))],
+        "grad_rel": _grad_rel(g_stock, g_tree),
+    }
+
+
+def main(out_path: str, device: str = "cpu") -> None:
+    from megatron_shims import write_reports
+    from ulysses_shims import emulate_all_to_all, varlen_attention_from_position_ids
+    from verl.models.transformers import monkey_patch
+
+    dev = init(device)
+    emulate_all_to_all()
+    monkey_patch._flash_attention_forward = varlen_attention_from_position_ids
+    report = {
+        "rank": dist.get_rank(),
+        "actor": actor_report(dev, per_sample=False),
+        "actor_per_sample_temperature": actor_report(dev, per_sample=True),
+        "critic": critic_report(dev),
+    }
+    write_reports(report, out_path)
+    from ps_mcore import setup
+
+    setup.uninstall()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
