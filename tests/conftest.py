@@ -4,7 +4,8 @@
   one per rank of an NCCL world); such tests are skipped, with the reason, where there are
   fewer. GPU test modules set ``pytestmark = pytest.mark.gpu`` and keep what needs CUDA out of
   their import.
-* Fixtures: ``fresh_warnings`` (one-time warnings given again), ``monkeypatch_module``.
+* Fixtures: ``fresh_warnings`` (one-time warnings given again), ``monkeypatch_module``,
+  ``te_gpu_world`` (Transformer Engine on an NCCL world of one).
 * Checks (``from conftest import ...``): :func:`grads_of`, :func:`assert_grads_close`,
   :func:`assert_rows_close`.
 
@@ -47,6 +48,22 @@ def fresh_warnings(monkeypatch):
     from ps_mcore.integrations import patching
 
     monkeypatch.setattr(patching, "_WARNED", set())
+
+
+@pytest.fixture(scope="module")
+def te_gpu_world():
+    """Transformer Engine through megatron-core on an NCCL world of one, for GPU modules that
+    build TE specs (``pytest.mark.usefixtures("te_gpu_world")``). Skips, naming the reason,
+    where TE does not import or megatron-core does not see it; TE is imported here, not when the
+    module is collected (it cannot import without CUDA)."""
+    pytest.importorskip("transformer_engine")
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not gpt_layer_specs.HAVE_TE:
+        pytest.skip("megatron-core does not see transformer-engine")
+    from megatron_shims import init_gpu_megatron
+
+    init_gpu_megatron()
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,8 @@ def window_forest(seed: int, window: int, num_seqs: int = 6, vocab: int = 50) ->
     """A root of about three windows, then sequences branching off earlier ones at random
     depths (inside the first window, across later ones) and running on for up to two windows,
     plus a prefix of another: contexts several windows long, windows that cross branch points
-    and branches shorter than a window."""
+    and branches shorter than a window. The seeds the tests use branch inside a branch
+    (asserted)."""
     rng = np.random.default_rng(seed)
     seqs = [rng.integers(0, vocab, 3 * window + 2).tolist()]
     while len(seqs) < num_seqs - 1:
@@ -142,7 +143,7 @@ def window_forest(seed: int, window: int, num_seqs: int = 6, vocab: int = 50) ->
         cut = int(rng.integers(1, len(base) + 1))
         seqs.append(base[:cut] + rng.integers(0, vocab, int(rng.integers(1, 2 * window + 2))).tolist())
     seqs.append(seqs[0][: int(rng.integers(1, len(seqs[0])))])
-    return seqs
+    return assert_branches(seqs)
 
 
 @st.composite

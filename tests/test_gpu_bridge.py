@@ -21,9 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("transformer_engine")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("te_gpu_world")]
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 if importlib.util.find_spec("megatron.bridge") is None:
@@ -37,14 +35,6 @@ from ps_mcore.layer_specs import TreePackedSeqParams, provider_spec_field, tree_
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe"] + (
     ["nemotron_h"] if importlib.util.find_spec("mamba_ssm") is not None else [])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nccl_world_1():
-    from megatron_shims import init_gpu_megatron
-
-    init_gpu_megatron()
-    yield
 
 
 def _build(provider) -> torch.nn.Module:

@@ -23,9 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("transformer_engine")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("te_gpu_world")]
 pytest.importorskip("megatron.core")
 
 import torch.nn.functional as F  # noqa: E402
@@ -40,22 +38,11 @@ from ps_mcore.layer_specs.fp8 import fp8_thd_layout, tree_row_multiple  # noqa: 
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
 from ps_mcore.workloads import make_workload  # noqa: E402
 
-if not stock_specs.HAVE_TE:
-    pytest.skip("megatron-core does not see transformer-engine", allow_module_level=True)
-
 VOCAB = 512
 RECIPES = ["delayed", "tensorwise", "blockwise", "mxfp8"]
 WORKLOADS = ["grpo-math", "agent-tree", "step-wise"]
 WARMUP = 3
 ROWS: list[tuple] = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nccl_world_1():
-    from megatron_shims import init_gpu_megatron
-
-    init_gpu_megatron()
-    yield
 
 
 def _config(recipe: str | None) -> TransformerConfig:

@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("verl.utils.kernel.linear_cross_entropy")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("te_gpu_world")]
 pytest.importorskip("megatron.core")
 
 import torch.nn.functional as F  # noqa: E402
@@ -37,17 +37,6 @@ from ps_mcore.logprobs import token_logprobs  # noqa: E402
 
 VOCAB = 512
 EXTRA = "decoder.layers.0.self_attention.core_attention._extra_state"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _nccl_world_1():
-    pytest.importorskip("transformer_engine")  # here, not at import: TE cannot import without CUDA
-    if not stock_specs.HAVE_TE:
-        pytest.skip("megatron-core does not see transformer-engine")
-    from megatron_shims import init_gpu_megatron
-
-    init_gpu_megatron()
-    yield
 
 
 def _config(fusion: bool = True, **kw) -> TransformerConfig:

@@ -22,6 +22,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from conftest import grads_of  # noqa: E402
 from forests import nasty_forests, window_forest  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, allow_local_expert_bias_backward, build_gpt, causal_mask, enable_cpu_moe,
@@ -91,12 +92,6 @@ def _weights(seqs, dtype):
     return torch.from_numpy(np.repeat(w, [len(s) for s in seqs])).to(dtype)
 
 
-def _grads(model) -> dict:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 def stock_reference(stock, seqs):
     """Per-sequence stock logits, log-probs and the gradients of the weighted loss."""
     w = _weights(seqs, next(stock.parameters()).dtype)
@@ -104,7 +99,7 @@ def stock_reference(stock, seqs):
     lp = reference_logprobs(logits, seqs)
     probe = torch.randn(len(w), VOCAB, generator=torch.Generator().manual_seed(1)).to(w.dtype)
     ((w * lp).sum() + 1e-2 * (torch.cat(logits) * probe).sum()).backward()
-    return torch.cat(logits).detach(), lp.detach(), _grads(stock), probe
+    return torch.cat(logits).detach(), lp.detach(), grads_of(stock), probe
 
 
 def tree_run(tree, seqs, probe, pad_to: int = 1):
@@ -115,7 +110,7 @@ def tree_run(tree, seqs, probe, pad_to: int = 1):
     lp, _ = token_logprobs(logits, plan)
     w = _weights(seqs, lp.dtype)
     ((w * lp).sum() + 1e-2 * (plan.unpack(logits) * probe).sum()).backward()
-    return plan.unpack(logits).detach(), lp.detach(), _grads(tree), plan
+    return plan.unpack(logits).detach(), lp.detach(), grads_of(tree), plan
 
 
 def assert_matches_stock(stock, tree, seqs, tol=FP32, pad_to: int = 1):
