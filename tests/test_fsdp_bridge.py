@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 
 from conftest import assert_grads_close, grads_of  # noqa: E402
-from forests import assert_branches  # noqa: E402
+from forests import assert_branches, forests  # noqa: E402
 from gloo_world import run_in_gloo_world  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -203,17 +203,15 @@ def test_random_forests_match_per_sequence(model_name, seed):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seqs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=10), min_size=1, max_size=6),
-    min_prefix_len=st.integers(1, 4),
-)
+@given(seqs=forests(max_seqs=6, max_len=12), min_prefix_len=st.integers(1, 4))
 def test_hypothesis_forests_match_per_sequence(seqs, min_prefix_len):
-    # A 3-letter alphabet makes shared prefixes, duplicates and branch points common.
+    # Half random shapes (3-letter roots: shared runs, duplicates, branch points by chance),
+    # half trees that branch inside a branch.
     assert_tree_matches(make_model("qwen2-gqa2-d24"), seqs, min_prefix_len=min_prefix_len)
 
 
 def test_sliding_window_wider_than_every_context_is_exact():
-    seqs = _nasty("grpo")
+    seqs = _nasty("tree")
     model = make_model("qwen2-gqa2-d24", use_sliding_window=True, sliding_window=64, max_window_layers=0)
     assert_tree_matches(model, seqs)
 
@@ -619,9 +617,9 @@ def test_compiled_model_matches_eager_without_recompiling_per_plan(checkpointing
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compiled = torch.compile(model, backend="aot_eager", dynamic=True)
-    forests = [random_forest(5), _nasty("grpo"), _nasty("deep-chain")]
+    batches = [random_forest(5), _nasty("grpo"), _nasty("deep-chain")]
     graphs = []
-    for seqs in forests:
+    for seqs in batches:
         plan = plan_prefix_tree(seqs, min_prefix_len=1)
         weights = _sample_weights(seqs)
         out, grads = tree_run(compiled, plan, weights)
@@ -632,7 +630,7 @@ def test_compiled_model_matches_eager_without_recompiling_per_plan(checkpointing
         assert_grads_close(grads, ref_grads, **GRAD_TOL)
         assert model.config._attn_implementation == "sdpa"
         graphs.append(counters["stats"]["unique_graphs"])
-    assert len({plan_prefix_tree(f).num_tokens for f in forests}) == 3
+    assert len({plan_prefix_tree(f).num_tokens for f in batches}) == 3
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs  # no recompile for new plans
 
 
