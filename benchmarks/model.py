@@ -486,8 +486,11 @@ def run(args) -> str:
 def stock_te_refusal(stock, shape: DecoderShape, device: str) -> str | None:
     """Why the stock TE model cannot run a forward + backward on an unshared THD batch here
     (e.g. no TE attention backend takes learnable sinks on THD with this cuDNN), or None. Two
-    sequences longer than the window, so a windowed layer really windows."""
-    lengths = [max(64, 2 * (shape.window or 0) + 17), 33]
+    sequences longer than the window, so a windowed layer really windows; each a multiple of 16
+    and 128 in all, so a stock model under ``--fp8`` takes them as verl's FP8 THD layout would
+    (a probe that fails on FP8 row counts would name the wrong reason and change the baseline)."""
+    first = -(-max(64, 2 * (shape.window or 0) + 17) // 16) * 16
+    lengths = [first, -(-(first + 48) // 128) * 128 - first]
     ids = torch.randint(0, shape.vocab, (sum(lengths),), device=device)
     pos = torch.cat([torch.arange(n) for n in lengths]).to(device)
     try:
@@ -570,7 +573,7 @@ def te_table(args, device: str, dtype: torch.dtype, rows: list[list], notes: lis
     title = _title(
         model, "STOCK TE spec (TE fused attention with TE's window and sinks, fused RoPE) on the unshared "
         "THD batch (TE stock)" + (f" in verl's FP8 THD layout, FP8 {args.fp8} recipe (hybrid) in both, tree "
-                                  "rows padded to 128" if getattr(args, "fp8", None) else ""),
+                                  "rows padded to 128" if args.fp8 else ""),
         "to_tree_spec(TE spec) on TreePackedSeqParams, fused RoPE on", device, dtype,
         "models", args.backend)
     title += ("; ideal counts the windowed layers' (query, key) pairs inside their window; "
