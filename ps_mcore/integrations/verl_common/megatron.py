@@ -254,10 +254,8 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
             return reason
     if len(engine.module) > 1:
         return "virtual pipeline parallelism (several model chunks)"
-    if not has_tree_attention(model):
+    if not has_tree_attention(model):  # also what tree_build_refusal kept stock (dynamic CP, QAT, ...)
         return "the model was not built with tree layer specs"
-    if getattr(engine.engine_config, "dynamic_context_parallel", False):
-        return "dynamic context parallelism"
     config = engine.engine_config
     if getattr(config, "pad_to_length", False) and config.use_remove_padding:  # verl 0.9.1's static padding
         return "pad_to_length (padding micro-batches to fixed length buckets)"
