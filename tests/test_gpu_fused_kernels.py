@@ -5,9 +5,12 @@ A tiny random Qwen2 (bf16) runs verl's fused forward (``forward_with_triton_back
 ways: stock, one sequence at a time (the unshared batch); tree, the decoder once over the
 packed forest and the kernel on the plan's distinct (row, next-token) pairs
 (``ps_mcore.integrations.verl_common.fused``). Both are measured against an fp32 reference (the
-same weights in fp32, plain ``log_softmax``): the tree's error in log-probs, entropy and the
-gradients of a per-sample weighted loss is no larger than stock's (factor 1.5 plus a floor of
-bf16 noise). One table per run.
+same weights in fp32, plain ``log_softmax``): the tree's largest log-prob and entropy error no
+larger than stock's (factor 1.5 plus a floor of bf16 noise: a token's value is one number whose
+rounding differs between the two runs), and each row of every gradient of a per-sample
+weighted loss within twice stock's own error on that row plus 5% of the tensor's largest value
+(a row's largest error, not a norm over the tensor: one wrong row fails). One table per run:
+the largest errors, gradients as the largest row error relative to its tensor's largest value.
 
     python -m pytest -q -s tests/test_gpu_fused_kernels.py       # on the GPU machine, verl carried
 """
@@ -25,6 +28,7 @@ pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("verl.utils.kernel.linear_cross_entropy")
 
+from conftest import assert_rows_close, row_errors  # noqa: E402
 from verl.models.transformers import dense_common  # noqa: E402
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -102,13 +106,13 @@ def _run(model, fn, seqs, weights):
     model.zero_grad(set_to_none=True)
     lp, ent, mask, loss = _outputs(*fn(model, seqs), seqs, weights)
     loss.backward()
-    return lp, ent, mask, [p.grad.float().clone() for p in model.parameters()]
+    return lp, ent, mask, {n: p.grad.float().clone() for n, p in model.named_parameters()}
 
 
 def _errors(run, ref):
     lp, ent, mask, grads = run
     rlp, rent, _, rgrads = ref
-    grad = max(float((g - r).abs().max()) / max(float(r.abs().max()), 1e-12) for g, r in zip(grads, rgrads))
+    grad = max(float(row_errors(grads[n], r).max()) / max(float(r.abs().max()), 1e-12) for n, r in rgrads.items())
     return float((lp - rlp)[mask].abs().max()), float((ent - rent)[mask].abs().max()), grad
 
 
@@ -131,11 +135,15 @@ def test_tree_fused_error_no_larger_than_stock(name, seqs):
     n = sum(len(s) for s in seqs)
     weights = torch.randn(2, n, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
     ref = _run(ref_model, _reference, seqs, weights)
-    stock = _errors(_run(model, _stock, seqs, weights), ref)
-    tree = _errors(_run(model, _tree, seqs, weights), ref)
+    stock_run, tree_run = _run(model, _stock, seqs, weights), _run(model, _tree, seqs, weights)
+    stock, tree = _errors(stock_run, ref), _errors(tree_run, ref)
     ROWS.append((name, n, *stock, *tree))
     print(f"\n{'workload':>18} {'N':>5} | stock: {'lp':>8} {'ent':>8} {'grad':>8} | tree: {'lp':>8} {'ent':>8} {'grad':>8}")
     for r in ROWS:
         print(f"{r[0]:>18} {r[1]:>5} |        {r[2]:8.2e} {r[3]:8.2e} {r[4]:8.2e} |       {r[5]:8.2e} {r[6]:8.2e} {r[7]:8.2e}")
-    for s_err, t_err, floor in zip(stock, tree, (2e-2, 2e-2, 2e-2)):
-        assert t_err <= 1.5 * s_err + floor, (name, stock, tree)
+    for s_err, t_err in zip(stock[:2], tree[:2]):
+        assert t_err <= 1.5 * s_err + 2e-2, (name, stock, tree)
+    g_ref, g_stock, g_tree = ref[3], stock_run[3], tree_run[3]
+    assert g_tree.keys() == g_stock.keys() == g_ref.keys()
+    for pname, g in g_ref.items():
+        assert_rows_close(g_tree[pname], g, 5e-2, f"{name} d {pname}", baseline=g_stock[pname])
