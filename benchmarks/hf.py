@@ -2,7 +2,8 @@
 unshared batch vs. prefix tree, on every standard workload.
 
     python benchmarks/hf.py [--model qwen2|gpt-oss|gemma3] [--layers N] [--out FILE]   # CUDA
-    python benchmarks/hf.py --tiny [--model ...]                                       # CPU smoke run
+    python benchmarks/hf.py --autocast [--model ...]       # plain bf16 vs fp32 weights under autocast
+    python benchmarks/hf.py --tiny [--autocast] [--model ...]                          # CPU smoke run
 
 Models: ``qwen2`` (Qwen2.5-1.5B shapes, 4 layers); ``gpt-oss`` (GPT-OSS-20B shapes: 64/8
 heads x 64, 32 experts top-4, alternating window-128 and full layers, per-head sinks; 4
@@ -23,6 +24,13 @@ restarting per sequence, one causal varlen segment per sequence.
 Log-probs come from the same ``token_logprobs`` as the tree's.
 
 Tree: ``forward_tree`` (attention backend ``auto``) on the prefix forest, same weights.
+
+``--autocast``: what HF Trainer / accelerate ``bf16=True`` run, fp32 weights with the forward
+under ``torch.autocast(bfloat16)`` (CPU autocast with ``--tiny``), next to the plain run (bf16
+weights; fp32 with ``--tiny``) of the same weights: baseline and tree time and peak memory in
+each, and the tree/baseline peak-memory ratio under autocast over the plain one (the tree
+casts q/k/v to the autocast dtype as sdpa and FlashAttention-2 do, so it should stay near 1).
+
 Ideal = FLOP-weighted speedup (``ps_mcore.flops.DecoderShape``: linear FLOPs scale with
 tokens, attention FLOPs with (query, key) pairs, windowed layers counting windowed pairs, MoE
 counting the active experts; LM head included).
@@ -30,6 +38,7 @@ counting the active experts; LM head included).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -106,12 +115,15 @@ def decoder_shape(config) -> DecoderShape:
 
 class Steps(PairedSteps):
     """The baseline and tree fwd+bwd steps of one workload (weights: one per sample, like
-    advantages)."""
+    advantages); ``autocast``: the dtype both forwards run under ``torch.autocast`` (the
+    backward outside it, as HF Trainer runs it), None for none."""
 
-    def __init__(self, model, sequences, device, stock_packed: bool):
+    def __init__(self, model, sequences, device, stock_packed: bool, autocast: torch.dtype | None = None):
         self.model = model
         self.models = (model,)
         self.stock_packed = stock_packed
+        self.device_type = torch.device(device).type
+        self.autocast = autocast
         self.plan = plan_prefix_tree(sequences).to(device)  # planner defaults
         self.flat_plan = plan_unshared(sequences).to(device)  # rows = the sequences back to back
         lengths = [len(s) for s in sequences]
@@ -120,17 +132,48 @@ class Steps(PairedSteps):
         weights = torch.empty(len(sequences)).uniform_(-1, 1, generator=gen)
         self.token_weights = torch.repeat_interleave(weights, torch.tensor(lengths)).to(device)
 
+    def _precision(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast)
+
     def base_logprobs(self):
         if not self.stock_packed:
             return self.tree_logprobs(self.flat_plan)
         disable_tree_attention(self.model)  # the stock model, as verl runs it
-        logits = self.model(input_ids=self.flat_plan.input_ids[None], position_ids=self.base_pos,
-                            use_cache=False).logits[0]
-        return token_logprobs(logits, self.flat_plan)[0]
+        with self._precision():
+            logits = self.model(input_ids=self.flat_plan.input_ids[None], position_ids=self.base_pos,
+                                use_cache=False).logits[0]
+            return token_logprobs(logits, self.flat_plan)[0]
 
     def tree_logprobs(self, plan=None):
         plan = self.plan if plan is None else plan
-        return forward_tree(self.model, plan, return_logits=False, compute_logprobs=True).logprobs
+        with self._precision():
+            return forward_tree(self.model, plan, return_logits=False, compute_logprobs=True).logprobs
+
+
+def precision_row(name: str, m, steps) -> list:
+    """workload, N, T, base ms, tree ms, base MiB, tree MiB, mem ratio, max |dlogp|."""
+    return [name, m.stats["N"], m.stats["T"], m.base_ms, m.tree_ms, m.base_mib, m.tree_mib,
+            m.tree_mib / m.base_mib, steps.max_logprob_diff()]
+
+
+def autocast_table(args, model, shape, device, plain: str, stock_packed: bool, scale: float) -> str:
+    """Both precisions of the same weights per workload: ``plain`` (the model as built), then
+    fp32 weights under ``torch.autocast(bfloat16)``; the tree/baseline peak-memory ratio of
+    each and the autocast one over the plain one."""
+    rows = {}
+    for precision, autocast in ((plain, None), ("amp", torch.bfloat16)):
+        if autocast is not None:
+            model.float()  # the same weights, now fp32 under autocast
+        rows[precision] = workload_rows(
+            args, shape, lambda seqs, a=autocast: Steps(model, seqs, device, stock_packed, a), precision_row, scale,
+            reset=lambda: model.zero_grad(set_to_none=True))
+    cols = ["base ms", "tree ms", "base MiB", "tree MiB", "mem ratio"]
+    headers = (["workload", "N", "T"] + [f"{plain} {c}" for c in cols] + [f"amp {c}" for c in cols]
+               + [f"amp/{plain} mem ratio", "amp max |dlogp|"])
+    table = [p[:8] + a[3:8] + [a[7] / p[7], a[8]] for p, a in zip(rows[plain], rows["amp"])]
+    return markdown_table(headers, table)
 
 
 def run(args) -> str:
@@ -140,8 +183,7 @@ def run(args) -> str:
     model = build_model(args.model, args.tiny, args.layers, device, dtype)
     shape = decoder_shape(model.config)
     stock_packed = args.model in STOCK_PACKED
-    rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device, stock_packed), decoder_row, scale,
-                         reset=lambda: model.zero_grad(set_to_none=True))
+    plain = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
     c = model.config
     backend = resolve_backend("auto", torch.empty(1, device=device, dtype=dtype))
     base = (f"the stock model, varlen attention per sequence ({c._attn_implementation})" if stock_packed
@@ -150,18 +192,32 @@ def run(args) -> str:
     title = (
         f"HF {type(model).__name__} ({'tiny' if args.tiny else args.model} shapes: hidden {c.hidden_size}, "
         f"{c.num_attention_heads}/{c.num_key_value_heads} heads x {c.head_dim}, vocab {c.vocab_size}, "
-        f"{c.num_hidden_layers} layers{window}, random init, {str(dtype).split('.')[-1]}), fwd+bwd with "
+        f"{c.num_hidden_layers} layers{window}, random init, {plain}), fwd+bwd with "
         "token log-probs; baseline = the unshared sequences packed into one row (verl's remove-padding "
-        f"layout), {base}; tree = forward_tree (auto backend -> {backend}, kernel per plan); attn ratio = "
-        "the full-attention layers' (the ideal counts windowed pairs); MiB = peak allocated above the model"
+        f"layout), {base}; tree = forward_tree (auto backend -> {backend}, kernel per plan); "
     )
-    return f"{title}\n\n{environment()}\n\n{markdown_table(DECODER_HEADERS, rows)}\n"
+    if args.autocast:
+        title += (
+            f"{plain} = the model in {plain}, amp = the same weights in fp32 with the forward under "
+            f"torch.autocast({device}, bfloat16); mem ratio = tree MiB / base MiB, MiB = peak allocated "
+            f"above the model; amp/{plain} mem ratio: the autocast ratio over the plain one"
+        )
+        table = autocast_table(args, model, shape, device, plain, stock_packed, scale)
+    else:
+        title += ("attn ratio = the full-attention layers' (the ideal counts windowed pairs); MiB = peak "
+                  "allocated above the model")
+        table = markdown_table(DECODER_HEADERS, workload_rows(
+            args, shape, lambda seqs: Steps(model, seqs, device, stock_packed), decoder_row, scale,
+            reset=lambda: model.zero_grad(set_to_none=True)))
+    return f"{title}\n\n{environment()}\n\n{table}\n"
 
 
 def main() -> None:
     parser = model_benchmark_parser(__doc__)
     parser.set_defaults(layers=None)  # the model's own default (MODELS)
     parser.add_argument("--model", choices=list(MODELS), default="qwen2")
+    parser.add_argument("--autocast", action="store_true",
+                        help="also run fp32 weights under torch.autocast(bfloat16) and compare peak-memory ratios")
     args = parse_model_benchmark_args(parser, "benchmarks/hf.py")
     report = run(args)
     write_report(report, args.out)

@@ -30,6 +30,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from ps_mcore.attention import _autocast_inputs, _no_autocast
+
 ATTN_NAME = "varlen_fa2"
 
 
@@ -55,6 +57,14 @@ def varlen_fa2_attention(module, query, key, value, attention_mask, scaling=None
     -> (``[B, S, Hq, D]``, None)."""
     if dropout:
         raise NotImplementedError(f"{ATTN_NAME}: attention dropout is not supported")
+    # fp32 q/k/v (RoPE under autocast) in the autocast dtype, as transformers' flash_attention_2
+    # casts them; the kernel then runs outside autocast
+    query, key, value = _autocast_inputs(query, key, value)
+    with _no_autocast(query.device.type):
+        return _varlen_fa2_attention(query, key, value, attention_mask, scaling, position_ids)
+
+
+def _varlen_fa2_attention(query, key, value, attention_mask, scaling, position_ids):
     b, _, s, d = query.shape
     sk = key.shape[2]
     scale = scaling if scaling is not None else d ** -0.5
