@@ -155,5 +155,8 @@ def test_tree_model_equals_stock_te_model_and_hugging_face(family):
     # the gradients' reference is Hugging Face's model: each token's log-prob (fp32 both)
     assert_rows_close(lp32[keep], hf_ref, 1e-2, f"{name} fp32 reference log-probs vs HF")
     assert g_tree.keys() == g_stock.keys() == g32.keys()
+    unreached = {n for n, g in g32.items() if not g.any()}  # no token reaches it: zero in the tree too
+    assert len(unreached) < len(g32) // 4, (name, sorted(unreached))
     for pname, g in g32.items():
-        assert_rows_close(g_tree[pname], g, 5e-2, f"{name} d {pname}", baseline=g_stock[pname])
+        assert_rows_close(g_tree[pname], g, 5e-2, f"{name} d {pname}", baseline=g_stock[pname],
+                          zero_ok=pname in unreached)
