@@ -54,7 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import verl_flash_fallback  # noqa: E402
-from common import PairedSteps, environment, markdown_table, measure, write_report  # noqa: E402
+from common import PairedSteps, add_run_arguments, environment, markdown_table, measure, parse_model_benchmark_args, write_report  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared  # noqa: E402
 from ps_mcore.attention import resolve_backend  # noqa: E402
@@ -192,9 +192,9 @@ def make_batch(model, ids: dict, w: VLMWorkload, seed: int, dtype) -> VLMBatch:
     batch = VLMBatch([], [], [])
     for _ in range(w.prompts):
         pixels = torch.from_numpy(rng.normal(size=(grid[1] * grid[2], patch_dim)).astype(np.float32)).to(dtype)
-        head = length(w.text // 2)
+        placeholders = np.full(grid[1] * grid[2] // v.spatial_merge_size**2, ids["IMAGE"])
         prompt = np.concatenate([
-            rng.integers(1, vocab, head), [ids["VISION_START"]], np.full(grid[1] * grid[2] // v.spatial_merge_size**2, ids["IMAGE"]),
+            rng.integers(1, vocab, length(w.text // 2)), [ids["VISION_START"]], placeholders,
             [ids["VISION_END"]], rng.integers(1, vocab, length(w.text - w.text // 2)),
         ])
         for _ in range(w.n):
@@ -330,16 +330,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="text decoder layers (default 9; --tiny 2)")
     p.add_argument("--vision-blocks", type=int, default=None, help="vision tower blocks (default 8; --tiny 2)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, small batches")
-    p.add_argument("--out", help="also write the table (markdown) here")
-    args = p.parse_args()
-    if not args.tiny and not torch.cuda.is_available():
-        sys.exit("benchmarks/vlm.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
+    add_run_arguments(p, "CPU, tiny dims, small batches")
+    args = parse_model_benchmark_args(p, "benchmarks/vlm.py")
     if args.tiny:
-        args.warmup, args.iters = min(args.warmup, 1), min(args.iters, 2)
         args.workloads = [w for w in args.workloads or TINY_WORKLOADS if w in TINY_WORKLOADS]
     args.layers = args.layers or (2 if args.tiny else 9)
     args.vision_blocks = args.vision_blocks or (2 if args.tiny else 8)

@@ -116,9 +116,9 @@ def hf_config(family: str, layers: int | None = None):
     raise ValueError(f"unknown family {family!r}")
 
 
-# the tiny Qwen2.5-VL's special tokens (above the text ids, inside its vocabulary)
-VLM_TOKENS = dict(image_token_id=VOCAB + 22, video_token_id=VOCAB + 23, vision_start_token_id=VOCAB + 24,
-                  vision_end_token_id=VOCAB + 25, bos_token_id=VOCAB + 26, eos_token_id=VOCAB + 27)
+# the tiny Qwen2.5-VL's special tokens (tests/vlm_samples.py; above the text ids, inside its vocabulary)
+VLM_TOKENS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153,
+                  bos_token_id=154, eos_token_id=155)
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "nemotron_h", "gpt_oss")
 

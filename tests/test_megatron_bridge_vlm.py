@@ -14,6 +14,9 @@ row's mrope positions (:func:`~ps_mcore.layer_specs.vision_language_tree_forward
 log-probs and every gradient of a per-sample-weighted loss (vision tower included), on batches
 with images, without images, with different images under one prompt, mixed, and responses that
 branch at several depths. The stock model is checked against the Hugging Face model per sample.
+Through verl 0.9.1's Megatron engine (the model built by verl's own Bridge path): the log-prob
+pass and a PPO update, patched vs stock, on the same layouts (log-probs, entropy, loss, every
+gradient).
 Megatron-Bridge 0.6.2 does not carry ``mrope_section`` over from the checkpoint (it keeps
 Qwen2.5-VL's 16/24/24): the test sets the tiny model's on the provider.
 
@@ -29,7 +32,7 @@ from bridge_helpers import require_bridge
 
 require_bridge()
 
-from bridge_helpers import VLM_TOKENS, bridge_and_provider, build, cpu_bridge, load_strictly, write_hf_checkpoint  # noqa: E402,F401
+from bridge_helpers import bridge_and_provider, build, cpu_bridge, load_strictly, write_hf_checkpoint  # noqa: E402,F401
 
 from conftest import assert_grads_close, grads_of  # noqa: E402
 
@@ -44,9 +47,7 @@ from ps_mcore.layer_specs import (  # noqa: E402
 )
 from ps_mcore.multimodal import image_key, keyed_sequence, packed_image_order, row_values, with_tokens  # noqa: E402
 
-IMAGE, START, END = VLM_TOKENS["image_token_id"], VLM_TOKENS["vision_start_token_id"], VLM_TOKENS["vision_end_token_id"]
-PATCH_DIM = 3 * 1 * 2 * 2  # channels x temporal patch x patch^2
-MERGE = 2
+from vlm_samples import IMAGE, MERGE, image_prompt, random_image  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -69,54 +70,51 @@ def build_models(path):
 
 
 def _image(rng, grid=(1, 8, 4)):
-    t, h, w = grid
-    return torch.from_numpy(rng.normal(size=(t * h * w, PATCH_DIM)).astype(np.float32)), grid
+    return random_image(rng, grid)
 
 
 def _prompt(rng, image):
-    head = rng.integers(1, 128, int(rng.integers(2, 5))).tolist()
-    tail = rng.integers(1, 128, int(rng.integers(1, 4))).tolist()
-    if image is None:
-        return head + tail
-    t, h, w = image[1]
-    return head + [START] + [IMAGE] * (t * h * w // MERGE**2) + [END] + tail
+    return image_prompt(rng, image, text_below=128, head=(2, 5), tail=(1, 4))
 
 
 def _text(rng, low, high):
     return rng.integers(1, 128, int(rng.integers(low, high))).tolist()
 
 
-def vlm_samples(rng, layout: str):
-    """(token sequences, the image of each sample or None)."""
-    seqs, images = [], []
+def vlm_triples(rng, layout: str):
+    """((prompt, response, uid) per sample, the image of each sample or None)."""
+    samples, images = [], []
 
-    def group(prompt_image, n, responses=None):
-        prompt = _prompt(rng, prompt_image)
+    def group(prompt_image, n, uid, responses=None, prompt=None):
+        prompt = prompt or _prompt(rng, prompt_image)
         for i in range(n):
-            seqs.append(prompt + (responses[i] if responses else _text(rng, 2, 6)))
+            samples.append((prompt, responses[i] if responses else _text(rng, 2, 6), uid))
             images.append(prompt_image)
 
     if layout == "images":  # 2 GRPO groups, each prompt with its own image
-        group(_image(rng), 3)
-        group(_image(rng, (1, 4, 6)), 3)
+        group(_image(rng), 3, "u0")
+        group(_image(rng, (1, 4, 6)), 3, "u1")
     elif layout == "text-only":
-        group(None, 3)
-        group(None, 2)
+        group(None, 3, "u0")
+        group(None, 2, "u1")
     elif layout == "different-images":  # one text prompt, two images, two samples each
         prompt = _prompt(rng, _image(rng))
-        for _ in range(2):
-            image = _image(rng)
-            for _ in range(2):
-                seqs.append(prompt + _text(rng, 2, 6))
-                images.append(image)
+        group(_image(rng), 2, "u0", prompt=prompt)
+        group(_image(rng), 2, "u0", prompt=prompt)
     elif layout == "mixed":
-        group(_image(rng), 2)
-        group(None, 2)
+        group(_image(rng), 2, "u0")
+        group(None, 2, "u1")
     else:  # "branching": responses that share a first part, then branch again (3 depths)
         a, b = _text(rng, 2, 4), _text(rng, 1, 3)
         responses = [a + b + _text(rng, 1, 3), a + b + _text(rng, 1, 3), a + _text(rng, 1, 4), [a[0]], _text(rng, 1, 3)]
-        group(_image(rng), 5, responses)
-    return [np.asarray(s, dtype=np.int64) for s in seqs], images
+        group(_image(rng), 5, "u0", responses)
+    return samples, images
+
+
+def vlm_sequences(rng, layout: str):
+    """(token sequences, the image of each sample or None)."""
+    samples, images = vlm_triples(rng, layout)
+    return [np.asarray(p + r, dtype=np.int64) for p, r, _ in samples], images
 
 
 def _image_inputs(images):
@@ -188,7 +186,7 @@ LAYOUTS = ["images", "text-only", "different-images", "mixed", "branching"]
 def test_stock_model_equals_hugging_face(models):
     """The loaded checkpoint means the same model on both sides (an independent reference)."""
     hf, stock, _ = models
-    seqs, images = vlm_samples(np.random.default_rng(0), "mixed")
+    seqs, images = vlm_sequences(np.random.default_rng(0), "mixed")
     with torch.no_grad():
         got = stock_logprobs(stock, seqs, images)
         offset = 0
@@ -206,7 +204,7 @@ def test_stock_model_equals_hugging_face(models):
 def test_tree_equals_stock(models, layout):
     _, stock, tree = models
     assert any(isinstance(m, TreeCoreAttention) for m in tree.modules())
-    seqs, images = vlm_samples(np.random.default_rng(LAYOUTS.index(layout) + 1), layout)
+    seqs, images = vlm_sequences(np.random.default_rng(LAYOUTS.index(layout) + 1), layout)
     weights = _weights(seqs)
     for m in (stock, tree):
         m.zero_grad(set_to_none=True)
@@ -230,11 +228,117 @@ def test_refusals(models):
     plan = plan_prefix_tree([[1, 2, 3], [1, 2, 4]], min_prefix_len=1)
     psp = TreePackedSeqParams.from_plan(plan)
     assert "is not a Megatron-Bridge Qwen2.5-VL-style model" in vision_language_tree_refusal(tree.language_model, psp)
-    assert "TreePackedSeqParams" in vision_language_tree_refusal(tree, None)
-    assert vision_language_tree_refusal(tree, psp) is None
+    assert "TreePackedSeqParams" in vision_language_tree_refusal(tree, object())
+    assert vision_language_tree_refusal(tree, psp) is None and vision_language_tree_refusal(tree) is None
     with pytest.raises(ValueError, match=r"position_ids must be \[3, 1, T_pad=4\]"):
         vision_language_tree_forward(tree, plan.input_ids[None], psp.position_ids[None], psp)
     # 1-D tree positions handed to the mrope language model: its table does not cover the rows
     with pytest.raises(ValueError, match="multimodal RoPE on a tree: the rotary table has"):
         tree.language_model(input_ids=plan.input_ids[None], position_ids=torch.zeros(3, 1, 2, dtype=torch.long),
                             attention_mask=None, packed_seq_params=psp)
+
+
+# ----------------------------------------------------------------------------- verl's engine
+
+
+@pytest.fixture(scope="module")
+def engine_impl():
+    pytest.importorskip("verl")
+    from verl.workers.engine.megatron import transformer_impl as impl
+    from verl_batches import cpu_forward_backward_func
+
+    from ps_mcore import setup
+
+    stock = impl.get_forward_backward_func
+    impl.get_forward_backward_func = cpu_forward_backward_func
+    yield impl
+    impl.get_forward_backward_func = stock
+    setup.uninstall()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_5_vl_engine")
+    hf, _ = write_hf_checkpoint("qwen2_5_vl", path, seed=7)
+    return path, hf
+
+
+def _engine(impl, path, hf, patched: bool, remove_padding: bool):
+    from bridge_helpers import ENGINE_CPU_OVERRIDES, bridge_engine
+    from verl_helpers import megatron_patchset
+
+    from ps_mcore import setup
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig, PrefixSharingSetting
+
+    if patched:
+        setup.install([megatron_patchset()])
+    else:
+        setup.uninstall()
+    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="prompt_only", min_prefix_len=4,
+                                                             min_saved_fraction=0.0))
+    overrides = dict(ENGINE_CPU_OVERRIDES, mrope_section=hf.config.text_config.rope_parameters["mrope_section"])
+    return bridge_engine(impl.MegatronEngineWithLMHead, path, setting, use_remove_padding=remove_padding,
+                         override_transformer_config=overrides)
+
+
+def verl_vlm_batch(hf, samples, images, rng):
+    """verl's worker batch: nested ids, 4-row positions (text, then mrope), multi_modal_inputs."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    from verl_batches import make_batch
+
+    data = make_batch(samples, rng)
+    seqs = [np.asarray(p + r) for p, r, _ in samples]
+    positions = mrope_positions(hf.model, seqs, images)
+    offsets = np.cumsum([0] + [len(s) for s in seqs])
+    rows = [torch.cat([torch.arange(b - a)[None], positions[:, a:b]]) for a, b in zip(offsets[:-1], offsets[1:])]
+    data["position_ids"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    inputs = [{} if im is None else {"pixel_values": im[0], "image_grid_thw": torch.tensor([im[1]])} for im in images]
+    data["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(x) for x in inputs])
+    return data
+
+
+def _engine_step(engine, data, loss_fn=None):
+    model = engine.module[0]
+    model.zero_grad(set_to_none=True)
+    out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
+    return out, grads_of(model)
+
+
+def _ppo():
+    from functools import partial
+
+    from verl.workers.config import McoreActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    return partial(ppo_loss, config=McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01))
+
+
+@pytest.mark.parametrize("layout", ["images", "text-only", "different-images", "mixed"])
+def test_verl_engine_tree_equals_stock(engine_impl, checkpoint, layout):
+    """verl 0.9.1's Megatron engine, Bridge-built Qwen2.5-VL: the log-prob pass and a PPO
+    update, patched vs stock: log-probs, entropy, the loss and every gradient (vision tower
+    included). Stock runs verl's padded VLM layout (``use_remove_padding=False``): its THD
+    layout hands Bridge 0.6.2's model padded ``[B, S]`` ids with THD params, which the model
+    refuses for more than one sample (checked below); the tree path runs either way."""
+    from verl_batches import RTOL, assert_outputs, step_tokens
+
+    path, hf = checkpoint
+    rng = np.random.default_rng(LAYOUTS.index(layout) + 20)
+    samples, images = vlm_triples(rng, layout)
+    data = verl_vlm_batch(hf, samples, images, rng)
+    stock = _engine(engine_impl, path, hf, patched=False, remove_padding=False)
+    stock_i, _ = _engine_step(stock, data)
+    stock_t, g_stock = _engine_step(stock, data, _ppo())
+    for remove_padding in (False, True):
+        tree = _engine(engine_impl, path, hf, patched=True, remove_padding=remove_padding)
+        tree_i, _ = _engine_step(tree, data)
+        tree_t, g_tree = _engine_step(tree, data, _ppo())
+        n, t = step_tokens(tree_i)
+        assert n == int(data["input_ids"].offsets()[-1]) and t < n  # the tree path ran
+        assert_outputs(stock_i, tree_i)
+        np.testing.assert_allclose(sum(tree_t["loss"]), sum(stock_t["loss"]), rtol=RTOL)
+        assert_grads_close(g_tree, g_stock)
+    assert any(name.startswith("visual.") for name in g_stock) == (layout != "text-only")
+    if layout == "images":
+        with pytest.raises(ValueError, match=r"expects a tensor with shape \[1, total_tokens\]"):
+            _engine_step(_engine(engine_impl, path, hf, patched=False, remove_padding=True), data)

@@ -25,20 +25,25 @@ from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 _PARTS = ("language_model", "get_image_features", "get_placeholder_mask", "pre_process")
 
 
-def vision_language_tree_refusal(model, packed_seq_params) -> str | None:
-    """Why :func:`vision_language_tree_forward` cannot run this model / batch (None: it can)."""
+def vision_language_tree_refusal(model, packed_seq_params=None) -> str | None:
+    """Why :func:`vision_language_tree_forward` cannot run this model (and batch, when its
+    ``packed_seq_params`` are given) (None: it can)."""
     missing = [name for name in _PARTS if not hasattr(model, name)]
     if missing:
         return (f"{type(model).__name__} is not a Megatron-Bridge Qwen2.5-VL-style model (no "
                 f"{', '.join(missing)}); tree path: Qwen2.5-VL")
     if getattr(model.config, "mrope_section", None) is None:
         return f"{type(model).__name__}'s language model has no multimodal RoPE (mrope_section)"
+    if getattr(model.config, "sequence_parallel", False):
+        return "vision-language inputs with sequence parallelism are not supported on a tree"
+    if getattr(model.config, "context_parallel_size", 1) > 1:
+        return "multimodal RoPE on a tree under context parallelism is not supported"
+    if packed_seq_params is None:
+        return None
     if not isinstance(packed_seq_params, TreePackedSeqParams):
         return "a tree forward needs TreePackedSeqParams (from_plan)"
     if packed_seq_params.cp_size > 1:
         return "multimodal RoPE on a tree under context parallelism is not supported"
-    if getattr(model.config, "sequence_parallel", False):
-        return "vision-language inputs with sequence parallelism are not supported on a tree"
     return None
 
 
@@ -49,6 +54,7 @@ def vision_language_tree_forward(
     packed_seq_params: TreePackedSeqParams,
     pixel_values: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
+    attention_mask: None = None,
     **language_kwargs,
 ) -> torch.Tensor:
     """The model's output on the packed rows of a tree.
@@ -60,6 +66,7 @@ def vision_language_tree_forward(
         position_ids: ``[3, 1, T_pad]`` mrope positions of every packed row (padding rows: 0).
         packed_seq_params: the plan's :class:`TreePackedSeqParams`.
         pixel_values, image_grid_thw: the images of the packed rows, in row order.
+        attention_mask: None (the plan is the mask).
         **language_kwargs: passed to the language model (``labels``, ``runtime_gather_output``).
 
     Returns:
@@ -69,6 +76,8 @@ def vision_language_tree_forward(
     refusal = vision_language_tree_refusal(model, packed_seq_params)
     if refusal is not None:
         raise ValueError(refusal)
+    if attention_mask is not None:
+        raise ValueError("a tree forward takes no attention_mask (the plan describes the mask)")
     if position_ids.dim() != 3 or position_ids.size(0) != 3 or position_ids.size(-1) != packed_seq_params.num_rows:
         raise ValueError(
             f"position_ids must be [3, 1, T_pad={packed_seq_params.num_rows}] (mrope positions of every packed "
