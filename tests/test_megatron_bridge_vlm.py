@@ -333,6 +333,7 @@ def test_verl_engine_tree_equals_stock(engine_impl, checkpoint, layout):
         tree = _engine(engine_impl, path, hf, patched=True, remove_padding=remove_padding)
         tree_i, _ = _engine_step(tree, data)
         tree_t, g_tree = _engine_step(tree, data, _ppo())
+        assert "forward" not in vars(tree.module[0])  # the model's own forward is back after each call
         n, t = step_tokens(tree_i)
         assert n == int(data["input_ids"].offsets()[-1]) and t < n  # the tree path ran
         assert_outputs(stock_i, tree_i)

@@ -268,11 +268,15 @@ def _vision_forward(model, args: dict):
     from ps_mcore.layer_specs import vision_language_tree_forward  # after MindSpeed's repatch
 
     inner = _unwrap(model)
+    own = inner.__dict__.get("forward")  # an instance-level forward someone set: put back after
     inner.forward = functools.partial(vision_language_tree_forward, inner)
     try:
         yield True
     finally:
-        del inner.forward
+        if own is None:
+            del inner.forward
+        else:
+            inner.forward = own
 
 
 def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, engine=None) -> Any:
