@@ -280,6 +280,15 @@ def write_report(report: str, out: str | None) -> None:
             f.write(report)
 
 
+def add_run_arguments(p, tiny_help: str) -> None:
+    """``--seed``, ``--warmup``, ``--iters``, ``--tiny`` (``tiny_help``) and ``--out``."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help=tiny_help)
+    p.add_argument("--out", help="also write the table (markdown) here")
+
+
 def model_benchmark_parser(doc: str):
     """The arguments every whole-model benchmark (model.py, hf.py) shares."""
     import argparse
@@ -289,16 +298,12 @@ def model_benchmark_parser(doc: str):
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, workloads at 1/32")
+    add_run_arguments(p, "CPU, tiny dims, workloads at 1/32")
     p.add_argument("--synced", action="store_true",
                    help="sync after every step, so each step also pays the host's latency before its "
                         "first kernel (default: steps back to back, one sync at the end, as a training "
                         "loop runs micro-batches)")
     p.add_argument("--queued", action="store_true", help=argparse.SUPPRESS)  # the default; older commands in docs/ say it
-    p.add_argument("--out", help="also write the table (markdown) here")
     p.add_argument("--profile", nargs="*", default=[], metavar="WORKLOAD",
                    help="also print where the base and tree step times go for these workloads (CUDA)")
     return p

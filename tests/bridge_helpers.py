@@ -103,8 +103,22 @@ def hf_config(family: str, layers: int | None = None):
             **{"num_hidden_layers": 2, **common}, hidden_size=64, intermediate_size=24, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
             attn_implementation="eager", experts_implementation="eager")
+    if family == "qwen2_5_vl":  # GQA 4/2 text with mrope 2/3/3, a 2-block vision tower (windows, then full)
+        text = dict(vocab_size=VOCAB + 32, hidden_size=64, intermediate_size=96, num_hidden_layers=layers or 2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    bos_token_id=VLM_TOKENS["bos_token_id"], eos_token_id=VLM_TOKENS["eos_token_id"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=2,
+                      temporal_patch_size=1, spatial_merge_size=2, in_channels=3, window_size=8,
+                      fullatt_block_indexes=[1])
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                             **VLM_TOKENS)
     raise ValueError(f"unknown family {family!r}")
 
+
+# the tiny Qwen2.5-VL's special tokens (tests/vlm_samples.py; above the text ids, inside its vocabulary)
+VLM_TOKENS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153,
+                  bos_token_id=154, eos_token_id=155)
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "nemotron_h", "gpt_oss")
 
@@ -134,7 +148,8 @@ def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | No
 
     config = hf_config(family, layers)
     arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "nemotron_h": "NemotronHForCausalLM", "gpt_oss": "GptOssForCausalLM"}[family]
+            "nemotron_h": "NemotronHForCausalLM", "gpt_oss": "GptOssForCausalLM",
+            "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
     model = getattr(transformers, arch)(config).float().eval()
     _sharpen_(model, seed)
     if family == "nemotron_h":

@@ -1,7 +1,8 @@
 """``ps_mcore.flops.DecoderShape``, the FLOP "ideal" every benchmark reports, against (1) a
 hand count of one small shape written out matmul by matmul, and (2) torch's FLOP counter on a
 real Hugging Face Qwen2 of that shape (eager attention: every query-key pair, so the
-attention term is L^2 per layer there)."""
+attention term is L^2 per layer there). ``VisionShape`` (a vision-language model's vision
+tower) the same way, against real Qwen2-VL and Qwen2.5-VL vision towers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from ps_mcore import plan_prefix_tree
-from ps_mcore.flops import DecoderShape, MoEShape
+from ps_mcore.flops import DecoderShape, MoEShape, VisionShape, vlm_ideal_speedup
 
 # layers=2, hidden=8, 4 query heads and 2 kv heads of dim 4, ffn=10, vocab=20
 SHAPE = dict(layers=2, hidden=8, heads=4, kv_heads=2, head_dim=4, ffn=10, vocab=20)
@@ -124,3 +125,72 @@ def test_windowed_pairs_count_the_tree_mask(window):
         assert stats["attn_pairs_tree_window"] == int(tree_mask(plan, window).sum())
         brute = sum(min(p + 1, window) for s in seqs for p in range(len(s)))
         assert stats["attn_pairs_unshared_window"] == brute
+
+
+# blocks=2, hidden=8, ffn=16, patches of 3 x 1 x 2 x 2 = 12 values, 2 x 2 merge, out 10
+VISION = dict(blocks=2, hidden=8, ffn=16, patch_dim=12, merge=2, out_hidden=10)
+
+
+def test_vision_flops_hand_count():
+    """Per patch: embedding 12 x 8 = 96 MACs; per block qkv 8 x 24 + proj 8 x 8 = 256 and the
+    MLP 3 x 8 x 16 = 384 (gated) or 2 x 8 x 16 = 256; the merger's 32 x 32 + 32 x 10 = 1344
+    MACs per group of 4 patches = 336 per patch."""
+    assert VisionShape(**VISION).linear_flops_per_patch() == 2 * (96 + 2 * (256 + 384) + 336)
+    plain = VisionShape(**VISION, gated=False)
+    assert plain.linear_flops_per_patch() == 2 * (96 + 2 * (256 + 256) + 336)
+    # one (query, key) pair in one block: q.k and p.v over all heads = 2 x hidden MACs
+    windowed = VisionShape(**VISION, full_blocks=1)
+    per_patch = windowed.linear_flops_per_patch()
+    assert windowed.step_flops(16, 256, 64) == 3 * (16 * per_patch + 4 * 8 * (256 + 64)) - 16 * 2 * 96
+    assert plain.step_flops(16, 256, 64) == 3 * (16 * plain.linear_flops_per_patch() + 4 * 8 * 2 * 256) - 16 * 2 * 96
+
+
+def test_vlm_ideal_counts_the_images_each_run_encodes():
+    plan = plan_prefix_tree([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8]], min_prefix_len=1)
+    stats, decoder, vision = plan.stats(), DecoderShape(**SHAPE), VisionShape(**VISION)
+    one = (16, 256, 0)  # one image of 16 patches; the stock run encodes it for both samples
+    two = tuple(2 * x for x in one)
+    unshared, tree = decoder.plan_flops(stats)
+    want = (unshared + vision.step_flops(*two)) / (tree + vision.step_flops(*one))
+    assert vlm_ideal_speedup(decoder, stats, vision, two, one) == pytest.approx(want, rel=1e-15)
+    assert vlm_ideal_speedup(decoder, stats, vision, (0, 0, 0), (0, 0, 0)) == decoder.ideal_speedup(stats)
+
+
+def _vision_tower(kind: str):
+    transformers = pytest.importorskip("transformers")
+    common = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=1, spatial_merge_size=2, in_channels=3)
+    if kind == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
+
+        config = transformers.Qwen2VLVisionConfig(embed_dim=8, hidden_size=10, mlp_ratio=2, **common)
+        shape = VisionShape(**VISION, gated=False)
+    else:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as cls
+
+        # windows of 8 // 2 // 2 = 2 x 2 merged patches (16 patches); block 1 attends to the whole image
+        config = transformers.Qwen2_5_VLVisionConfig(hidden_size=8, intermediate_size=16, out_hidden_size=10,
+                                                     window_size=8, fullatt_block_indexes=[1], **common)
+        shape = VisionShape(**VISION, full_blocks=1)
+    config._attn_implementation_internal = "eager"  # every (query, key) pair of each segment
+    torch.manual_seed(0)
+    return cls(config).float(), shape
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_flops_match_torch_flop_counter(kind):
+    """Two images: grids (1, 8, 12) and (1, 6, 4): 96 + 24 patches; full attention 96^2 +
+    24^2 pairs; Qwen2.5-VL's windows: 2 x 3 windows of 16 patches in the first image, one of
+    16 and one of 8 in the second."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    tower, shape = _vision_tower(kind)
+    grid = torch.tensor([[1, 8, 12], [1, 6, 4]])
+    pixels = torch.randn(120, 12)
+    full, window = 96**2 + 24**2, 6 * 16**2 + 16**2 + 8**2
+    with FlopCounterMode(display=False) as forward:
+        tower(pixels, grid_thw=grid)
+    embed = 2 * 12 * 8 * 120
+    assert forward.get_total_flops() == (shape.step_flops(120, full, window) + embed) / 3
+    with FlopCounterMode(display=False) as step:
+        tower(pixels, grid_thw=grid).pooler_output.sum().backward()
+    assert step.get_total_flops() == shape.step_flops(120, full, window)

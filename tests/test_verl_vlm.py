@@ -29,11 +29,11 @@ transformers = pytest.importorskip("transformers")
 from test_verl_fsdp import _ppo, _run, _setting, impl  # noqa: E402,F401
 from verl_batches import RTOL, assert_grads, assert_outputs, make_batch, step_tokens  # noqa: E402
 from verl_helpers import fsdp_patchset  # noqa: E402
+from vlm_samples import IMAGE, MERGE, VIDEO, VISION_END, VISION_START  # noqa: E402
+from vlm_samples import image_prompt as _prompt  # noqa: E402
+from vlm_samples import random_image as _image  # noqa: E402
 
 VOCAB = 160
-IMAGE, VIDEO, VISION_START, VISION_END = 150, 151, 152, 153
-PATCH_DIM = 3 * 1 * 2 * 2  # channels x temporal patch x patch^2
-MERGE = 2
 
 
 def make_vlm(kind: str, seed: int = 0):
@@ -62,21 +62,6 @@ def make_vlm(kind: str, seed: int = 0):
                 p.normal_(0.0, 0.15)
     model.train()
     return model
-
-
-def _image(rng, grid=(1, 4, 4)):
-    t, h, w = grid
-    return torch.from_numpy(rng.normal(size=(t * h * w, PATCH_DIM)).astype(np.float32)), grid
-
-
-def _prompt(rng, image):
-    """Text, then (with an image) vision start, its placeholders, vision end, then text."""
-    head = rng.integers(1, 140, int(rng.integers(3, 6))).tolist()
-    tail = rng.integers(1, 140, int(rng.integers(2, 5))).tolist()
-    if image is None:
-        return head + tail
-    t, h, w = image[1]
-    return head + [VISION_START] + [IMAGE] * (t * h * w // MERGE**2) + [VISION_END] + tail
 
 
 def vlm_batch(model, rng, layout: str):

@@ -26,6 +26,10 @@ does). Hybrid models: ``ps_mcore.layer_specs.modules.gdn.TreeGatedDeltaNet`` and
 versions without ``megatron.core.ssm.gated_delta_net`` and machines without triton still import
 this package).
 
+Vision-language models (Megatron-Bridge's Qwen2.5-VL): :func:`vision_language_tree_forward`
+runs the vision tower on the images of the packed rows and the language model on the tree,
+with the mrope positions of every packed row.
+
 Inside: ``conversion/`` turns stock specs into tree specs, ``modules/`` holds the tree modules
 those specs build, ``parallel/`` context and pipeline parallelism, and ``packed_params``
 the :class:`TreePackedSeqParams` every layer reads its batch from.
@@ -52,6 +56,7 @@ from ps_mcore.layer_specs.parallel.context_parallel import gather_cp_rows
 from ps_mcore.layer_specs.parallel.cp_layout import CPLayout, cp_chunk_rows
 from ps_mcore.layer_specs.parallel.cp_logprobs import cp_token_logprobs
 from ps_mcore.layer_specs.parallel.pipeline import assert_same_plan, plan_fingerprint
+from ps_mcore.layer_specs.vision import vision_language_tree_forward, vision_language_tree_refusal
 from ps_mcore.logprobs import token_logprobs
 
 __all__ = [
@@ -76,4 +81,6 @@ __all__ = [
     "tree_layer_spec",
     "tree_layer_spec_from",
     "tree_provider_spec",
+    "vision_language_tree_forward",
+    "vision_language_tree_refusal",
 ]

@@ -14,6 +14,11 @@ verl's jagged tensors (same offsets, row t holds the value for token t+1):
   tree path returns 0 there.
 * value head: ``values`` [N] per token.
 
+A vision-language model (Megatron-Bridge's Qwen2.5-VL) is planned on image-keyed sequences and
+runs :func:`~ps_mcore.layer_specs.vision_language_tree_forward` for the call: the vision tower
+once per image of the packed rows, the language model on the tree with every packed row's
+mrope positions (:func:`vision_tree_inputs`).
+
 Model parallelism: TP (+SP) pads the packed rows to a multiple of TP; context parallelism
 pads them to ``2*cp*tp`` and feeds this CP rank its 2*cp chunks of the rows
 (``TreePackedSeqParams.from_plan(..., cp_size, cp_rank)``, ``cp_shard``); log-probs and
@@ -27,7 +32,8 @@ schedule, that every TP / PP / CP rank holds the same plans.
 Per micro-batch it runs verl's own forward instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
 model was not built with tree specs, and for what the tree path does not support: dynamic
-context parallelism (``local_cp_size``), VLM inputs, MTP training outside what
+context parallelism (``local_cp_size``), VLM inputs other than a Megatron-Bridge Qwen2.5-VL's
+images (videos, mbridge's VLM models, a VLM under CP / PP / SP), MTP training outside what
 :mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
 FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
 :mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k, active
@@ -47,6 +53,7 @@ model: on NPUs its tree modules then subclass the megatron classes MindSpeed's `
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from typing import Any, Callable
@@ -56,11 +63,14 @@ import torch
 from ps_mcore.integrations.env import prefix_sharing_enabled
 from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl_common.batch import (
+    ImageTokens,
     batch_flag,
     batch_temperature,
     lm_head_batch_refusal,
     nested_like,
     plan_batch,
+    sample_images,
+    sequences,
 )
 from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN, resolve_setting
 from ps_mcore.integrations.verl_common.engine import (
@@ -73,9 +83,11 @@ from ps_mcore.integrations.verl_common.engine import (
     run_step_with_context,
 )
 from ps_mcore.integrations.verl_common.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
+from ps_mcore.integrations.verl_common.vision import images_refusal, multi_modal_inputs_refusal, packed_images
 from ps_mcore.integrations.verl_common.schedule import megatron_kv_row_cost, schedule_outputs, scheduler_for
 from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
 from ps_mcore.mindspeed.state import reset_attention_mask_active
+from ps_mcore.multimodal import row_values, with_tokens
 
 _HAS_TREE: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -101,6 +113,42 @@ def has_tree_attention(model) -> bool:
     return _HAS_TREE[inner]
 
 
+def image_tokens_of(model) -> ImageTokens | None:
+    """The image placeholder layout of a vision-language model (Megatron-Bridge's Qwen2.5-VL:
+    ``image_token_id`` and the vision tower's merge on its config), None otherwise."""
+    config = getattr(_unwrap(model), "config", None)
+    vision = getattr(config, "vision_config", None)
+    if vision is None or getattr(config, "image_token_id", None) is None:
+        return None
+    return ImageTokens(int(config.image_token_id), int(vision.spatial_merge_size))
+
+
+def megatron_image_tokens(engine) -> ImageTokens | None:
+    modules = getattr(engine, "module", None)
+    return image_tokens_of(modules[0]) if modules else None
+
+
+def _is_vision(model, args: dict) -> bool:
+    return bool(args.get("vision_model") or args.get("multi_modal_inputs")) or image_tokens_of(model) is not None
+
+
+def vision_batch_refusal(model, batch) -> str | None:
+    """Why a vision-language model's micro-batch must take verl's stock forward (None: the
+    tree runs it, :func:`~ps_mcore.layer_specs.vision_language_tree_forward`)."""
+    from megatron.core import parallel_state as mpu
+
+    from ps_mcore.layer_specs import vision_language_tree_refusal  # after MindSpeed's repatch
+
+    reason = vision_language_tree_refusal(_unwrap(model))
+    if reason is None and image_tokens_of(model) is None:
+        reason = f"{type(_unwrap(model)).__name__} has no image_token_id / vision_config"
+    if reason is None and mpu.get_pipeline_model_parallel_world_size() > 1:
+        reason = "pipeline parallelism is not verified for them on a tree"
+    if reason is not None:
+        return f"vision-language inputs: {reason}"
+    return multi_modal_inputs_refusal(batch) or images_refusal(batch, image_tokens_of(model))
+
+
 def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
     reason = mindspeed_refusal()
@@ -112,8 +160,10 @@ def megatron_batch_refusal(model, args: dict, batch) -> str | None:
         return f"context-parallel layout {args['cp_layout']!r} is not supported (tree rows use the zigzag layout)"
     if args.get("pad_to_length_bucket") is not None:  # verl 0.9.1's static padding (pad_to_length)
         return "pad_to_length (padding micro-batches to fixed length buckets) is not supported"
-    if args.get("vision_model") or args.get("multi_modal_inputs"):
-        return "vision-language inputs are not supported"
+    if _is_vision(model, args):
+        reason = vision_batch_refusal(model, batch)
+        if reason is not None:
+            return reason
     if args.get("mtp_enable_train"):
         mtp_reason = mtp_refusal(_unwrap(model))
         if mtp_reason is not None:
@@ -189,6 +239,46 @@ def _mtp_context(model, plan, input_ids: torch.Tensor, args: dict, engine, share
     return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach, shared_dropout)
 
 
+def vision_tree_inputs(model, batch, plan, psp) -> dict:
+    """A vision-language micro-batch's inputs beyond the packed rows: ``position_ids [3, 1,
+    T_pad]`` (every packed row's mrope positions, from each sample's ``get_rope_index`` as the
+    model's own forward computes them) and the images of the packed rows in row order."""
+    inner, images = _unwrap(model), image_tokens_of(model)
+    device = psp.position_ids.device
+    positions = []
+    for seq, sample in zip(sequences(batch), sample_images(batch)):
+        ids = torch.from_numpy(seq)[None]
+        grid = torch.tensor([g for _, g in sample]) if sample else None
+        rows, _ = inner.get_rope_index(ids, (ids == images.image_token_id).int(), grid)  # [3, 1, L]
+        positions.append(rows[:, 0])
+    rows = row_values(plan, torch.cat(positions, dim=1)).to(device)  # [3, T]
+    inputs = {"position_ids": psp.pad_rows(rows.T).T[:, None]}
+    inputs.update(packed_images(batch, plan, images, device))
+    return inputs
+
+
+@contextlib.contextmanager
+def _vision_forward(model, args: dict):
+    """For a vision-language model, its forward is :func:`~ps_mcore.layer_specs.
+    vision_language_tree_forward` for the call (a wrapper's own forward, e.g. the bf16
+    module's, still runs around it); yields whether it is one."""
+    if not _is_vision(model, args):
+        yield False
+        return
+    from ps_mcore.layer_specs import vision_language_tree_forward  # after MindSpeed's repatch
+
+    inner = _unwrap(model)
+    own = inner.__dict__.get("forward")  # an instance-level forward someone set: put back after
+    inner.forward = functools.partial(vision_language_tree_forward, inner)
+    try:
+        yield True
+    finally:
+        if own is None:
+            del inner.forward
+        else:
+            inner.forward = own
+
+
 def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, engine=None) -> Any:
     """One model call on ``plan``; returns what verl's engine forward returns.
 
@@ -204,13 +294,12 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, en
     shared_dropout = micro is not None and micro.setting.config.shared_dropout
     psp = tree_packed_params(plan, _unwrap(model).config, shared_dropout)
     set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
-    with _mtp_context(model, plan, input_ids, args, engine, shared_dropout):
-        output = model(
-            input_ids=psp.cp_shard(plan.input_ids)[None],
-            attention_mask=None,
-            position_ids=psp.cp_shard(psp.position_ids)[None],
-            packed_seq_params=psp,
-        )
+    inputs = dict(input_ids=psp.cp_shard(plan.input_ids)[None], attention_mask=None,
+                  position_ids=psp.cp_shard(psp.position_ids)[None], packed_seq_params=psp)
+    with _mtp_context(model, plan, input_ids, args, engine, shared_dropout), _vision_forward(model, args) as vision:
+        if vision:
+            inputs.update(vision_tree_inputs(model, batch, plan, psp))
+        output = model(**inputs)
     if not _unwrap(model).post_process:
         return output  # hidden states go to the next pipeline stage as they are
     local = output[0] if psp.cp_layout is not None else output[0, : plan.num_tokens]
@@ -240,8 +329,8 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
     reason = mindspeed_refusal()
     if reason is not None:
         return reason
-    if "multi_modal_inputs" in data.keys():
-        return "vision-language inputs"
+    if "multi_modal_inputs" in data.keys() or image_tokens_of(model) is not None:
+        return "vision-language inputs or model (the vision tower and mrope positions run per micro-batch)"
     if getattr(_unwrap(model).config, "fp8", None):
         return "fp8 (a schedule's calls are padded to the TP size only, not to FP8's 128-row multiple)"
     if batch_flag(data, "use_fused_kernels"):
@@ -347,9 +436,12 @@ def tree_engine_forward(stock: Callable) -> Callable:
             return run_schedule_step(model, micro, input_ids, args)
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
         reason = megatron_batch_refusal(model, args, micro.batch)
-        plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason)
+        images = image_tokens_of(model) if reason is None and _is_vision(model, args) else None
+        plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason, images)
         if plan is None:
             return stock(*call_args, **call_kwargs)
+        if images is not None:
+            plan = with_tokens(plan, sequences(micro.batch))  # planned on image keys
         return run_tree_forward(model, plan, input_ids, args, micro.batch, micro.engine)
 
     return forward
@@ -400,7 +492,7 @@ def check_same_plans(step, micro_batches, config) -> None:
 def megatron_prepare(stock: Callable) -> Callable:
     """The Megatron engine's ``prepare_micro_batches``: :func:`prefix_aware`, then the plan
     check of every micro-batch over the model-parallel ranks (:func:`check_same_plans`)."""
-    prepare = prefix_aware(stock, megatron_scheduler)
+    prepare = prefix_aware(stock, megatron_scheduler, images_of=megatron_image_tokens)
 
     def prepare_micro_batches(*args, **kwargs):
         micro_batches, indices = prepare(*args, **kwargs)

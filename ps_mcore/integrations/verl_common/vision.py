@@ -108,26 +108,34 @@ def vlm_refusal(engine, batch) -> str | None:
     position_ids = batch["position_ids"]
     if position_ids.dim() != 3 or position_ids.values().dim() != 2 or position_ids.values().size(0) != 4:
         return "vision-language inputs without verl's 4-row (text + 3-D mrope) position ids"
-    for inputs in batch["multi_modal_inputs"] if "multi_modal_inputs" in batch.keys() else []:
-        unknown = set(getattr(inputs, "data", inputs) or {}) - _KNOWN_INPUTS
-        if unknown:
-            return f"multi-modal inputs {sorted(unknown)} (videos) are not supported on a tree"
+    reason = multi_modal_inputs_refusal(batch)
+    if reason is not None:
+        return reason
     cls = _attention_class(model_type)
     if cls is None:
         return f"{VLM_ATTENTION[model_type][1]} is not importable"
     reason = _routing_refusal(cls)
     if reason is not None:
         return reason
-    try:
-        sharing_plan_check(batch, image_tokens_of(engine.module))
-    except ValueError as err:
-        return str(err)
+    return images_refusal(batch, image_tokens_of(engine.module))
+
+
+def multi_modal_inputs_refusal(batch) -> str | None:
+    """Why the batch's multi-modal inputs cannot be shared (None: images only)."""
+    for inputs in batch["multi_modal_inputs"] if "multi_modal_inputs" in batch.keys() else []:
+        unknown = set(getattr(inputs, "data", inputs) or {}) - _KNOWN_INPUTS
+        if unknown:
+            return f"multi-modal inputs {sorted(unknown)} (videos) are not supported on a tree"
     return None
 
 
-def sharing_plan_check(batch, images: ImageTokens) -> None:
-    """Raise ``ValueError`` when the batch's image placeholders do not match its images."""
-    sharing_sequences(batch, images)
+def images_refusal(batch, images: ImageTokens) -> str | None:
+    """Why the batch's image placeholders do not match its images (None: they do)."""
+    try:
+        sharing_sequences(batch, images)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def route_tree_attention(module, patcher) -> None:
@@ -152,16 +160,24 @@ def route_tree_attention(module, patcher) -> None:
     patcher.wrap(cls, "forward", make)
 
 
-def tree_vision_inputs(batch, plan, images: ImageTokens, device) -> dict:
-    """Model inputs of the packed rows beyond the token ids: ``position_ids [4, 1, T]`` (each
-    packed row's text + mrope positions) and the images of the packed rows in row order
-    (``pixel_values``, ``image_grid_thw``; absent when the micro-batch has no image)."""
-    positions = batch["position_ids"].values()  # [4, N]
-    inputs = {"position_ids": row_values(plan, positions.cpu())[:, None, :].to(device)}
+def packed_images(batch, plan, images: ImageTokens, device) -> dict:
+    """The images of the packed rows in row order (``pixel_values``, ``image_grid_thw``;
+    empty when the micro-batch has no image)."""
     per_sample = sample_images(batch)
     counts = [[images.tokens(grid) for _, grid in sample] for sample in per_sample]
     order = packed_image_order(plan, sequences(batch), images.image_token_id, counts)
-    if order:
-        inputs["pixel_values"] = torch.cat([per_sample[s][j][0] for s, j in order]).to(device)
-        inputs["image_grid_thw"] = torch.tensor([per_sample[s][j][1] for s, j in order], device=device)
+    if not order:
+        return {}
+    return {
+        "pixel_values": torch.cat([per_sample[s][j][0] for s, j in order]).to(device),
+        "image_grid_thw": torch.tensor([per_sample[s][j][1] for s, j in order], device=device),
+    }
+
+
+def tree_vision_inputs(batch, plan, images: ImageTokens, device) -> dict:
+    """Model inputs of the packed rows beyond the token ids: ``position_ids [4, 1, T]`` (each
+    packed row's text + mrope positions) and :func:`packed_images`."""
+    positions = batch["position_ids"].values()  # [4, N]
+    inputs = {"position_ids": row_values(plan, positions.cpu())[:, None, :].to(device)}
+    inputs.update(packed_images(batch, plan, images, device))
     return inputs

@@ -9,6 +9,11 @@ the packed rows are ONE THD sequence (plus a padding sequence), so TE's fused TH
 rotates row j of a sequence by table row j, reads exactly the per-token table too. Under context
 parallelism the table still covers all T_pad rows (global order) and Megatron's THD RoPE takes
 this rank's 2*cp chunks of it, so each local row gets its global tree position.
+
+Multimodal RoPE (``mrope_section``: Qwen2-VL / Qwen2.5-VL) has no 1-D position to index by:
+the caller passes GPTModel the temporal / height / width positions of every packed row
+(``position_ids [3, 1, T_pad]``), so GPTModel's table already holds one row per packed row and
+is used as it is.
 """
 
 from __future__ import annotations
@@ -58,14 +63,26 @@ def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Te
     return out
 
 
-def _tree_rope(rope, psp: TreePackedSeqParams):
-    """A table, or a (q, k) tuple of tables (often one tensor twice: index it once)."""
+def packed_rows_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Tensor:
+    """A multimodal-RoPE table ``[T_pad, 1, 1, d]``, built from per-row positions: checked, kept."""
+    if table.size(0) != psp.num_rows:
+        raise ValueError(
+            f"multimodal RoPE on a tree: the rotary table has {table.size(0)} rows for {psp.num_rows} packed "
+            "rows; pass GPTModel the mrope positions of every packed row (position_ids [3, 1, T_pad])"
+        )
+    return table
+
+
+def _tree_rope(rope, psp: TreePackedSeqParams, per_row: bool = False):
+    """A table, or a (q, k) tuple of tables (often one tensor twice: index it once);
+    ``per_row``: the tables already hold one row per packed row (multimodal RoPE)."""
+    make = packed_rows_table if per_row else tree_rotary_table
     if not isinstance(rope, tuple):
-        return tree_rotary_table(rope, psp)
+        return make(rope, psp)
     done: dict[int, torch.Tensor] = {}
     for r in rope:
         if r is not None and id(r) not in done:
-            done[id(r)] = tree_rotary_table(r, psp)
+            done[id(r)] = make(r, psp)
     return tuple(None if r is None else done[id(r)] for r in rope)
 
 
@@ -115,8 +132,15 @@ class TreeSelfAttention(SelfAttention):
                 "which would silently ignore the tree mask; use a tree spec (to_tree_spec). "
                 "Megatron-Bridge replaces core attention when attention_backend='local'."
             )
-        if getattr(self.config, "mrope_section", None) is not None:
-            raise NotImplementedError("multimodal RoPE (mrope_section) is not supported for tree batches")
+        if self._mrope and psp.cp_size > 1:
+            raise NotImplementedError(
+                "multimodal RoPE (mrope_section) on a tree under context parallelism: GPTModel's "
+                "multimodal table takes its CP share in the sbhd chunk layout, not the THD one"
+            )
+
+    @property
+    def _mrope(self) -> bool:
+        return getattr(self.config, "mrope_section", None) is not None
 
     def forward(self, *args, **kwargs):
         """Same arguments as ``SelfAttention.forward``; returns ``(output, bias)``."""
@@ -149,7 +173,7 @@ class TreeSelfAttention(SelfAttention):
             self._check_tree_batch(psp, arg["hidden_states"])
             rope = arg.get("rotary_pos_emb")
             if rope is not None:
-                arg["rotary_pos_emb"] = _tree_rope(rope, psp)
+                arg["rotary_pos_emb"] = _tree_rope(rope, psp, per_row=self._mrope)
                 if not self.config.apply_rope_fusion:  # bounds on the host: no device syncs
                     arg["packed_seq_params"] = psp.for_unfused_rope(arg["hidden_states"].device)
         return bound.args[1:], bound.kwargs
