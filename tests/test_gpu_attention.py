@@ -137,7 +137,7 @@ def test_cudnn_layouts_on_chains_and_deep_trees(monkeypatch, layout):
 
     monkeypatch.setitem(backends.ATTENTION_BACKENDS, "cudnn", dataclasses.replace(
         backends.ATTENTION_BACKENDS["cudnn"],
-        attend=lambda q, k, v, plan, s: cudnn.cudnn_tree_attention(q, k, v, plan, s, layout)))
+        attend=lambda q, k, v, plan, s, variant: cudnn.cudnn_tree_attention(q, k, v, plan, s, layout, variant)))
     step_wise = [list(range(37 * (j + 1))) for j in range(6)]
     check(plan_prefix_tree(step_wise, min_prefix_len=1), "cudnn", 8, 2, 128, torch.bfloat16)
     deep = [list(range(600))] + [list(range(40 * j)) + [9999] for j in range(1, 14)]
@@ -327,7 +327,19 @@ def test_variants_gqa_head_dims_fp16(backend):
             continue
         variant = dict(window=40, sinks=True)
         plan = plan_prefix_tree(random_forest(np.random.default_rng(d), max_seqs=10, max_len=200), min_prefix_len=2)
+        if backend == "cudnn" and _cudnn_probe_refusal(hq, d, dtype) is not None:
+            # this cuDNN build has no kernel for the case: the backend refuses it by name
+            with pytest.raises(ValueError, match="refused"):
+                variant_check(plan, backend, hq, hkv, d, dtype, **variant)
+            continue
         variant_check(plan, backend, hq, hkv, d, dtype, **variant)
+
+
+def _cudnn_probe_refusal(hq, d, dtype):
+    """cuDNN's probe for a sliding window with learnable sinks at these heads and dims."""
+    from ps_mcore.attention.cudnn import cudnn_refusal
+
+    return cudnn_refusal(torch.zeros(1, hq, d, device="cuda", dtype=dtype), window=True, sinks=True)
 
 
 @pytest.mark.parametrize("backend", ["varlen", pytest.param("fa4", marks=needs_fa4)])
