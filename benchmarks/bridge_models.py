@@ -42,8 +42,10 @@ def _load_all(bridge, model) -> None:
         raise RuntimeError(f"Megatron-Bridge did not load {missing}")
 
 
-def bridge_model_pair(shape: DecoderShape, layers: int, backend: str):
-    """``(stock model, tree model, "megatron-bridge X, megatron-core Y")`` on the GPU, train mode."""
+def bridge_model_pair(shape: DecoderShape, layers: int, backend: str, rope_fusion: bool = False):
+    """``(stock model, tree model, "megatron-bridge X, megatron-core Y")`` on the GPU, train mode.
+    ``rope_fusion``: both with ``apply_rope_fusion=True`` (the Qwen2 provider's default is off:
+    Megatron's unfused THD RoPE, which verl 0.9.1 keeps; mbridge's config sets it on)."""
     import importlib.metadata as md
 
     from megatron.bridge import AutoBridge
@@ -55,6 +57,7 @@ def bridge_model_pair(shape: DecoderShape, layers: int, backend: str):
         bridge = AutoBridge.from_hf_pretrained(path)
         provider = bridge.to_megatron_provider(load_weights=False)
         provider.gradient_accumulation_fusion = False
+        provider.apply_rope_fusion = rope_fusion or provider.apply_rope_fusion
         provider.tree_attention_backend = backend  # read by TreeCoreAttention (the stock model ignores it)
         provider.finalize()
 

@@ -41,9 +41,10 @@ memory.
 ``--builder bridge`` (TP=CP=1, the default architecture): the models come from Megatron-Bridge
 as verl 0.9.1's Megatron engine builds them: a Qwen2 Hugging Face checkpoint with Qwen2.5-1.5B
 shapes (random weights, bf16, written to a temporary folder), ``AutoBridge.from_hf_pretrained``,
-the provider's own TE spec (its defaults: fusions, fused RoPE); the stock model is the
-provider's, the tree model the provider with ``tree_provider_spec``; Bridge loads the checkpoint
-into both (every parameter checked). Same table as ``--spec te``.
+the provider's own TE spec and defaults (for Qwen2: ``apply_rope_fusion`` off, so the stock model
+runs Megatron's unfused THD RoPE, as verl 0.9.1 leaves it; ``--fusions`` turns it on in both);
+the stock model is the provider's, the tree model the provider with ``tree_provider_spec``;
+Bridge loads the checkpoint into both (every parameter checked). Same table as ``--spec te``.
 
 The world is one model replica (world size = tp * cp); rank 0 prints the table (its times).
 Default (local spec): one model (tree layer specs, local linear layers; no sequence
@@ -539,6 +540,11 @@ def _te_rows(args, arch: str, shape: DecoderShape, stock, tree, device: str) -> 
     note on its baseline: TE's attention backends, or why stock TE cannot run it."""
     refusal, backends = te_backends_selected(lambda: stock_te_refusal(stock, shape, device))
     note = f"{arch}: stock TE attention backends: {'; '.join(backends) or 'not seen'}"
+    unfused = [b for b in backends if b.endswith("UnfusedDotProductAttention")]
+    if refusal is None and unfused:
+        # TE's unfused attention materialises [S, S] scores per head: a baseline nobody trains
+        # with, out of memory at these lengths, and it would inflate every speedup
+        refusal = f"TE has no fused kernel for it here and falls back to its unfused attention ({'; '.join(unfused)})"
     base_model, baseline = stock, "TE stock"
     if refusal is not None:
         note = (f"{arch}: stock TE cannot run it on THD batches here ({refusal}); its baseline is the "
@@ -600,11 +606,12 @@ def run_bridge(args, device: str, dtype: torch.dtype) -> str:
     from bridge_models import bridge_model_pair
 
     shape = arch_shape(DEFAULT_ARCH, args.layers)
-    stock, tree, versions = bridge_model_pair(shape, shape.layers, args.backend)
+    stock, tree, versions = bridge_model_pair(shape, shape.layers, args.backend, rope_fusion=args.fusions)
     rows, note = _te_rows(args, DEFAULT_ARCH, shape, stock, tree, device)
     return te_table(args, device, dtype, rows, [note],
                     f" built by Megatron-Bridge ({versions}; Qwen2 HF checkpoint, Qwen2.5-1.5B shapes: "
-                    f"{_dims(shape)}, random weights, bf16, the provider's TE spec and defaults)")
+                    f"{_dims(shape)}, random weights, bf16, the provider's TE spec and defaults"
+                    f"{', apply_rope_fusion on in both (--fusions)' if args.fusions else ''})")
 
 
 def main() -> None:
@@ -618,7 +625,8 @@ def main() -> None:
                    help="also time a whole GRPO mini-batch (8 prompts of 2048 x 8 responses of ~1024) "
                         "packed into micro-batches of at most TOKENS tokens (e.g. 32768)")
     p.add_argument("--fusions", action="store_true",
-                   help="megatron's bias-activation / bias-dropout fusions (torch.compile'd)")
+                   help="megatron's bias-activation / bias-dropout fusions (torch.compile'd); with --builder "
+                        "bridge: the provider's apply_rope_fusion on in both models")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (run under torchrun)")
     p.add_argument("--cp", type=int, default=1, help="context parallel size (run under torchrun)")
     p.add_argument("--backend", default="auto", help="tree attention backend of the tree model (config.tree_attention_backend)")
