@@ -125,7 +125,10 @@ def measure(steps, shape, warmup: int, iters: int, reset: Callable[[], object] |
     tree_ms = time_ms(steps.tree_step, warmup, iters, queued)
     if reset is not None:
         reset()
-    base_mib, tree_mib = peak_mib(steps.base_step), peak_mib(steps.tree_step)
+    base_mib = peak_mib(steps.base_step)
+    if reset is not None:
+        reset()  # else the tree step would find the baseline's gradient buffers already allocated
+    tree_mib = peak_mib(steps.tree_step)
     if reset is not None:
         reset()
     return Measured(stats, shape.ideal_speedup(stats), base_ms, tree_ms, base_mib, tree_mib)
