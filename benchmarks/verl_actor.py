@@ -40,9 +40,8 @@ Harness settings that differ from verl's defaults, the same for every configurat
 ``verl_flash_fallback.py``), TE ``attention_backend=fused`` (Megatron, cuDNN's fused
 attention; verl's ``flash`` needs flash-attn inside TE, and ``auto`` falls back to TE's
 unfused O(S^2)-memory attention where TE finds neither, a baseline nobody trains with: with
-``fused`` the stock configuration stops with TE's own message instead; TE looks for cuDNN
-under ``CUDNN_PATH`` first, so point it at the cuDNN torch loads; ``--tiny`` keeps ``auto``
-on the CPU), and ``USE_HUB_KERNELS=0``
+``fused`` the stock configuration stops with TE's own message instead; ``--tiny`` keeps
+``auto`` on the CPU), and ``USE_HUB_KERNELS=0``
 (transformers >= 5.2x swaps layers for kernels fetched from the Hugging Face hub when the
 ``kernels`` package is installed; offline that fails at ``model.train()``, and online it would
 change the model under both sides).
