@@ -10,6 +10,7 @@ fixture (the shims for that module only); a worker process calls :func:`prepare_
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -141,8 +142,8 @@ def _sharpen_(model: torch.nn.Module, seed: int) -> None:
 def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | None = None,
                         dtype: torch.dtype = torch.float32):
     """Write ``config.json`` + ``model.safetensors`` of a random tiny ``family`` model to
-    ``path`` in ``dtype``; returns the HF model (eval, fp32) and the checkpoint's tensors by
-    name."""
+    ``path`` in ``dtype``; returns the HF model (eval, fp32, the checkpoint's values) and the
+    checkpoint's tensors by name."""
     import transformers
     from safetensors.torch import save_file
 
@@ -152,6 +153,13 @@ def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | No
             "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
     model = getattr(transformers, arch)(config).float().eval()
     _sharpen_(model, seed)
+    # the HF model holds the checkpoint's values, in fp32: its parameters rounded to dtype, its
+    # buffers untouched (casting the model to dtype and back would round RoPE's fp32
+    # ``inv_freq`` too: with bf16, log-prob errors of 0.2 at position ~500 against an exact
+    # fp32 model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
     if family == "nemotron_h":
         # Nemotron-H checkpoints name the trunk backbone.*; transformers 5.9 renames it to model.*
         # on load, and its save_pretrained writes backbone.embedding.weight, a key
@@ -162,8 +170,7 @@ def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | No
                    for k, v in model.state_dict().items()}
         save_file(tensors, str(Path(path) / "model.safetensors"))
     else:
-        model.to(dtype).save_pretrained(path)
-        model.float()
+        copy.deepcopy(model).to(dtype).save_pretrained(path)
         from safetensors.torch import load_file
 
         tensors = {}

@@ -4,11 +4,12 @@ Megatron-Bridge). NCCL world 1, bf16, the provider's own TE spec.
 For Qwen2, Qwen3 and Qwen3-MoE (Nemotron-H too where mamba-ssm is installed): the test writes
 a tiny HF checkpoint (bf16 safetensors), ``AutoBridge.from_hf_pretrained`` makes the provider,
 it builds the stock model and, with :func:`~ps_mcore.layer_specs.tree_provider_spec`, the tree
-model, and an fp32 reference (the tree spec in fp32 with the exact ``chunked`` kernel); Bridge
-loads the checkpoint into each strictly (every parameter written, the export gives back exactly
-the checkpoint). Then the tree model on a branching forest vs the stock model (TE fused
-attention) on the unshared THD batch: bf16 log-probs (both vs the Hugging Face model in fp32
-too) and each row of every gradient of a per-sample-weighted loss, within twice the stock
+model, and an fp32 reference (the tree spec in fp32 with the exact ``chunked`` kernel and no
+TF32 anywhere: :func:`_exact_fp32`); Bridge loads the checkpoint into each strictly (every
+parameter written, the export gives back exactly the checkpoint). Then the tree model on a
+branching forest vs the stock model (TE fused attention) on the unshared THD batch: bf16
+log-probs (both vs the Hugging Face model in fp32 too; the fp32 reference vs it per token) and
+each row of every gradient of a per-sample-weighted loss, within twice the stock
 model's own error on that row against the fp32 reference (run on the unshared batch) plus 5%
 of the tensor's largest value (the tolerances of tests/test_gpu_te.py).
 
@@ -17,6 +18,7 @@ of the tensor's largest value (the tolerances of tests/test_gpu_te.py).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import numpy as np
@@ -29,7 +31,7 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("Megatron-Bridge is not installed", allow_module_level=True)
 
-from bridge_helpers import VOCAB, load_strictly, write_hf_checkpoint  # noqa: E402
+from bridge_helpers import CPU_PROVIDER, VOCAB, load_strictly, write_hf_checkpoint  # noqa: E402
 from conftest import assert_rows_close  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 
@@ -40,14 +42,40 @@ FAMILIES = ["qwen2", "qwen3", "qwen3_moe"] + (
     ["nemotron_h"] if importlib.util.find_spec("mamba_ssm") is not None else [])
 
 
-# the provider fields of an fp32 model (those the provider has)
-FP32 = {"params_dtype": torch.float32, "pipeline_dtype": torch.float32, "bf16": False, "fp16": False,
-        "first_last_layers_bf16": False}
+# the provider fields of the fp32 reference (those the provider has): fp32, every fusion off,
+# megatron's own experts and router GEMM (the configuration tests/test_megatron_bridge.py
+# checks against Hugging Face to 1e-5 on the CPU)
+FP32 = {k: v for k, v in CPU_PROVIDER.items() if k != "use_cpu_initialization"}
+
+
+@contextlib.contextmanager
+def _exact_fp32():
+    """Plain fp32 arithmetic for the reference (its build and its runs) and the HF model.
+    Transformer Engine runs every fp32 GEMM in TF32 (cuBLASLt ``CUBLAS_COMPUTE_32F_FAST_TF32``
+    whenever A, B and D are fp32, whatever torch's flags say: 10 mantissa bits, which sharp
+    attention amplifies). So the reference's layers are megatron-core's own (torch) linears with
+    the torch stand-ins of TE's fused norm + linear and norm (tests/te_cpu_shims.py: TE's
+    parameter names, so Bridge loads it as it loads the TE model; the configuration
+    tests/test_megatron_bridge.py checks against Hugging Face to 1e-5), the MoE router's gating
+    GEMM torch's (``moe_utils.te_general_gemm`` off), and torch's own TF32 off."""
+    from megatron.core.transformer.moe import moe_utils
+    from te_cpu_shims import use_cpu_te_specs
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with pytest.MonkeyPatch.context() as patch:
+        use_cpu_te_specs(patch)
+        patch.setattr(moe_utils, "te_general_gemm", None)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def _provider(bridge, fp32: bool = False):
     """The checkpoint's provider, finalized; ``fp32``: for the reference, its tree spec on the
-    exact ``chunked`` kernel (TE's THD attention needs 16-bit inputs)."""
+    exact ``chunked`` kernel (TE's THD attention needs 16-bit inputs), built under
+    :func:`_exact_fp32`."""
     provider = bridge.to_megatron_provider(load_weights=False)
     provider.gradient_accumulation_fusion = False
     if fp32:
@@ -78,10 +106,14 @@ def family(request, tmp_path_factory):
     setattr(provider, provider_spec_field(provider), tree_provider_spec(provider))
     tree = _build(provider)
     load_strictly(bridge, [tree], tensors)
-    provider = _provider(bridge, fp32=True)
-    setattr(provider, provider_spec_field(provider), tree_provider_spec(provider))
-    reference = _build(provider, bf16=False)
-    load_strictly(bridge, [reference], tensors)
+    with _exact_fp32():
+        provider = _provider(bridge, fp32=True)
+        setattr(provider, provider_spec_field(provider), tree_provider_spec(provider))
+        reference = _build(provider, bf16=False).cuda()
+        load_strictly(bridge, [reference], tensors)
+    te_gemms = [n for n, m in reference.named_modules()  # a TE module with a matrix runs TF32 GEMMs
+                if "transformer_engine" in type(m).__module__ and any(p.dim() > 1 for p in m.parameters())]
+    assert not te_gemms, (request.param, te_gemms)
     assert all(p.dtype == torch.float32 for p in reference.parameters())
     return request.param, hf.cuda(), stock, tree, reference
 
@@ -143,13 +175,15 @@ def test_tree_model_equals_stock_te_model_and_hugging_face(family):
     weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
     ref, g_stock = _weighted_step(stock, _stock_thd_logprobs, seqs, weights)
     got, g_tree = _weighted_step(tree, _tree_logprobs, seqs, weights)
-    lp32, g32 = _weighted_step(reference, _stock_thd_logprobs, seqs, weights)
+    with _exact_fp32():
+        lp32, g32 = _weighted_step(reference, _stock_thd_logprobs, seqs, weights)
+        hf_ref = _hf_logprobs(hf, seqs)
     last = torch.as_tensor(np.cumsum([len(s) for s in seqs]) - 1, device="cuda")
     keep = torch.ones_like(ref, dtype=torch.bool)
     keep[last] = False
     diff = (got.float() - ref.float()).abs()[keep]
     assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02, (name, float(diff.max()), float(diff.mean()))
-    hf_ref = _hf_logprobs(hf, seqs)[keep]
+    hf_ref = hf_ref[keep]
     for side in (ref, got):  # bf16 models vs the fp32 reference: the same distance either way
         assert float((side.float()[keep] - hf_ref).abs().mean()) < 0.05, name
     # the gradients' reference is Hugging Face's model: each token's log-prob (fp32 both)

@@ -77,7 +77,9 @@ def _reference(model, seqs):
 
 
 def _stock(model, seqs):
-    """verl's Triton fused forward on the unshared batch, one sequence at a time."""
+    """verl's Triton fused forward on the unshared batch, one sequence at a time. Its kernel
+    (``linear_cross_entropy``) flattens ``[1, L, D]`` hidden states to ``[L, D]`` and returns
+    ``[L]`` log-probs / entropy (no batch dim), read as such."""
     lps, ents = [], []
     for s in seqs:
         ids = torch.as_tensor(s, device=DEVICE)[None]
@@ -85,8 +87,8 @@ def _stock(model, seqs):
             model, input_ids=ids, position_ids=torch.arange(len(s), device=DEVICE)[None],
             temperature=TEMPERATURE, return_dict=True, shift_labels=torch.roll(ids, -1, dims=-1),
         )
-        lps.append(out.log_probs[0])
-        ents.append(out.entropy[0])
+        lps.append(out.log_probs.reshape(len(s)))
+        ents.append(out.entropy.reshape(len(s)))
     return torch.cat(lps), torch.cat(ents)
 
 
