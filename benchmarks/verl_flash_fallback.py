@@ -87,14 +87,16 @@ def varlen_fa2_attention(module, query, key, value, attention_mask, scaling=None
     # casts them; the kernel then runs outside autocast
     query, key, value = _autocast_inputs(query, key, value)
     with _no_autocast(query.device.type):
-        return _varlen_fa2_attention(query, key, value, attention_mask, scaling, position_ids)
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        return _varlen_fa2_attention(query, key, value, attention_mask, scaling, position_ids, causal,
+                                     cu_seq_lens_q, cu_seq_lens_k)
 
 
-def _varlen_fa2_attention(query, key, value, attention_mask, scaling, position_ids):
+def _varlen_fa2_attention(query, key, value, attention_mask, scaling, position_ids, causal,
+                          cu_seq_lens_q, cu_seq_lens_k):
     b, _, s, d = query.shape
     sk = key.shape[2]
     scale = scaling if scaling is not None else d ** -0.5
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D]
     if attention_mask is not None:  # 2-D key padding mask; queries are its last S columns
         kmask = attention_mask.bool()
