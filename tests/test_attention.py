@@ -148,6 +148,13 @@ def test_auto_on_cpu_is_exact_math():
     assert resolve_backend("auto", q) == "chunked"
 
 
+def test_flash_head_dims():
+    from ps_mcore.attention.gather_kv import flash_head_dim_refusal
+
+    assert [d for d in (8, 10, 64, 80, 96, 100, 256, 264) if flash_head_dim_refusal(d) is None] == [8, 64, 80, 96, 256]
+    assert "head dim 10" in flash_head_dim_refusal(10)
+
+
 def test_bad_inputs():
     plan = plan_prefix_tree([[1, 2, 3], [1, 2, 4]], min_prefix_len=1)
     t = plan.num_tokens

@@ -107,6 +107,18 @@ def test_auto_picks_varlen_for_bf16():
     assert resolve_backend("auto", q.float()) == "flex"
 
 
+def test_head_dims_the_flash_kernels_lack():
+    """Head dims that are not multiples of 8 (or over 256): auto runs the exact chunked kernel,
+    an explicit 'varlen' refuses by name."""
+    plan = plan_prefix_tree(random_forest(np.random.default_rng(3), max_seqs=8, max_len=120), min_prefix_len=2)
+    for d in (10, 20, 264):
+        q = torch.zeros(4, 2, d, device="cuda", dtype=torch.bfloat16)
+        assert resolve_backend("auto", q) == "chunked"
+        with pytest.raises(ValueError, match=f"head dim {d}"):
+            resolve_backend("varlen", q)
+    check(plan, "auto", 6, 2, 10, torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend", ["varlen", pytest.param("fa4", marks=needs_fa4)])
 @pytest.mark.parametrize("cascade, min_chunk", [(False, 1024), (True, 1024), (True, 16)])
 def test_varlen_gather_and_cascade_layouts(monkeypatch, cascade, min_chunk, backend):
@@ -277,7 +289,8 @@ def variant_check(plan, backend, hq, hkv, d, dtype, seed=0, **variant):
             got, base_got, want = got[:, None], base_got[:, None], want[:, None]
         got, base_got = got.cpu(), base_got.cpu()
         assert_rows_close(got, want, 0.0, f"{name} vs 2 x stock + rounding", row_tol=rounding, baseline=base_got, **rows)
-        assert_rows_close(got, want, 2.0**-5, name, **rows)
+        if float(want.abs().max()) > 0:  # a zero gradient (window of 1) is held by the stock bound above
+            assert_rows_close(got, want, 2.0**-5, name)
 
 
 def _variant_forests(max_len=300):

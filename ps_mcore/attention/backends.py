@@ -18,7 +18,7 @@ from ps_mcore.attention.cascade import tree_varlen_attention
 from ps_mcore.attention.cudnn import CUDNN_KERNEL, cudnn_refusal, cudnn_tree_attention, require_cudnn
 from ps_mcore.attention.fa4 import FA4_KERNEL, require_fa4
 from ps_mcore.attention.flex import flex_tree_attention
-from ps_mcore.attention.gather_kv import MATH_KERNEL, VarlenKernel, flash_kernel_for, gather_kv_attention
+from ps_mcore.attention.gather_kv import MATH_KERNEL, VarlenKernel, flash_head_dim_refusal, flash_kernel_for, gather_kv_attention
 from ps_mcore.attention.kernel_choice import plan_shape, prefers_cudnn
 from ps_mcore.attention.layout import auto_layout, cascade_layout
 from ps_mcore.attention.npu import NPU_KERNEL, require_torch_npu
@@ -148,6 +148,9 @@ def _check_varlen(q: torch.Tensor) -> None:
         )
     if q.dtype not in _FLASH_DTYPES:
         raise ValueError(f"backend 'varlen' needs fp16 or bf16 inputs, got {q.dtype}")
+    reason = flash_head_dim_refusal(q.size(-1))
+    if reason is not None:
+        raise ValueError(f"backend 'varlen' cannot run {reason}. Use 'chunked' or 'reference'.")
 
 
 def _cudnn(q, k, v, plan, scale, variant):
@@ -184,7 +187,8 @@ def resolve_backend(backend: str, q: torch.Tensor, plan: TreePlan | None = None,
     where TE's cuDNN attention can run and the kernel-choice rule prefers it for ``plan``'s
     shape (:mod:`ps_mcore.attention.kernel_choice`; without a plan, varlen; plain attention
     only: the rule was measured there); else flex on CUDA, else chunked. A variant the
-    flash kernel lacks (softcap with torch's flash kernel) runs flex on CUDA.
+    flash kernel lacks (softcap with torch's flash kernel) runs flex on CUDA; a head dim it
+    lacks (not a multiple of 8, or over 256) runs chunked.
     """
     check_backend_name(backend)
     if backend == AUTO:
@@ -208,6 +212,8 @@ def _auto_backend(q: torch.Tensor, plan: TreePlan | None, variant: AttentionVari
     if q.device.type == "npu":
         return "npu"
     if q.is_cuda and q.dtype in _FLASH_DTYPES and flash_kernel_for(q.device) is not None:
+        if flash_head_dim_refusal(q.size(-1)) is not None:
+            return "chunked"  # the exact pure-torch kernel takes any head dim
         if ATTENTION_BACKENDS["varlen"].variant_refusal(q, variant) is not None:
             return "flex"
         return "cudnn" if plan is not None and variant.plain and _auto_prefers_cudnn(q, plan) else "varlen"

@@ -222,6 +222,14 @@ FLASH_ATTN_KERNEL = VarlenKernel(
 )
 
 
+def flash_head_dim_refusal(head_dim: int) -> str | None:
+    """Why the varlen flash kernels (torch's, flash-attn 2) cannot take ``head_dim``, or None:
+    they take multiples of 8 up to 256."""
+    if head_dim % 8 or head_dim > 256:
+        return f"head dim {head_dim}: the varlen flash kernels take multiples of 8 up to 256"
+    return None
+
+
 def flash_kernel_for(device: torch.device) -> VarlenKernel | None:
     """The fastest varlen flash kernel usable on ``device``, or None (cached per device type:
     every layer of every micro-batch asks)."""
