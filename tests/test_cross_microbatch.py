@@ -23,7 +23,7 @@ from megatron_shims import (  # noqa: E402
 init_cpu_megatron(1)
 
 from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec  # noqa: E402
-from ps_mcore.layer_specs.packed_params import schedule_call_refusal  # noqa: E402
+from ps_mcore.layer_specs.packed_params import call_entries  # noqa: E402
 from ps_mcore.layer_specs.schedule import (  # noqa: E402
     forward_backward_schedule, gpt_call, schedule_refusal,
 )
@@ -212,9 +212,9 @@ def test_refusals_name_the_option(qwen2):
     Config.pipeline_model_parallel_size, Config.context_parallel_size = 1, 2
     assert "context parallelism" in schedule_refusal(Fake())
     plan = plan_minibatch([[1] * 10 + [2, 3], [1] * 10 + [4]], 6, min_prefix_len=1)
-    psp = TreePackedSeqParams.from_plan(plan.call_plan(1))
-    assert "Gated DeltaNet layers cannot run a cross-micro-batch" in schedule_call_refusal(psp, "Gated DeltaNet")
-    assert schedule_call_refusal(TreePackedSeqParams.from_plan(plan.tree), "Gated DeltaNet") is None
+    with pytest.raises(ValueError, match="Gated DeltaNet: a ContextPlan call runs inside a mini-batch schedule"):
+        call_entries(plan.call_plan(1), 1, "Gated DeltaNet")  # a call without its schedule's runtime
+    assert call_entries(plan.tree, 1, "Gated DeltaNet") == (None, None)
     with pytest.raises(NotImplementedError, match="context parallelism"):
         TreePackedSeqParams.from_plan(plan.call_plan(1), pad_to_multiple_of=4, cp_size=2)
 
