@@ -1,6 +1,7 @@
 """Cross-micro-batch schedules on hybrid megatron-core models (CPU, gloo world 1, fp64):
-Gated DeltaNet + attention GPT models (``G*G``) and Mamba + attention MambaModels (``M*M-``,
-megatron-core 0.16) with the tree modules and the torch recurrent kernels. Every row of a
+Gated DeltaNet + attention GPT models (``G*G``), Mamba + attention MambaModels (``M*M-``,
+megatron-core 0.16) and HybridModels mixing all three (``GM*-``, megatron-core 0.19+), with the
+tree modules and the torch recurrent kernels. Every row of a
 mini-batch larger than the token budget is computed once; a kept call keeps each recurrent
 layer's state and conv window where later calls continue its rows, and the log-probs and every
 gradient (the recurrent layers' own parameters included) equal the unshared batch's (the same
@@ -100,6 +101,35 @@ def mamba_model():
     return model.to(DT)
 
 
+def hybrid_model(pattern="GM*-"):
+    """megatron-core 0.19+ HybridModel: Gated DeltaNet, Mamba, attention (with its MLP), MLP."""
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron_shims import local_hybrid_stack_spec
+
+    cfg = tiny_config("qwen2", num_layers=len(pattern), mamba_num_groups=2, mamba_num_heads=4, mamba_head_dim=5,
+                      mamba_state_dim=6, params_dtype=DT, **gdn_config_overrides())
+    spec = to_tree_spec(local_hybrid_stack_spec(HybridStack, HybridStackSubmodules, cfg, mamba=True))
+    stock_norm, hybrid_block.TENorm = hybrid_block.TENorm, SPTorchNorm  # the stack's final norm is TE's
+    try:
+        model = HybridModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=512, hybrid_layer_pattern=pattern,
+                            position_embedding_type="rope", rotary_base=1_000_000)
+    finally:
+        hybrid_block.TENorm = stock_norm
+    randomize_(model, seed=5)
+    with torch.no_grad():  # slow decays and convs reaching across nodes
+        for layer, kind in zip(model.decoder.layers, pattern):
+            if kind == "G":
+                gdn_mixer = layer.self_attention
+                gdn_mixer.A_log.copy_(torch.linspace(-1.0, 0.5, gdn_mixer.A_log.numel()))
+                gdn_mixer.conv1d.weight.mul_(4.0)
+            elif kind == "M":
+                layer.mixer.cp.get_A_log().copy_(torch.linspace(-3.0, 0.0, layer.mixer.cp.get_A_log().numel()))
+                layer.mixer.cp.get_conv1d_weight().mul_(4.0)
+    return model.to(DT)
+
+
 @pytest.fixture(scope="module")
 def gdn():
     return gdn_model()
@@ -180,6 +210,19 @@ def test_gdn_hybrid_schedule_equals_unshared(gdn, seed, budget, rho):
 @pytest.mark.parametrize("seed,budget,rho", [(0, 9, 0.2), (4, 12, 0.4)])
 def test_mamba_hybrid_schedule_equals_unshared(mamba, seed, budget, rho):
     check(mamba, branching(np.random.default_rng(seed)), budget, rho, seed)
+
+
+@pytest.mark.parametrize("seed,budget,rho", [(0, 12, 0.2), (13, 16, 0.4)])
+def test_hybrid_model_mixing_gdn_mamba_and_attention(seed, budget, rho):
+    pytest.importorskip("megatron.core.models.hybrid", reason="HybridModel needs megatron-core 0.19+")
+    from ps_mcore.layer_specs.modules.gdn import TreeGatedDeltaNet
+    from ps_mcore.layer_specs.modules.mamba import TreeMambaMixer
+
+    model = hybrid_model()
+    assert type(model.decoder.layers[0].self_attention) is TreeGatedDeltaNet
+    assert type(model.decoder.layers[1].mixer) is TreeMambaMixer
+    check(model, branching(np.random.default_rng(seed)), budget, rho, seed,
+          state_cost=recurrent_state_cost(model))
 
 
 def test_every_budget_cuts_inside_nodes_and_at_edges(gdn):
