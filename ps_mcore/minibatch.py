@@ -776,18 +776,8 @@ def kept_kv_row_cost(
     return float(min(1.0, max(kept / act, 1e-6)))
 
 
-def token_activation_bytes(
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    ffn: int,
-    vocab: int,
-    training: bool = True,
-    full_recompute: bool = False,
-    dtype_bytes: int = 2,
-) -> float:
+def token_activation_bytes(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int,
+                           training: bool = True, full_recompute: bool = False, dtype_bytes: int = 2) -> float:
     """An estimate of what a micro-batch holds per token (the unit of the token budget).
 
     Training: per layer the inputs of both norms and of the four linear layers, q/k/v and the

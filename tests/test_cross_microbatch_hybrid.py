@@ -24,27 +24,23 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import grads_of  # noqa: E402
+import test_cross_microbatch as xmb  # noqa: E402
 from forests import assert_branches, random_forest  # noqa: E402
 from gdn_shims import gdn_block_spec, gdn_config_overrides, sharpen_gdn_, shim_gdn_for_cpu  # noqa: E402
 from mamba_shims import shim_mamba_for_cpu  # noqa: E402
 from megatron_shims import (  # noqa: E402
-    VOCAB, SPTorchNorm, build_gpt, enable_cpu_pipeline, enable_cpu_recompute, init_cpu_megatron,
-    layer_spec_args, randomize_, tiny_config,
+    VOCAB, SPTorchNorm, build_gpt, enable_cpu_recompute, init_cpu_megatron, layer_spec_args, randomize_,
+    tiny_config,
 )
+from test_cross_microbatch import scheduled, through_megatron, unshared  # noqa: E402
 
 init_cpu_megatron(1)
 shim_gdn_for_cpu()
 shim_mamba_for_cpu()
 
-from ps_mcore.layer_specs import TreePackedSeqParams, to_tree_spec  # noqa: E402
-from ps_mcore.layer_specs.schedule import (  # noqa: E402
-    forward_backward_schedule, gpt_call, recurrent_state_cost, schedule_refusal,
-)
-from ps_mcore.logprobs import token_logprobs  # noqa: E402
+from ps_mcore.layer_specs import to_tree_spec  # noqa: E402
+from ps_mcore.layer_specs.schedule import recurrent_state_cost, schedule_refusal  # noqa: E402
 from ps_mcore.minibatch import BudgetTooSmall, plan_minibatch  # noqa: E402
-from ps_mcore.planner import plan_unshared  # noqa: E402
-from ps_mcore.schedule import ScheduleRunner  # noqa: E402
 
 DT = torch.float64
 TOL = 1e-6
@@ -145,46 +141,11 @@ def mamba():
 
 
 def weights_of(seqs, seed=0):
-    w = np.random.default_rng(seed).uniform(0.2, 2.0, len(seqs))
-    return torch.tensor(np.repeat(w, [len(s) for s in seqs]), dtype=DT)
-
-
-def step_loss(out, w):
-    return (out["log_probs"] * w).sum() + 0.05 * (out["entropy"] * w).sum()
-
-
-def unshared(model, seqs, w):
-    plan = plan_unshared(seqs)
-    psp = TreePackedSeqParams.from_plan(plan)
-    model.zero_grad(set_to_none=True)
-    logits = model(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
-                   attention_mask=None, packed_seq_params=psp)[0]
-    lp, ent = token_logprobs(logits, plan, compute_entropy=True)
-    step_loss({"log_probs": lp, "entropy": ent}, w).backward()
-    return lp.detach(), grads_of(model)
-
-
-def scheduled(model, plan, w):
-    model.zero_grad(set_to_none=True)
-    runner = ScheduleRunner(plan, gpt_call(model, compute_entropy=True))
-    lp = torch.zeros(plan.tree.num_input_tokens, dtype=DT)
-    for j, step in enumerate(plan.steps):
-        out = runner.forward(j)
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
-        lp[tokens] = out["log_probs"].detach()
-        step_loss(out, w[tokens]).backward()
-        runner.release(j)
-    runner.finish()
-    assert not runner.kept
-    return lp, grads_of(model)
+    return xmb.weights_of(seqs, seed).to(DT)
 
 
 def assert_equal_runs(got, ref):
-    torch.testing.assert_close(got[0], ref[0], rtol=TOL, atol=TOL)
-    assert got[1].keys() == ref[1].keys()
-    for name, g in ref[1].items():
-        rel = ((got[1][name] - g).norm() / g.norm().clamp_min(1e-30)).item()
-        assert rel < TOL, (name, rel)
+    xmb.assert_equal_runs(got, ref, tol=TOL, lp_tol=TOL)
 
 
 def continued_states(plan) -> int:
@@ -273,41 +234,12 @@ def test_full_activation_recompute():
 
 
 def test_through_megatron_forward_backward_func(gdn):
-    from megatron.core.utils import get_model_config
-
-    enable_cpu_pipeline()
     assert schedule_refusal(gdn) is None
     seqs = branching(np.random.default_rng(11))
     w = weights_of(seqs, 11)
     ref = unshared(gdn, seqs, w)
-    plan = plan_minibatch(seqs, 10, kv_row_cost=0.3, min_prefix_len=1)
-    lp = torch.zeros(plan.tree.num_input_tokens, dtype=DT)
-
-    def loss_func(step, out):
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
-        lp[tokens] = out["log_probs"].detach()
-        return step_loss(out, w[tokens]) * plan.num_steps, {}  # Megatron divides by num_microbatches
-
-    config = get_model_config(gdn)
-    finalized = []
-    config.finalize_model_grads_func = lambda *a, **k: finalized.append(grads_of(gdn))
-    try:
-        gdn.zero_grad(set_to_none=True)
-        forward_backward_schedule(gdn, plan, gpt_call(gdn, compute_entropy=True), loss_func)
-    finally:
-        config.finalize_model_grads_func = None
-    assert len(finalized) == 1
-    assert_equal_runs((lp, finalized[0]), ref)
-
-    fwd = plan_minibatch(seqs, 10, kv_row_cost=0.3, min_prefix_len=1, training=False)
-    lp_fwd = torch.zeros_like(lp)
-
-    def record(step, out):
-        lp_fwd[torch.from_numpy(fwd.sample_tokens(step.samples))] = out["log_probs"]
-        return out["log_probs"].sum(), {}
-
-    with torch.no_grad():
-        forward_backward_schedule(gdn, fwd, gpt_call(gdn, compute_entropy=True), record, forward_only=True)
+    got, _, lp_fwd = through_megatron(gdn, plan_minibatch(seqs, 10, kv_row_cost=0.3, min_prefix_len=1), w)
+    assert_equal_runs(got, ref)
     torch.testing.assert_close(lp_fwd, ref[0], rtol=TOL, atol=TOL)
 
 
