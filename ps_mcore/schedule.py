@@ -56,8 +56,8 @@ RunCall = Callable[[ContextPlan], dict[str, torch.Tensor]]
 def _accumulate(store: dict, key, grad: torch.Tensor) -> None:
     if key in store:
         store[key].add_(grad)
-    else:
-        store[key] = grad.to(torch.float32, copy=True)
+    else:  # fp32 sums of bf16 / fp32 gradients (fp64 kept: exactness checks)
+        store[key] = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
 
 
 class KeptState:

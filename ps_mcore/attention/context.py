@@ -66,7 +66,7 @@ class _AddKeptGrad(torch.autograd.Function):
         extra = ctx.extra()
         if extra is None:
             return grad, None
-        return (grad.float() + extra).to(grad.dtype), None
+        return (grad.to(torch.promote_types(grad.dtype, extra.dtype)) + extra).to(grad.dtype), None
 
 
 def add_kept_grad(x: torch.Tensor, extra: Callable[[], torch.Tensor | None]) -> torch.Tensor:
