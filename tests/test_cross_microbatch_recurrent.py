@@ -20,8 +20,7 @@ from ps_mcore.recurrent import (
 )
 from ps_mcore.schedule import ScheduleRunner
 
-H, K, V, W = 2, 3, 4, 4  # heads, key / value dims, conv width
-D = H * K  # conv channels: the conv output becomes the keys
+W = 4  # conv width
 FORESTS = {
     **{k: v for k, v in nasty_forests().items() if sum(map(len, v)) >= 12},
     **{f"random{s}": random_forest(np.random.default_rng(s), max_seqs=10, max_len=30) for s in range(3)},
@@ -31,19 +30,28 @@ FORESTS = {
 
 
 class Layer:
-    """A conv + recurrence layer over per-row inputs (leaves, one value per packed row)."""
+    """A conv + recurrence layer over per-row inputs (leaves, one value per packed row), drawn
+    in fp64 on the host for ``seed`` and held in ``dtype`` on ``device``; ``backend``: the
+    recurrent kernels' (torch, fla). ``dims``: heads, key and value head dims (the conv has
+    heads * key dim channels: its output becomes the keys)."""
 
-    def __init__(self, t: int, kernel: str, seed: int = 0):
+    def __init__(self, t: int, kernel: str, seed: int = 0, dtype=torch.float64, device="cpu", backend="torch",
+                 dims=(2, 3, 4)):
         gen = torch.Generator().manual_seed(seed)
+        self.dims = H, K, V = dims
+        D = H * K
 
-        def leaf(*shape, scale=1.0):
-            return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+        def leaf(value):
+            return value.to(device=device, dtype=dtype).requires_grad_()
 
-        self.x, self.q, self.v = leaf(t, D), leaf(t, H, K), leaf(t, H, V)
-        self.g = (-torch.rand(t, H, generator=gen, dtype=torch.float64)).requires_grad_()
-        self.beta = torch.rand(t, H, generator=gen, dtype=torch.float64).requires_grad_()
-        self.weight = leaf(D, W, scale=0.7)
-        self.kernel = kernel
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+        self.x, self.q, self.v = leaf(randn(t, D)), leaf(randn(t, H, K)), leaf(randn(t, H, V))
+        self.g = leaf(-torch.rand(t, H, generator=gen, dtype=torch.float64))
+        self.beta = leaf(torch.rand(t, H, generator=gen, dtype=torch.float64))
+        self.weight = leaf(randn(D, W) * 0.7)
+        self.kernel, self.backend = kernel, backend
 
     def leaves(self):
         return [self.x, self.q, self.v, self.g, self.weight] + ([self.beta] if self.kernel == "gdn" else [])
@@ -51,20 +59,24 @@ class Layer:
     def __call__(self, rows: torch.Tensor, plan, entries=(None, None)):
         """``[R, H, V]`` outputs of ``rows``, and (exit states, exit windows) of the call."""
         tree = recurrent_tree(plan, rows.numel())
+        H, K, _ = self.dims
         x = self.x[rows]
         k = torch.nn.functional.normalize(tree_causal_conv1d(x, self.weight, None, tree, entries[1]).view(-1, H, K),
                                           dim=-1)
         args = (self.q[rows], k, self.v[rows], self.g[rows])
+        kw = dict(backend=self.backend, entry_states=entries[0], with_states=True)
         if self.kernel == "gdn":
-            out = tree_gated_delta_rule(*args, self.beta[rows], tree, entry_states=entries[0], with_states=True)
+            out = tree_gated_delta_rule(*args, self.beta[rows], tree, **kw)
         else:
-            out = tree_simple_gla(*args, tree, scale=0.5, entry_states=entries[0], with_states=True)
+            out = tree_simple_gla(*args, tree, scale=0.5, **kw)
         windows = tree_conv_windows(x, tree, W, entries[1]) if tree.num_exits else None
         return out[0], out[1], windows
 
 
 def whole(layer: Layer, tree, w: torch.Tensor):
-    out, _, _ = layer(torch.arange(tree.num_tokens), tree)
+    """Per-token outputs ``[N]`` of the whole forest in one tree, and the leaves' gradients of
+    ``sum(w * outputs)``."""
+    out, _, _ = layer(torch.arange(tree.num_tokens, device=w.device), tree)
     per_token = out.sum((1, 2)).index_select(0, tree.unpack_index)
     for leaf in layer.leaves():
         leaf.grad = None
@@ -73,12 +85,16 @@ def whole(layer: Layer, tree, w: torch.Tensor):
 
 
 def scheduled(layer: Layer, plan, w: torch.Tensor, key=7):
+    """:func:`whole` through the schedule of ``plan``, call by call."""
+    device = w.device
+
     def run_call(call_plan):
+        call_plan = call_plan.to(device)
         if not isinstance(call_plan, ContextPlan):  # the whole forest in one call
-            out, _, _ = layer(torch.arange(call_plan.num_tokens), call_plan)
+            out, _, _ = layer(torch.arange(call_plan.num_tokens, device=device), call_plan)
             return {"o": out.sum((1, 2)).index_select(0, call_plan.unpack_index)}
         runtime = call_plan.runtime
-        rows = torch.from_numpy(plan.calls[call_plan.call].rows)
+        rows = torch.from_numpy(plan.calls[call_plan.call].rows).to(device)
         out, states, windows = layer(rows, call_plan, runtime.context_recurrent(key) or (None, None))
         out = runtime.own_recurrent(key, out, states, windows)
         return {"o": out.sum((1, 2)).index_select(0, call_plan.unpack_index)}
@@ -86,9 +102,9 @@ def scheduled(layer: Layer, plan, w: torch.Tensor, key=7):
     for leaf in layer.leaves():
         leaf.grad = None
     runner = ScheduleRunner(plan, run_call)
-    got = torch.zeros(plan.tree.num_input_tokens, dtype=torch.float64)
+    got = torch.zeros(plan.tree.num_input_tokens, dtype=w.dtype, device=device)
     for j, step in enumerate(plan.steps):
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
+        tokens = torch.from_numpy(plan.sample_tokens(step.samples)).to(device)
         out = runner.forward(j)["o"]
         got[tokens] = out.detach()
         (out * w[tokens]).sum().backward()
