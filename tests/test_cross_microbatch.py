@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import grads_of  # noqa: E402
+from conftest import grads_of, run_schedule  # noqa: E402
 from forests import assert_branches  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, build_gpt, enable_cpu_pipeline, enable_cpu_recompute, init_cpu_megatron, layer_spec_args,
@@ -30,7 +30,6 @@ from ps_mcore.layer_specs.schedule import (  # noqa: E402
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
 from ps_mcore.minibatch import plan_minibatch, schedule_tree  # noqa: E402
 from ps_mcore.planner import plan_unshared  # noqa: E402
-from ps_mcore.schedule import ScheduleRunner  # noqa: E402
 
 ENTROPY_COEF = 0.05
 
@@ -77,16 +76,7 @@ def scheduled(model, plan, w, loss=step_loss, entropy=True):
     """The plan's steps by hand: forward, ``loss(outputs, weights of the step's tokens)``,
     backward, release. Returns the log-probs ``[N]`` and the gradients."""
     model.zero_grad(set_to_none=True)
-    runner = ScheduleRunner(plan, gpt_call(model, compute_entropy=entropy))
-    lp = torch.zeros(plan.tree.num_input_tokens, dtype=w.dtype)
-    for j, step in enumerate(plan.steps):
-        out = runner.forward(j)
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
-        lp[tokens] = out["log_probs"].detach()
-        loss(out, w[tokens]).backward()
-        runner.release(j)
-    runner.finish()
-    assert not runner.kept
+    lp = run_schedule(plan, gpt_call(model, compute_entropy=entropy), lambda out, t: loss(out, w[t]), w.dtype)
     return lp, grads_of(model)
 
 

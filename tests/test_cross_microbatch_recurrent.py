@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import run_schedule
 from forests import branching_forest, nasty_forests, random_forest
 from ps_mcore.minibatch import ContextPlan, plan_minibatch
 from ps_mcore.recurrent import (
     recurrent_tree, tree_causal_conv1d, tree_conv_windows, tree_gated_delta_rule, tree_simple_gla,
 )
-from ps_mcore.schedule import ScheduleRunner
 
 W = 4  # conv width
 FORESTS = {
@@ -101,15 +101,7 @@ def scheduled(layer: Layer, plan, w: torch.Tensor, key=7):
 
     for leaf in layer.leaves():
         leaf.grad = None
-    runner = ScheduleRunner(plan, run_call)
-    got = torch.zeros(plan.tree.num_input_tokens, dtype=w.dtype, device=device)
-    for j, step in enumerate(plan.steps):
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples)).to(device)
-        out = runner.forward(j)["o"]
-        got[tokens] = out.detach()
-        (out * w[tokens]).sum().backward()
-        runner.release(j)
-    runner.finish()
+    got = run_schedule(plan, run_call, lambda out, tokens: (out["o"] * w[tokens]).sum(), w.dtype)
     return got, [leaf.grad.clone() for leaf in layer.leaves()]
 
 
