@@ -25,8 +25,11 @@ and every row is computed once:
   against the fixed cost of more, smaller steps).
 
 Budget accounting, per range: ``rows computed + sum over the kept rows of its ancestor path
-(graph: 1 token per row; K/V only: kv_row_cost per row) <= max_tokens`` (a kept call is
-released when the walk leaves its subtree). A release
+(graph: 1 token per row; K/V only: kv_row_cost per row) + state_cost per node a kept call
+holds <= max_tokens`` (a kept call is released when the walk leaves its subtree).
+``state_cost`` is what hybrid models (Gated DeltaNet, Mamba layers) keep besides K/V: every
+recurrent layer's state and conv window where a kept node's rows end (the state its
+continuations start from; see :func:`kept_state_cost`); 0 for attention-only models. A release
 recomputes its call while only its ancestors' kept state is alive, which the range that
 computed it already paid for. A prefix longer than the budget becomes a chain of K/V-kept
 calls, each the context of the next (a prefix of a prefix).
@@ -129,10 +132,12 @@ class MiniBatchMemo:
         call_plans: :meth:`MiniBatchPlan.call_plan` per call index (every step of every pass
             runs the same calls).
         step_sources: :meth:`MiniBatchPlan.step_sources` per step index.
+        exit_rows: :func:`_exit_rows` of the plan (built with the first call plan).
     """
 
     call_plans: dict[int, "ContextPlan"] = field(default_factory=dict)
     step_sources: dict[int, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
+    exit_rows: dict[int, np.ndarray] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,6 +149,8 @@ class MiniBatchPlan:
         calls, steps: see :class:`Call` and :class:`Step`.
         max_tokens: the budget (tokens per step, kept state included).
         kv_row_cost: budget tokens charged per kept K/V-only row.
+        state_cost: budget tokens charged per node of a kept call (its recurrent layers'
+            states and conv windows; 0 without recurrent layers).
         training: planned for forward + backward (False: forward only, nothing recomputed).
         range_ends: where the walk's ranges end (packed rows, ascending): the cuts a re-walk
             keeps when a step must be split (``min_steps``).
@@ -157,6 +164,7 @@ class MiniBatchPlan:
     kv_row_cost: float
     training: bool
     range_ends: tuple[int, ...] = ()
+    state_cost: float = 0.0
     memo: MiniBatchMemo = field(default_factory=MiniBatchMemo, repr=False, compare=False)
 
     @property
@@ -224,9 +232,10 @@ class _Kept:
     rows: np.ndarray
     end: int  # its subtree ends here: released once the walk reaches it
     graph: bool
+    nodes: int  # nodes its rows belong to: where recurrent states may be kept
 
-    def charge(self, kv_row_cost: float) -> float:
-        return self.rows.size * (1.0 if self.graph else kv_row_cost)
+    def charge(self, kv_row_cost: float, state_cost: float) -> float:
+        return self.rows.size * (1.0 if self.graph else kv_row_cost) + self.nodes * state_cost
 
 
 @dataclass
@@ -241,17 +250,19 @@ class _Walk:
     """The greedy pre-order walk behind :func:`schedule_tree` (one instance per plan)."""
 
     def __init__(self, tree: TreePlan, max_tokens: int, kv_row_cost: float, training: bool,
-                 cuts: frozenset[int], min_room: float):
+                 cuts: frozenset[int], min_room: float, state_cost: float = 0.0):
         host = tree.host
         self.tree = tree
         self.t = tree.num_tokens
         self.budget = float(max_tokens)
         self.rho = float(kv_row_cost)
+        self.state_cost = float(state_cost)
         self.training = training
         self.min_room = min_room
         self.subtree_end = host.subtree_end.cpu().numpy()
         self.depth = np.append(host.position_ids.cpu().numpy(), 0)  # row T: a root boundary
         starts = host.cu_seqlens_q.cpu().numpy()[:-1].astype(np.int64)
+        self.node_starts = starts
         self.boundaries = np.append(starts[starts > 0], self.t)  # where a range may end
         self.cuts = np.array(sorted(cuts), dtype=np.int64)
         self.kept: list[_Kept] = []  # alive, creation order
@@ -260,7 +271,7 @@ class _Walk:
         self.ranges: list[_Range] = []
 
     def charge(self) -> float:
-        return sum(k.charge(self.rho) for k in self.kept)
+        return sum(k.charge(self.rho, self.state_cost) for k in self.kept)
 
     def release_until(self, a: int) -> None:
         self.kept = [k for k in self.kept if k.end > a]
@@ -281,7 +292,8 @@ class _Walk:
             raise BudgetTooSmall(
                 f"max_tokens={int(self.budget)} cannot hold the context of packed row {a}: its "
                 f"{path} ancestor rows are kept at kv_row_cost={self.rho:g} tokens each "
-                f"({self.charge():.0f} tokens); raise max_tokens (or lower kv_row_cost)"
+                f"(and state_cost={self.state_cost:g} per kept node: {self.charge():.0f} tokens); "
+                "raise max_tokens (or lower kv_row_cost)"
             )
         return room
 
@@ -314,7 +326,8 @@ class _Walk:
         context = tuple(k.call for k in self.kept if not kept or k.end > rows[0])
         self.calls.append(dict(rows=rows, context=context, kept=kept))
         if kept:
-            entry = _Kept(index, rows, int(self.subtree_end[rows[0]]), graph=self.training)
+            nodes = np.unique(np.searchsorted(self.node_starts, rows, side="right")).size
+            entry = _Kept(index, rows, int(self.subtree_end[rows[0]]), graph=self.training, nodes=nodes)
             self.all_kept[index] = entry
         return index
 
@@ -348,6 +361,8 @@ def schedule_tree(
     kv_row_cost: float = DEFAULT_KV_ROW_COST,
     training: bool = True,
     min_steps: int | None = None,
+    *,
+    state_cost: float = 0.0,
 ) -> MiniBatchPlan:
     """Cut ``tree`` (a whole mini-batch, or one sharing unit) into calls and steps.
 
@@ -360,14 +375,18 @@ def schedule_tree(
         min_steps: at least this many steps (e.g. the most any data-parallel rank needs):
             steps are split at a sample end until there are. Raises when no step has two
             samples ending at different rows.
+        state_cost: budget tokens per node of a kept call, for models with recurrent layers
+            (see :func:`kept_state_cost`); 0 for attention-only models.
 
     Returns:
         A :class:`MiniBatchPlan`. A tree that fits the budget is one step of one call.
     """
     _check_budget(max_tokens, kv_row_cost)
+    if not float(state_cost) >= 0:
+        raise ValueError(f"state_cost must be >= 0 budget tokens per kept node, got {state_cost!r}")
     cuts: frozenset[int] = frozenset()
     rooms = MIN_ROOM_FRACTIONS if training else MIN_ROOM_FRACTIONS[:1]  # forward only: no graphs
-    plans = [_plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, room) for room in rooms]
+    plans = [_plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, room, state_cost) for room in rooms]
     best = min(range(len(plans)), key=lambda i: (plan_cost(plans[i]), i))
     plan, room = plans[best], rooms[best]
     while min_steps is not None and plan.num_steps < min_steps:
@@ -378,7 +397,7 @@ def schedule_tree(
                 "no step holds two samples ending at different rows"
             )
         cuts = frozenset(plan.range_ends) | {cut}
-        plan = _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, room)
+        plan = _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, room, state_cost)
     return plan
 
 
@@ -401,10 +420,12 @@ def plan_minibatch(
     prompt_lens: Sequence[int] | None = None,
     group_ids: Sequence[Any] | None = None,
     min_steps: int | None = None,
+    *,
+    state_cost: float = 0.0,
 ) -> MiniBatchPlan:
     """:func:`plan_prefix_tree` of the whole mini-batch, then :func:`schedule_tree`."""
     tree = plan_prefix_tree(sequences, mode, min_prefix_len, min_group_size, prompt_lens, group_ids)
-    return schedule_tree(tree, max_tokens, kv_row_cost, training, min_steps)
+    return schedule_tree(tree, max_tokens, kv_row_cost, training, min_steps, state_cost=state_cost)
 
 
 def _check_budget(max_tokens, kv_row_cost) -> None:
@@ -431,8 +452,8 @@ def _extra_cut(plan: MiniBatchPlan) -> int | None:
     return None if best is None else best[1]
 
 
-def _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, min_room) -> MiniBatchPlan:
-    walk = _Walk(tree, max_tokens, kv_row_cost, training, cuts, min_room)
+def _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, min_room, state_cost=0.0) -> MiniBatchPlan:
+    walk = _Walk(tree, max_tokens, kv_row_cost, training, cuts, min_room, state_cost)
     walk.run()
     host = tree.host
     lens = np.asarray(host.seq_lens, dtype=np.int64)
@@ -487,7 +508,7 @@ def _plan_from_walk(tree, max_tokens, kv_row_cost, training, cuts, min_room) -> 
             releases=releases, charge=max(walk.ranges[i].charge for i in members),
         ))
     return MiniBatchPlan(tree, tuple(calls), tuple(steps), int(max_tokens), float(kv_row_cost), training,
-                         range_ends=tuple(r.end for r in walk.ranges))
+                         range_ends=tuple(r.end for r in walk.ranges), state_cost=float(state_cost))
 
 
 # ----------------------------------------------------------------------------- call plans
@@ -512,6 +533,14 @@ class ContextPlan:
         context_calls, context_rows: kept calls read as context and their row counts.
         unpack_index: ``[n]`` own row of each of the call's original tokens (``Call.tokens``).
         next_token_ids, next_token_mask: ``[n]`` each token's label and whether it has one.
+        segment_parent: ``[S]`` for recurrent layers: the query segment whose last row is the
+            row before this segment's first row on its root path, or -1 when that row is not
+            an own row (a root, or a row of a context call).
+        segment_entry: ``[S]`` where a segment's path comes from a context call: the index of
+            that row's kept recurrent state in the concatenation of the context calls' exit
+            states (``exit_rows`` of each, in ``context_calls`` order), else -1.
+        exit_rows: ``[X]`` own rows (ascending) whose recurrent state and conv window later
+            calls start from (the last row of a segment; empty unless the call is kept).
         call: the call's index in its :class:`MiniBatchPlan`.
         runtime: the schedule's run-time state for this call (set by the schedule runner;
             not part of the plan's value): where the attention reads kept K/V.
@@ -532,6 +561,9 @@ class ContextPlan:
     unpack_index: torch.Tensor
     next_token_ids: torch.Tensor
     next_token_mask: torch.Tensor
+    segment_parent: torch.Tensor
+    segment_entry: torch.Tensor
+    exit_rows: torch.Tensor
     call: int
     runtime: Any = field(default=None, compare=False)
     memo: PlanMemo = field(default_factory=PlanMemo, repr=False, compare=False)
@@ -622,6 +654,26 @@ def _context_plan(plan: MiniBatchPlan, call: Call) -> ContextPlan:
     def cu32(lengths):
         return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
 
+    # Recurrent layers: where each segment's state comes from (an own segment, a context
+    # call's exit, or a root) and which own rows later calls continue from.
+    exits = _exit_rows(plan)
+    pred = _path_predecessor(tree, rows[seg_start])
+    own_end = np.full(tree.num_tokens, -1, dtype=np.int64)
+    own_end[last_row] = np.arange(seg_start.size)
+    from_own = pred >= 0
+    from_own[from_own] = own_end[pred[from_own]] >= 0
+    segment_parent = np.where(from_own, own_end[np.maximum(pred, 0)], -1)
+    segment_entry = np.full(seg_start.size, -1, dtype=np.int64)
+    offset = 0
+    for c, c_rows in zip(call.context, ctx_rows):
+        c_exits = exits.get(c, np.zeros(0, dtype=np.int64))
+        hit = ~from_own & (pred >= 0) & np.isin(pred, c_rows)
+        segment_entry[hit] = offset + np.searchsorted(c_exits, pred[hit])
+        offset += c_exits.size
+    if ((pred >= 0) & ~from_own & (segment_entry < 0)).any():  # a planner invariant
+        raise AssertionError(f"call {call.index} continues rows that are neither kept nor its own")
+    exit_rows = local[exits.get(call.index, np.zeros(0, dtype=np.int64))]
+
     seg_len = seg_end - seg_start
     rows_t = torch.from_numpy(rows)
     return ContextPlan(
@@ -638,8 +690,46 @@ def _context_plan(plan: MiniBatchPlan, call: Call) -> ContextPlan:
         unpack_index=long(local[unpack[tokens]]),
         next_token_ids=tree.next_token_ids[torch.from_numpy(tokens)].clone(),
         next_token_mask=tree.next_token_mask[torch.from_numpy(tokens)].clone(),
+        segment_parent=long(segment_parent),
+        segment_entry=long(segment_entry),
+        exit_rows=long(exit_rows),
         call=call.index,
     )
+
+
+def _path_predecessor(tree: TreePlan, rows: np.ndarray) -> np.ndarray:
+    """``[n]`` the row before each of ``rows`` on its root path (the previous row of its node,
+    or its parent node's last row), -1 at a root's first row. ``tree``: a host plan."""
+    cu_q = tree.cu_seqlens_q.cpu().numpy().astype(np.int64)
+    parent = tree.node_parent.cpu().numpy().astype(np.int64)
+    node = np.searchsorted(cu_q, rows, side="right") - 1
+    first = rows == cu_q[node]
+    up = parent[node]
+    return np.where(first, np.where(up >= 0, cu_q[np.maximum(up, 0) + 1] - 1, -1), rows - 1)
+
+
+def _exit_rows(plan: MiniBatchPlan) -> dict[int, np.ndarray]:
+    """Kept call -> ``[X]`` its rows (global, ascending) that rows of other calls continue on
+    their root path: where recurrent layers keep their state and conv window. Built once per
+    plan (:class:`MiniBatchMemo`)."""
+    if plan.memo.exit_rows is None:
+        tree = plan.tree.host
+        cu_q = tree.cu_seqlens_q.cpu().numpy().astype(np.int64)
+        call_of_row = np.zeros(tree.num_tokens, dtype=np.int64)
+        for c in plan.calls:
+            call_of_row[c.rows] = c.index
+        exits: dict[int, set[int]] = {}
+        for c in plan.calls:
+            rows = c.rows
+            node = np.searchsorted(cu_q, rows, side="right") - 1
+            starts = rows[np.flatnonzero(np.r_[True, (node[1:] != node[:-1]) | (rows[1:] != rows[:-1] + 1)])]
+            pred = _path_predecessor(tree, starts)
+            pred = pred[pred >= 0]
+            owner = call_of_row[pred]
+            for p, o in zip(pred[owner != c.index].tolist(), owner[owner != c.index].tolist()):
+                exits.setdefault(o, set()).add(p)
+        plan.memo.exit_rows = {c: np.array(sorted(r), dtype=np.int64) for c, r in exits.items()}
+    return plan.memo.exit_rows
 
 
 def _step_sources(plan: MiniBatchPlan, step: Step) -> tuple[tuple[int, ...], torch.Tensor]:
@@ -677,17 +767,47 @@ def kept_kv_row_cost(
     """Budget tokens one kept K/V row costs: its bytes against one token's activations.
 
     Kept: K and V of every layer (``2 * kv_heads * head_dim`` values each, in the activation
-    dtype) plus, in training, their fp32 gradient accumulators. One token's activations (an
-    estimate of what a micro-batch keeps for backward, per token): per layer the inputs of
-    both norms and of the four linear layers, q/k/v and the attention output (flash
-    attention: no score matrix) and the SwiGLU MLP's intermediates; with full recompute only
-    each layer's input plus one layer's working set; plus the LM head's logits (activation
-    dtype) and their fp32 softmax. Clamped to (0, 1]."""
+    dtype) plus, in training, their fp32 gradient accumulators; one token's activations:
+    :func:`token_activation_bytes`. Clamped to (0, 1]."""
     kv = 2 * kv_heads * head_dim
     kept = layers * kv * (dtype_bytes + (4 if training else 0))
-    per_layer = dtype_bytes * (4 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 4 * ffn)
-    if not training:
-        return float(min(1.0, kept / max(per_layer + vocab * (dtype_bytes + 4), 1)))
-    layers_act = layers * dtype_bytes * hidden + per_layer if full_recompute else layers * per_layer
-    act = layers_act + vocab * (dtype_bytes + 4)
+    act = token_activation_bytes(layers, hidden, heads, kv_heads, head_dim, ffn, vocab, training,
+                                 full_recompute, dtype_bytes)
     return float(min(1.0, max(kept / act, 1e-6)))
+
+
+def token_activation_bytes(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int,
+                           training: bool = True, full_recompute: bool = False, dtype_bytes: int = 2) -> float:
+    """An estimate of what a micro-batch holds per token (the unit of the token budget).
+
+    Training: per layer the inputs of both norms and of the four linear layers, q/k/v and the
+    attention output (flash attention: no score matrix) and the SwiGLU MLP's intermediates;
+    with full recompute only each layer's input plus one layer's working set; plus the LM
+    head's logits (activation dtype) and their fp32 softmax. Forward only: one layer's working
+    set and the logits."""
+    per_layer = dtype_bytes * (4 * hidden + (2 * heads + 2 * kv_heads) * head_dim + 4 * ffn)
+    logits = vocab * (dtype_bytes + 4)
+    if not training:
+        return float(max(per_layer + logits, 1))
+    layers_act = layers * dtype_bytes * hidden + per_layer if full_recompute else layers * per_layer
+    return float(max(layers_act + logits, 1))
+
+
+def kept_state_cost(state_values: int, window_values: int, token_bytes: float, training: bool = True,
+                    dtype_bytes: int = 2) -> float:
+    """Budget tokens one kept node's recurrent state costs (``state_cost`` of
+    :func:`schedule_tree`): where a kept call's node ends, every recurrent layer keeps its
+    state (fp32) and its conv window (the last ``kernel - 1`` conv inputs, activation dtype),
+    and in training their fp32 gradient accumulators.
+
+    Args:
+        state_values: elements of one state summed over the recurrent layers (Gated DeltaNet:
+            ``value_heads * key_head_dim * value_head_dim``; Mamba-2: ``heads * head_dim *
+            d_state``), per tensor-parallel rank.
+        window_values: elements of one conv window summed over those layers (``(kernel - 1)
+            * conv channels``).
+        token_bytes: one token's activations (:func:`token_activation_bytes`).
+    """
+    grads = 4 if training else 0
+    kept = state_values * (4 + grads) + window_values * (dtype_bytes + grads)
+    return float(kept / max(token_bytes, 1))

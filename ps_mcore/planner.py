@@ -356,13 +356,17 @@ class UnaryChains:
     depth: np.ndarray
 
 
-def unary_chains(node_parent: np.ndarray, node_start: np.ndarray, num_rows: int) -> UnaryChains:
+def unary_chains(node_parent: np.ndarray, node_start: np.ndarray, num_rows: int,
+                 ends: np.ndarray | None = None) -> UnaryChains:
     """:class:`UnaryChains` of nodes in pre-order with parents ``node_parent`` (-1 at roots)
-    and first rows ``node_start``, over ``num_rows`` rows."""
+    and first rows ``node_start``, over ``num_rows`` rows; ``ends``: nodes that end their
+    chain even with one child (whose final state is read elsewhere)."""
     parent = np.asarray(node_parent, dtype=np.int64)
     m = parent.size
     has_parent = parent >= 0
     n_children = np.bincount(parent[has_parent], minlength=m)
+    if ends is not None:
+        n_children[ends] += 1  # counted as a fork
     continues = has_parent & (n_children[np.maximum(parent, 0)] == 1)
     chain_of = np.cumsum(~continues) - 1
     heads = np.flatnonzero(~continues)

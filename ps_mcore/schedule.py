@@ -30,6 +30,13 @@ gradients reach its ancestors' accumulators before their own release. Activation
 inside the model (e.g. Megatron's full or selective recompute) composes: K/V are recorded once
 and the accumulated gradient is added whenever the attention's backward runs.
 
+Recurrent layers (Gated DeltaNet, Mamba) keep, per layer key, the state and conv window at
+each of a kept call's *exit* rows (the rows later calls continue: ``ContextPlan.exit_rows``);
+a call reads its context calls' exits as the *entries* its segments start from
+(:meth:`CallRuntime.context_recurrent`). The gradients its readers send back accumulate like
+dK/dV, and the kept call's backward hands them to its exit states and windows when it
+reaches the layer's output (:meth:`CallRuntime.own_recurrent`).
+
 Forward only (``training=False``, e.g. log-prob passes): kept calls keep K/V and outputs,
 nothing needs gradients, releases just free the state.
 """
@@ -40,7 +47,7 @@ from typing import Callable
 
 import torch
 
-from ps_mcore.attention.context import add_kept_grad, read_kept
+from ps_mcore.attention.context import add_kept_grad, add_side_grads, read_kept
 from ps_mcore.minibatch import ContextPlan, MiniBatchPlan
 
 RunCall = Callable[[ContextPlan], dict[str, torch.Tensor]]
@@ -49,8 +56,8 @@ RunCall = Callable[[ContextPlan], dict[str, torch.Tensor]]
 def _accumulate(store: dict, key, grad: torch.Tensor) -> None:
     if key in store:
         store[key].add_(grad)
-    else:
-        store[key] = grad.to(torch.float32, copy=True)
+    else:  # fp32 sums of bf16 / fp32 gradients (fp64 kept: exactness checks)
+        store[key] = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
 
 
 class KeptState:
@@ -59,6 +66,9 @@ class KeptState:
     Attributes:
         k, v: layer key -> ``[R, Hkv, D]`` K/V of its rows as its attention saw them.
         dk, dv: layer key -> fp32 sums of the gradients its readers produced (lazily made).
+        states, windows: layer key -> ``[X, ...]`` recurrent state and ``[X, w, D]`` conv
+            window at each exit row (recurrent layers).
+        dstates, dwindows: layer key -> their fp32 gradient sums.
         outputs: name -> ``[n]`` its per-token outputs (detached).
         doutputs: name -> fp32 sums of the outputs' gradients.
         graph: its outputs with their autograd graph (graph-kept calls), else None.
@@ -69,14 +79,20 @@ class KeptState:
         self.v: dict = {}
         self.dk: dict = {}
         self.dv: dict = {}
+        self.states: dict = {}
+        self.windows: dict = {}
+        self.dstates: dict = {}
+        self.dwindows: dict = {}
         self.outputs: dict[str, torch.Tensor] = {}
         self.doutputs: dict[str, torch.Tensor] = {}
         self.graph: dict[str, torch.Tensor] | None = None
 
     def nbytes(self) -> int:
-        """Bytes held: K/V, their accumulators and the outputs (graphs not counted)."""
-        tensors = [*self.k.values(), *self.v.values(), *self.dk.values(), *self.dv.values(),
-                   *self.outputs.values(), *self.doutputs.values()]
+        """Bytes held: K/V, recurrent states and windows, their accumulators and the outputs
+        (graphs not counted)."""
+        held = (self.k, self.v, self.dk, self.dv, self.states, self.windows, self.dstates, self.dwindows,
+                self.outputs, self.doutputs)
+        tensors = [t for store in held for t in store.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -120,6 +136,33 @@ class CallRuntime:
         if len(ks) == 1:
             return ks[0], vs[0]
         return torch.cat(ks, 0), torch.cat(vs, 0)
+
+    def context_recurrent(self, key) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``([E, ...] states, [E, w, D] windows)`` at the exits of the context calls (in
+        context order: the entries ``ContextPlan.segment_entry`` indexes) for recurrent layer
+        ``key``, or None when no context call kept any."""
+        kept = [s for s in self.context if key in s.states and s.states[key].size(0)]
+        if not kept:
+            return None
+        states = [self.read(s, s.states[key], s.dstates, key) for s in kept]
+        windows = [self.read(s, s.windows[key], s.dwindows, key) for s in kept]
+        if len(kept) == 1:
+            return states[0], windows[0]
+        return torch.cat(states, 0), torch.cat(windows, 0)
+
+    def own_recurrent(self, key, out: torch.Tensor, states: torch.Tensor | None,
+                      windows: torch.Tensor | None) -> torch.Tensor:
+        """Record a kept call's exit states ``[X, ...]`` and windows ``[X, w, D]`` for layer
+        ``key`` (once) and return ``out`` (the layer's rows), through whose backward the
+        gradients its readers accumulated reach those states and windows."""
+        own = self.own
+        if own is None or states is None:
+            return out
+        if self.record and key not in own.states:
+            own.states[key], own.windows[key] = states.detach(), windows.detach()
+        if self._grads() and (states.requires_grad or windows.requires_grad):
+            out = add_side_grads(out, (states, windows), lambda: (own.dstates.get(key), own.dwindows.get(key)))
+        return out
 
     def own_kv(self, key, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Record a kept call's K/V (once) and route its readers' gradients into its backward."""

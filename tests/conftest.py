@@ -7,7 +7,7 @@
 * Fixtures: ``fresh_warnings`` (one-time warnings given again), ``monkeypatch_module``,
   ``te_gpu_world`` (Transformer Engine on an NCCL world of one).
 * Checks (``from conftest import ...``): :func:`grads_of`, :func:`assert_grads_close`,
-  :func:`assert_rows_close`.
+  :func:`assert_rows_close`; :func:`run_schedule` runs a mini-batch plan's steps by hand.
 
 Forest generators live in ``forests.py``. ``tests/`` is on ``sys.path`` under pytest (this
 file's directory, rootdir-style conftest), so test modules import its helper modules by name;
@@ -139,3 +139,28 @@ def assert_rows_close(got: torch.Tensor, ref: torch.Tensor, tol: float, what: st
     assert bool((err <= bound).all()), (
         f"{what}: row {worst} of {err.numel()} off by {float(err[worst]):.3g} > bound {float(bound[worst]):.3g} "
         f"({int((err > bound).sum())} rows over; max |ref| {scale:.3g})")
+
+
+def run_schedule(plan, run_call, loss=None, dtype=torch.float32) -> torch.Tensor:
+    """Every step of ``plan`` (a :class:`~ps_mcore.minibatch.MiniBatchPlan`) as a training loop
+    runs them: forward, ``loss(outputs, tokens).backward()`` (``tokens``: the step's global
+    token indices ``[N_step]``), release; then the last releases. Without ``loss`` forward only.
+    Returns the log-probs ``[N]`` (``outputs["log_probs"]``; ``outputs["o"]`` when there are
+    none) and asserts nothing stays kept."""
+    from ps_mcore.schedule import ScheduleRunner
+
+    runner = ScheduleRunner(plan, run_call, training=loss is not None)
+    got = None
+    for j, step in enumerate(plan.steps):
+        out = runner.forward(j)
+        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
+        value = out["log_probs"] if "log_probs" in out else out["o"]
+        if got is None:
+            got = torch.zeros(plan.tree.num_input_tokens, dtype=dtype, device=value.device)
+        got[tokens.to(value.device)] = value.detach().to(dtype)
+        if loss is not None:
+            loss(out, tokens.to(value.device)).backward()
+        runner.release(j)
+    runner.finish()
+    assert not runner.kept
+    return got

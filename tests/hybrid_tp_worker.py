@@ -1,6 +1,7 @@
 """torchrun worker for tests/test_hybrid_tp.py, TP=2 on gloo, every small nasty forest, tree vs.
 the stock module on each sequence alone: a Gated DeltaNet + attention GPTModel (``G*G``), and
-a Mamba-2 mixer (2 groups, 4 heads, odd head dim: one group and two heads per rank).
+a Mamba-2 mixer (2 groups, 4 heads, odd head dim: one group and two heads per rank); and the
+GDN hybrid under a cross-micro-batch schedule vs the same model on the whole forest.
 
 Usage: ``torchrun --standalone --nproc_per_node 2 hybrid_tp_worker.py``. Each rank checks its own
 shards (heads, convolution channels, vocab) and prints one ``ok`` line per forest; a mismatch
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from conftest import assert_grads_close
+from conftest import assert_grads_close, grads_of, run_schedule
 from forests import small_nasty_forests
 from gdn_shims import gdn_block_spec, gdn_config_overrides, sharpen_gdn_, shim_gdn_for_cpu
 from megatron_shims import VOCAB, build_gpt, init_cpu_megatron, randomize_, tiny_config
@@ -45,6 +46,7 @@ def main() -> None:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
         assert_grads_close(grads, ref_grads, atol=3e-5, rtol=1e-4)
         print(f"rank {rank} ok {name} logits {tuple(got.shape)}", flush=True)
+    schedule_across_micro_batches(tree, perm, rank)
 
     from mamba_shims import shim_mamba_for_cpu
 
@@ -60,6 +62,35 @@ def main() -> None:
         for pname, r in ref_grads.items():
             assert_close_scaled(grads[pname], r, f"d {pname}", rel=3e-5)
         print(f"rank {rank} ok mamba {name} params {len(grads)}", flush=True)
+
+
+def schedule_across_micro_batches(model, perm, rank: int) -> None:
+    """The GDN hybrid under a cross-micro-batch schedule (each rank keeps its shards of the
+    recurrent states and conv windows, log-probs over the vocab-parallel logits) equals the
+    same model on the whole forest in one call: log-probs and every gradient shard."""
+    from megatron.core import parallel_state as ps
+
+    from ps_mcore.layer_specs.schedule import gpt_call
+    from ps_mcore.minibatch import plan_minibatch
+
+    rng = np.random.default_rng(3)
+    prompt = list(rng.integers(0, VOCAB, 14))
+    seqs = [perm[np.asarray(prompt + list(rng.integers(0, VOCAB, n)))] for n in (3, 7, 1, 5)]
+    seqs.append(perm[np.asarray(prompt[:9] + list(rng.integers(0, VOCAB, 6)))])
+    w = torch.from_numpy(np.repeat(np.linspace(0.3, 1.7, len(seqs)), [len(s) for s in seqs])).float()
+    call = gpt_call(model, tp_group=ps.get_tensor_model_parallel_group())
+    runs = []
+    for budget in (1 << 20, 9):
+        plan = plan_minibatch(seqs, budget, kv_row_cost=0.25, min_prefix_len=1)
+        model.zero_grad(set_to_none=True)
+        lp = run_schedule(plan, call, lambda out, tokens: (out["log_probs"] * w[tokens]).sum())
+        runs.append((plan, lp, grads_of(model)))
+    (one, ref, ref_grads), (plan, got, grads) = runs
+    assert one.num_steps == 1 and plan.num_steps > 2
+    assert any(plan.call_plan(c.index).exit_rows.numel() for c in plan.calls if c.kept)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads, atol=3e-5, rtol=1e-4)
+    print(f"rank {rank} ok schedule steps {plan.num_steps}", flush=True)
 
 
 if __name__ == "__main__":

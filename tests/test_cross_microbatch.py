@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from conftest import grads_of  # noqa: E402
+from conftest import grads_of, run_schedule  # noqa: E402
 from forests import assert_branches  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, build_gpt, enable_cpu_pipeline, enable_cpu_recompute, init_cpu_megatron, layer_spec_args,
@@ -23,14 +23,13 @@ from megatron_shims import (  # noqa: E402
 init_cpu_megatron(1)
 
 from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec  # noqa: E402
-from ps_mcore.layer_specs.packed_params import schedule_call_refusal  # noqa: E402
+from ps_mcore.layer_specs.packed_params import call_entries  # noqa: E402
 from ps_mcore.layer_specs.schedule import (  # noqa: E402
     forward_backward_schedule, gpt_call, schedule_refusal,
 )
 from ps_mcore.logprobs import token_logprobs  # noqa: E402
-from ps_mcore.minibatch import plan_minibatch  # noqa: E402
+from ps_mcore.minibatch import plan_minibatch, schedule_tree  # noqa: E402
 from ps_mcore.planner import plan_unshared  # noqa: E402
-from ps_mcore.schedule import ScheduleRunner  # noqa: E402
 
 ENTROPY_COEF = 0.05
 
@@ -77,15 +76,7 @@ def scheduled(model, plan, w, loss=step_loss, entropy=True):
     """The plan's steps by hand: forward, ``loss(outputs, weights of the step's tokens)``,
     backward, release. Returns the log-probs ``[N]`` and the gradients."""
     model.zero_grad(set_to_none=True)
-    runner = ScheduleRunner(plan, gpt_call(model, compute_entropy=entropy))
-    lp = torch.zeros(plan.tree.num_input_tokens)
-    for j, step in enumerate(plan.steps):
-        out = runner.forward(j)
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
-        lp[tokens] = out["log_probs"].detach()
-        loss(out, w[tokens]).backward()
-        runner.release(j)
-    runner.finish()
+    lp = run_schedule(plan, gpt_call(model, compute_entropy=entropy), lambda out, t: loss(out, w[t]), w.dtype)
     return lp, grads_of(model)
 
 
@@ -93,8 +84,9 @@ def logprob_loss(out, w):
     return (out["log_probs"] * w).sum()
 
 
-def assert_equal_runs(got, ref, tol=1e-4):
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+def assert_equal_runs(got, ref, tol=1e-4, lp_tol=1e-5):
+    torch.testing.assert_close(got[0], ref[0], rtol=lp_tol, atol=lp_tol)
+    assert got[1].keys() == ref[1].keys()
     for name, g in ref[1].items():
         rel = ((got[1][name] - g).norm() / g.norm().clamp_min(1e-12)).item()
         assert rel < tol, (name, rel)
@@ -156,12 +148,27 @@ def test_through_megatron_forward_backward_func(qwen2):
     the last releases run before its finalize_model_grads_func (the DP reduction)."""
     from megatron.core.utils import get_model_config
 
-    enable_cpu_pipeline()
     seqs = CASES["deep"](np.random.default_rng(3))
     w = weights_of(seqs, 3)
     ref = unshared(qwen2, seqs, w)
     plan = plan_minibatch(seqs, 12, kv_row_cost=0.25, min_prefix_len=1)
-    lp = torch.zeros(plan.tree.num_input_tokens)
+    got, reports, lp_fwd = through_megatron(qwen2, plan, w)
+    assert [r["step"] for r in reports] == list(range(plan.num_steps))
+    assert_equal_runs(got, ref)
+    torch.testing.assert_close(lp_fwd, ref[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="training=True but forward_only=True"):
+        forward_backward_schedule(qwen2, plan, gpt_call(qwen2), lambda step, out: (out["log_probs"].sum(), {}),
+                                  forward_only=True)
+
+
+def through_megatron(model, plan, w):
+    """``plan``'s steps through megatron-core's no-pipelining schedule with ``step_loss``, then
+    the forward-only plan of the same forest and budget. Returns ``((log-probs, the gradients
+    finalize_model_grads_func saw), the loss reports, forward-only log-probs)``."""
+    from megatron.core.utils import get_model_config
+
+    enable_cpu_pipeline()
+    lp = torch.zeros(plan.tree.num_input_tokens, dtype=w.dtype)
     seen = []
 
     def loss_func(step, out):
@@ -171,20 +178,18 @@ def test_through_megatron_forward_backward_func(qwen2):
         # Megatron divides the 2-tuple loss by num_microbatches: undo it to compare sums.
         return step_loss(out, w[tokens]) * plan.num_steps, {"step": step.index}
 
-    config = get_model_config(qwen2)
+    config = get_model_config(model)
     finalized = []
-    config.finalize_model_grads_func = lambda *a, **k: finalized.append(
-        {n: p.grad.clone() for n, p in qwen2.named_parameters()})
+    config.finalize_model_grads_func = lambda *a, **k: finalized.append(grads_of(model))
     try:
-        qwen2.zero_grad(set_to_none=True)
-        reports = forward_backward_schedule(qwen2, plan, gpt_call(qwen2, compute_entropy=True), loss_func)
+        model.zero_grad(set_to_none=True)
+        reports = forward_backward_schedule(model, plan, gpt_call(model, compute_entropy=True), loss_func)
     finally:
         config.finalize_model_grads_func = None
-    assert seen == list(range(plan.num_steps)) and [r["step"] for r in reports] == seen
+    assert seen == list(range(plan.num_steps))
     assert len(finalized) == 1  # every release ran before the gradient reduction saw them
-    assert_equal_runs((lp, finalized[0]), ref)
 
-    fwd = plan_minibatch(seqs, 12, kv_row_cost=0.25, min_prefix_len=1, training=False)
+    fwd = schedule_tree(plan.tree, plan.max_tokens, plan.kv_row_cost, training=False, state_cost=plan.state_cost)
     lp_fwd = torch.zeros_like(lp)
 
     def record(step, out):
@@ -192,10 +197,8 @@ def test_through_megatron_forward_backward_func(qwen2):
         return out["log_probs"].sum(), {}
 
     with torch.no_grad():
-        forward_backward_schedule(qwen2, fwd, gpt_call(qwen2, compute_entropy=True), record, forward_only=True)
-    torch.testing.assert_close(lp_fwd, ref[0], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="training=True but forward_only=True"):
-        forward_backward_schedule(qwen2, plan, gpt_call(qwen2), record, forward_only=True)
+        forward_backward_schedule(model, fwd, gpt_call(model, compute_entropy=True), record, forward_only=True)
+    return (lp, finalized[0]), reports, lp_fwd
 
 
 def test_refusals_name_the_option(qwen2):
@@ -212,9 +215,9 @@ def test_refusals_name_the_option(qwen2):
     Config.pipeline_model_parallel_size, Config.context_parallel_size = 1, 2
     assert "context parallelism" in schedule_refusal(Fake())
     plan = plan_minibatch([[1] * 10 + [2, 3], [1] * 10 + [4]], 6, min_prefix_len=1)
-    psp = TreePackedSeqParams.from_plan(plan.call_plan(1))
-    assert "Gated DeltaNet layers cannot run a cross-micro-batch" in schedule_call_refusal(psp, "Gated DeltaNet")
-    assert schedule_call_refusal(TreePackedSeqParams.from_plan(plan.tree), "Gated DeltaNet") is None
+    with pytest.raises(ValueError, match="Gated DeltaNet: a ContextPlan call runs inside a mini-batch schedule"):
+        call_entries(plan.call_plan(1), 1, "Gated DeltaNet")  # a call without its schedule's runtime
+    assert call_entries(plan.tree, 1, "Gated DeltaNet") == (None, None)
     with pytest.raises(NotImplementedError, match="context parallelism"):
         TreePackedSeqParams.from_plan(plan.call_plan(1), pad_to_multiple_of=4, cp_size=2)
 

@@ -1,7 +1,8 @@
 """TP=2 (torchrun, gloo, CPU): Gated DeltaNet and Mamba-2 layers shard their heads, groups and
 convolution channels over the tensor-parallel group; on every small nasty forest the tree
 model's logits (GDN hybrid GPTModel) or the tree mixer's outputs (Mamba), and every gradient
-shard, equal the stock module's on each sequence alone (tests/hybrid_tp_worker.py)."""
+shard, equal the stock module's on each sequence alone; the GDN hybrid under a
+cross-micro-batch schedule equals the whole forest in one call (tests/hybrid_tp_worker.py)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,4 @@ def test_gdn_and_mamba_tp2_tree_matches_each_sequence():
         for name in small_nasty_forests():
             assert f"rank {rank} ok {name} logits" in proc.stdout, (rank, name, proc.stdout[-2000:])
             assert f"rank {rank} ok mamba {name} params 8" in proc.stdout, (rank, name, proc.stdout[-2000:])
+        assert f"rank {rank} ok schedule steps" in proc.stdout, (rank, proc.stdout[-2000:])

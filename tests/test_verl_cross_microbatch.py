@@ -115,10 +115,9 @@ def _unique_tokens(data):
     return plan_prefix_tree(sequences(data), min_prefix_len=4).num_tokens
 
 
-def test_update_actor_loss_and_gradients_match_stock(env):
-    impl, model = env
-    rng = np.random.default_rng(0)
-    data = make_batch(long_units(rng), rng, temperature=0.8, max_token_len_per_gpu=BUDGET)
+def _update_actor_matches_stock(impl, model, data):
+    """update_actor's PPO loss and every gradient equal to stock, every row computed once;
+    returns stock's gradients."""
     stock, g_stock = _run(impl, model, data, _setting(), False, _ppo())
     tree, g_tree = _run(impl, model, data, _setting(), True, _ppo())
     np.testing.assert_allclose(sum(tree["loss"]), sum(stock["loss"]), rtol=RTOL)
@@ -126,6 +125,15 @@ def test_update_actor_loss_and_gradients_match_stock(env):
     n, t = step_tokens(tree)
     assert n == int(data["input_ids"].offsets()[-1])
     assert t == _unique_tokens(data)  # every row once across micro-batches
+    return g_stock
+
+
+def test_update_actor_loss_and_gradients_match_stock(env):
+    impl, model = env
+    rng = np.random.default_rng(0)
+    data = make_batch(long_units(rng), rng, temperature=0.8, max_token_len_per_gpu=BUDGET)
+    g_stock = _update_actor_matches_stock(impl, model, data)
+    t = _unique_tokens(data)
 
     split, g_split = _run(impl, model, data, _setting(cross_microbatch=False), True, _ppo())
     assert_grads(g_stock, g_split)
@@ -249,3 +257,36 @@ def test_critic_values_and_value_loss_match_stock(env, monkeypatch):
     stock, g_stock = _run(impl, critic, data, _setting(), False, loss_fn, cls=cls)
     np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
     assert_grads(g_stock, g_tree)
+
+
+def test_gdn_hybrid_update_actor_and_log_probs_match_stock(env):
+    """A hybrid model (Gated DeltaNet, attention, Gated DeltaNet; torch kernels): its large
+    units run the schedule, which keeps the recurrent states and conv windows of the shared
+    prefixes across micro-batches (charged to the budget) and equals verl's stock path (the
+    same model on ordinary THD batches) in the loss, every gradient and the log-probs."""
+    from gdn_shims import gdn_block_spec, gdn_config_overrides, sharpen_gdn_, shim_gdn_for_cpu
+
+    from ps_mcore.integrations.verl_common.megatron import megatron_scheduler
+    from ps_mcore.layer_specs import to_tree_spec
+
+    shim_gdn_for_cpu()
+    impl, _ = env
+    cfg = tiny_config("qwen2", num_layers=3, **gdn_config_overrides())
+    model = build_gpt(cfg, to_tree_spec(gdn_block_spec(cfg)))
+    randomize_(model)
+    sharpen_gdn_(model)
+    rng = np.random.default_rng(6)
+    data = make_batch(long_units(rng), rng, temperature=0.8, max_token_len_per_gpu=BUDGET)
+    _update_actor_matches_stock(impl, model, data)
+
+    stock, _ = _run(impl, model, data, _setting(), False)
+    tree, _ = _run(impl, model, data, _setting(), True)
+    assert_outputs(stock, tree)
+    assert step_tokens(tree)[1] == _unique_tokens(data)
+
+    class Step:
+        engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting())
+        forward_only = False
+
+    scheduler = megatron_scheduler(Step, _setting(), data)
+    assert scheduler.refusal is None and scheduler.state_cost > 0

@@ -66,12 +66,40 @@ class _AddKeptGrad(torch.autograd.Function):
         extra = ctx.extra()
         if extra is None:
             return grad, None
-        return (grad.float() + extra).to(grad.dtype), None
+        return (grad.to(torch.promote_types(grad.dtype, extra.dtype)) + extra).to(grad.dtype), None
 
 
 def add_kept_grad(x: torch.Tensor, extra: Callable[[], torch.Tensor | None]) -> torch.Tensor:
     """``x``, plus ``extra()`` (fp32, ``x``'s shape, or None) added to its gradient."""
     return _AddKeptGrad.apply(x, extra)
+
+
+class _AddSideGrads(torch.autograd.Function):
+    """Identity on ``x`` whose backward also gives each side tensor its ``extras()`` gradient."""
+
+    @staticmethod
+    def forward(ctx, x, extras, *sides):
+        ctx.extras = extras
+        ctx.sides = [(s.dtype, s.requires_grad) for s in sides]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        extras = ctx.extras()
+        side_grads = [
+            None if e is None or not needs else e.to(dtype)
+            for e, (dtype, needs) in zip(extras, ctx.sides, strict=True)
+        ]
+        return (grad, None, *side_grads)
+
+
+def add_side_grads(x: torch.Tensor, sides: tuple[torch.Tensor, ...],
+                   extras: Callable[[], tuple[torch.Tensor | None, ...]]) -> torch.Tensor:
+    """``x``; when its gradient is computed, each of ``sides`` (tensors computed before ``x``
+    that nothing downstream reads, e.g. a kept call's exit states) receives ``extras()`` (read
+    at backward time, one per side, fp32 or None) as its gradient: their backward runs inside
+    the backward that reaches ``x``, also under activation recompute."""
+    return _AddSideGrads.apply(x, extras, *sides)
 
 
 def context_attention(

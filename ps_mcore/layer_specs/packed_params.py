@@ -291,14 +291,17 @@ def thd_cp_layout(packed_seq_params: PackedSeqParams, cp_size: int, cp_rank: int
     return memo.cp_layouts[key]
 
 
-def schedule_call_refusal(packed_seq_params: PackedSeqParams, layer: str) -> str | None:
-    """Why a ``layer`` layer cannot run this batch, when it is one call of a cross-micro-batch
-    schedule (None otherwise): its state across rows (a recurrent state, a conv window) would
-    have to be kept between calls."""
-    if not isinstance(getattr(packed_seq_params, "plan", None), ContextPlan):
-        return None
-    return (
-        f"{layer} layers cannot run a cross-micro-batch schedule call: the kept state of a "
-        "prefix would be their recurrent state and conv window, which is not implemented; "
-        "give hybrid models a token budget that holds every sharing unit"
-    )
+def call_entries(plan, key, layer: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(states [E, ...], windows [E, w, D])`` the segments of a cross-micro-batch schedule
+    call continue (kept by earlier calls for recurrent layer ``key``), ``(None, None)`` when
+    ``plan`` is not such a call or nothing is continued. ``layer`` names the layer in errors."""
+    if not isinstance(plan, ContextPlan):
+        return None, None
+    runtime = getattr(plan, "runtime", None)
+    if runtime is None:
+        raise ValueError(
+            f"{layer}: a ContextPlan call runs inside a mini-batch schedule (ps_mcore.schedule."
+            "ScheduleRunner), which attaches the kept context; this plan has none"
+        )
+    kept = runtime.context_recurrent(key)
+    return (None, None) if kept is None else kept

@@ -7,6 +7,10 @@ gradients. Here the Megatron side:
 * :func:`gpt_call`: one call on a ``GPTModel`` (``TreePackedSeqParams`` of the call's
   :class:`~ps_mcore.minibatch.ContextPlan`; every ``TreeCoreAttention`` reads the kept context
   K/V by its ``layer_number``), log-probs / entropy of the call's tokens, or values.
+* Hybrid models: ``TreeGatedDeltaNet`` and ``TreeMambaMixer`` layers keep, besides the
+  attention layers' K/V, their recurrent state and conv window where a kept call's rows are
+  continued by later calls (see :mod:`ps_mcore.schedule`); plan with ``state_cost``
+  (:func:`recurrent_state_cost`) so the budget counts them.
 * :func:`forward_backward_schedule`: every step through megatron-core's
   ``forward_backward_func`` (one step = one micro-batch, PP = 1: the no-pipelining schedule).
   A step's releases run when the next step's forward starts; the last ones just before
@@ -18,9 +22,10 @@ What does not run (:func:`schedule_refusal` names it): pipeline parallelism (a r
 need a backward through every stage outside the pipeline schedule), context parallelism (the
 kept K/V are not CP-sharded), expert parallelism (a data-dependent number of calls per rank
 would desynchronise the experts' all-to-all), DDP's ``overlap_grad_reduce`` (the last step's
-backward starts reducing gradients that the releases still add to), Gated DeltaNet / Mamba
-layers (their kept state would be a recurrent state and conv window) and MTP. Those models
-keep units that fit the budget (or split them, as before).
+backward starts reducing gradients that the releases still add to), MTP, and recurrent layers
+that are not the tree modules (a stock ``GatedDeltaNet`` / ``MambaMixer`` runs no tree batch:
+convert the spec with ``to_tree_spec``). Those models keep units that fit the budget (or split
+them, as before).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.logprobs import token_logprobs
-from ps_mcore.minibatch import ContextPlan, MiniBatchPlan, Step
+from ps_mcore.minibatch import ContextPlan, MiniBatchPlan, Step, kept_state_cost, token_activation_bytes
 from ps_mcore.schedule import RunCall, ScheduleRunner
 
 
@@ -55,9 +60,42 @@ def schedule_refusal(model) -> str | None:
         return "DDP overlap_grad_reduce=True"
     for module in inner.modules():
         name = type(module).__name__
-        if name in ("TreeGatedDeltaNet", "TreeMambaMixer", "GatedDeltaNet", "MambaMixer"):
-            return f"{name} layers (a recurrent state and conv window to keep)"
+        if name in ("GatedDeltaNet", "MambaMixer"):
+            return f"stock {name} layers (convert the layer spec with to_tree_spec)"
     return None
+
+
+def recurrent_state_cost(model, training: bool = True, dtype_bytes: int = 2) -> float:
+    """``state_cost`` for :func:`~ps_mcore.minibatch.schedule_tree`: budget tokens one kept
+    node's recurrent states cost in ``model`` (every ``TreeGatedDeltaNet`` / ``TreeMambaMixer``
+    layer's state and conv window, per tensor-parallel rank) against one token's activations
+    (:func:`~ps_mcore.minibatch.token_activation_bytes` of the model's config); 0 without
+    recurrent layers."""
+    inner = _unwrap(model)
+    state = window = 0
+    for module in inner.modules():
+        kinds = {k.__name__ for k in type(module).__mro__}  # mamba's module needs triton to import
+        if "TreeGatedDeltaNet" in kinds:
+            heads = module.num_value_heads // module.tp_size
+            state += heads * module.key_head_dim * module.value_head_dim
+            weight = module.conv1d.weight
+        elif "TreeMambaMixer" in kinds:
+            state += module.cp.nheads_local_tpcp * module.headdim * module.d_state
+            weight = module.cp.get_conv1d_weight()
+        else:
+            continue
+        window += weight.size(0) * (weight.size(-1) - 1)
+    if not state:
+        return 0.0
+    c = inner.config
+    heads = c.num_attention_heads
+    head_dim = c.kv_channels or c.hidden_size // heads
+    token = token_activation_bytes(
+        c.num_layers, c.hidden_size, heads, c.num_query_groups or heads, head_dim, c.ffn_hidden_size,
+        getattr(inner, "vocab_size", 0), training, getattr(c, "recompute_granularity", None) == "full",
+        dtype_bytes,
+    )
+    return kept_state_cost(state, window, token, training, dtype_bytes)
 
 
 def _unwrap(model):

@@ -8,7 +8,7 @@ in its short convolution; roots start from zero. No Megatron, verl or Hugging Fa
 ``ps_mcore.layer_specs.modules.gdn`` / ``mamba``).
 """
 
-from ps_mcore.recurrent.conv import causal_conv1d_reference, tree_causal_conv1d
+from ps_mcore.recurrent.conv import causal_conv1d_reference, tree_causal_conv1d, tree_conv_windows
 from ps_mcore.recurrent.gated_delta import (
     GDN_BACKENDS,
     chunk_gated_delta_rule_torch,
@@ -28,10 +28,11 @@ from ps_mcore.recurrent.ssd import (
     tree_simple_gla,
     varlen_simple_gla,
 )
-from ps_mcore.recurrent.tree import Level, RecurrentTree, recurrent_tree
+from ps_mcore.recurrent.tree import CallRecurrentTree, Level, RecurrentTree, recurrent_tree
 
 __all__ = [
     "BACKENDS",
+    "CallRecurrentTree",
     "GDN_BACKENDS",
     "SSD_BACKENDS",
     "Level",
@@ -47,6 +48,7 @@ __all__ = [
     "resolve_ssd_backend",
     "simple_gla_recurrent",
     "tree_causal_conv1d",
+    "tree_conv_windows",
     "tree_gated_delta_rule",
     "tree_mamba_chunk_scan",
     "tree_scan",

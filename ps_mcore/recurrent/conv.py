@@ -5,11 +5,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ps_mcore.recurrent.tree import RecurrentTree
+from ps_mcore.recurrent.tree import CallRecurrentTree, RecurrentTree
+
+
+def conv_source(x: torch.Tensor, entry_windows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[rows + 1 + entries * w, D]``: the rows a tree convolution gathers from, ``x``, a zero
+    row and (a schedule call) the kept windows ``[entries, w, D]`` its entries continue."""
+    parts = [x, x.new_zeros(1, x.size(1))]
+    if entry_windows is not None and entry_windows.numel():
+        parts.append(entry_windows.reshape(-1, x.size(1)).to(x.dtype))
+    return torch.cat(parts, 0)
+
+
+def tree_conv_windows(x: torch.Tensor, tree: CallRecurrentTree, kernel_size: int,
+                      entry_windows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[exits, kernel_size - 1, D]`` the last ``kernel_size - 1`` conv inputs of each exit's
+    root path (zeros before a root): the window a later call's convolution continues from.
+    ``x``, ``entry_windows``: as :func:`tree_causal_conv1d`."""
+    w = kernel_size - 1
+    return conv_source(x, entry_windows).index_select(0, tree.exit_window_index(w)).view(tree.num_exits, w, x.size(1))
 
 
 def tree_causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tree: RecurrentTree
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tree: RecurrentTree,
+    entry_windows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise convolution of every packed row over its root path (no activation).
 
@@ -22,6 +41,8 @@ def tree_causal_conv1d(
         weight: ``[D, K]`` or ``[D, 1, K]`` (``nn.Conv1d`` layout) depthwise kernel.
         bias: ``[D]`` or None.
         tree: the micro-batch's :class:`RecurrentTree` (``rows`` rows).
+        entry_windows: a schedule call's ``[entries, K - 1, D]`` kept windows of the rows its
+            entries continue (:class:`~ps_mcore.recurrent.tree.CallRecurrentTree`), else None.
 
     Returns:
         ``[rows, D]``.
@@ -34,8 +55,7 @@ def tree_causal_conv1d(
             f"tree_causal_conv1d expects x of shape [{tree.num_rows}, {d}], got {tuple(x.shape)}"
         )
     ext_index, out_index = tree.conv_layout(k)
-    padded = torch.cat([x, x.new_zeros(1, d)], 0)
-    ext = padded.index_select(0, ext_index)  # [E, D]
+    ext = conv_source(x, entry_windows).index_select(0, ext_index)  # [E, D]
     y = F.conv1d(ext.t().unsqueeze(0), weight, bias, groups=d)[0]  # [D, E - K + 1]
     return y.t().index_select(0, out_index)
 

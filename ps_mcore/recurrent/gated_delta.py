@@ -121,16 +121,20 @@ def varlen_gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_host, initi
                        torch_kernel=chunk_gated_delta_rule_torch, what=_WHAT)
 
 
-def tree_gated_delta_rule(q, k, v, g, beta, tree: RecurrentTree, scale=None, backend="auto"):
+def tree_gated_delta_rule(q, k, v, g, beta, tree: RecurrentTree, scale=None, backend="auto",
+                          entry_states=None, with_states=False):
     """Gated delta rule of every packed row over its root path.
 
     Args:
         q, k: ``[rows, H, K]``; v: ``[rows, H, V]``; g (log decay), beta: ``[rows, H]``.
         tree: the micro-batch's :class:`RecurrentTree`.
         scale: query scale (default ``K ** -0.5``); backend: one of ``GDN_BACKENDS``.
+        entry_states, with_states: a schedule call's kept ``[entries, H, K, V]`` states and
+            whether to return its exits' (:func:`~ps_mcore.recurrent.scan.tree_scan`).
 
     Returns:
-        ``[rows, H, V]``: what each row's own sequence computes alone.
+        ``[rows, H, V]``: what each row's own sequence computes alone (with ``with_states``:
+        and the ``[exits, H, K, V]`` fp32 final states).
     """
     kernel = functools.partial(varlen_gated_delta_rule, scale=scale, backend=backend)
-    return tree_scan(kernel, (q, k, v, g, beta), tree, "tree_gated_delta_rule")
+    return tree_scan(kernel, (q, k, v, g, beta), tree, "tree_gated_delta_rule", entry_states, with_states)

@@ -102,44 +102,61 @@ def varlen_call(tensors: Sequence[torch.Tensor], cu_seqlens: torch.Tensor, cu_se
                               initial_state, output_final_state)
 
 
-def tree_scan(kernel: Callable, tensors: Sequence[torch.Tensor], tree: RecurrentTree, what: str) -> torch.Tensor:
+def tree_scan(kernel: Callable, tensors: Sequence[torch.Tensor], tree: RecurrentTree, what: str,
+              entry_states: torch.Tensor | None = None, with_states: bool = False):
     """Run a varlen recurrent ``kernel`` over every packed row's root path.
 
     Level by level (all chains of one chain depth in one kernel call, see
     :class:`RecurrentTree`), each chain from the final state of the chain ending in its head's
-    parent (roots from zero). The parent states reach the children through an
-    ``index_select``, so autograd gives a shared state the sum of its children's gradients.
+    parent (roots from zero, a schedule call's entries from their kept state). The parent
+    states reach the children through an ``index_select``, so autograd gives a shared state
+    the sum of its children's gradients.
 
     Args:
         kernel: a varlen kernel (module docstring).
         tensors: its row inputs, each ``[rows, ...]``.
         tree: the micro-batch's :class:`RecurrentTree`.
         what: the caller's name, for errors.
+        entry_states: ``[entries, ...]`` kept states a schedule call's entries start from
+            (:class:`~ps_mcore.recurrent.tree.CallRecurrentTree`), else None.
+        with_states: also return the final states of the tree's exits.
 
     Returns:
-        ``[rows, ...]``: what each row's own sequence computes alone.
+        ``[rows, ...]``: what each row's own sequence computes alone; with ``with_states``,
+        ``(that, [exits, ...] final states)`` (None without exits).
     """
     if any(t.size(0) != tree.num_rows for t in tensors):
         raise ValueError(
             f"{what} expects {tree.num_rows} rows, got {[tuple(t.shape) for t in tensors]}"
         )
+    if tree.num_entries and entry_states is None:
+        raise ValueError(f"{what}: this call continues {tree.num_entries} kept states; pass entry_states")
     levels = tree.levels()
     if tree.is_flat:  # nothing forks: the rows are the level
         lvl = levels[0]
         out, _ = kernel(*tensors, cu_seqlens=lvl.cu_seqlens, cu_seqlens_host=lvl.cu_seqlens_host,
                         initial_state=None, output_final_state=False)
-        return out
+        return (out, None) if with_states else out
     # One gather per input into level-major order, split into one view per level: its backward
     # is one concatenation and one scatter per input, where a gather per level would add a
     # full-size zero gradient per level.
     order, sizes = tree.level_order()
     parts = [t.index_select(0, order).split(sizes) for t in tensors]
-    outs, final = [], None
+    outs, finals, final = [], [], None
     for i, lvl in enumerate(levels):
         init = None if lvl.parent_slot is None else final.index_select(0, lvl.parent_slot)
+        if lvl.entry_slot is not None:
+            chains = lvl.cu_seqlens_host.numel() - 1
+            base = entry_states.new_zeros(chains, *entry_states.shape[1:]) if init is None else init
+            init = base.index_copy(0, lvl.entry_slot, entry_states.index_select(0, lvl.entry_index).to(base.dtype))
         out, final = kernel(
             *(p[i] for p in parts), cu_seqlens=lvl.cu_seqlens, cu_seqlens_host=lvl.cu_seqlens_host,
             initial_state=init, output_final_state=bool(lvl.has_children.any()),
         )
         outs.append(out)
-    return torch.cat(outs).index_select(0, tree.level_inverse())
+        finals.append(final)
+    out = torch.cat(outs).index_select(0, tree.level_inverse())
+    if not with_states:
+        return out
+    exits = [finals[d][s] for d, s in tree.exit_where()]
+    return out, (torch.stack(exits) if exits else None)

@@ -107,23 +107,26 @@ def varlen_simple_gla(q, k, v, g, cu_seqlens, cu_seqlens_host, initial_state=Non
                        torch_kernel=chunk_simple_gla_torch, what=_WHAT)
 
 
-def tree_simple_gla(q, k, v, g, tree: RecurrentTree, scale=1.0, backend="auto"):
+def tree_simple_gla(q, k, v, g, tree: RecurrentTree, scale=1.0, backend="auto", entry_states=None,
+                    with_states=False):
     """Scalar-gated linear attention of every packed row over its root path.
 
     Args:
         q, k: ``[rows, H, K]``; v: ``[rows, H, V]``; g (log decay): ``[rows, H]``.
         tree: the micro-batch's :class:`RecurrentTree`.
         scale: query scale; backend: one of ``SSD_BACKENDS``.
+        entry_states, with_states: as :func:`~ps_mcore.recurrent.scan.tree_scan`.
 
     Returns:
-        ``[rows, H, V]``: what each row's own sequence computes alone.
+        ``[rows, H, V]``: what each row's own sequence computes alone (with ``with_states``:
+        and the ``[exits, H, K, V]`` fp32 final states).
     """
     kernel = functools.partial(varlen_simple_gla, scale=scale, backend=backend)
-    return tree_scan(kernel, (q, k, v, g), tree, "tree_simple_gla")
+    return tree_scan(kernel, (q, k, v, g), tree, "tree_simple_gla", entry_states, with_states)
 
 
 def tree_mamba_chunk_scan(x, dt, A, B, C, tree: RecurrentTree, D=None, z=None, dt_bias=None,
-                          dt_softplus=True, backend="auto"):
+                          dt_softplus=True, backend="auto", entry_states=None, with_states=False):
     """Mamba-2's SSD of every packed row over its root path (the arguments of mamba-ssm's
     ``mamba_chunk_scan_combined``, rows instead of ``[batch, seqlen]``).
 
@@ -132,6 +135,8 @@ def tree_mamba_chunk_scan(x, dt, A, B, C, tree: RecurrentTree, D=None, z=None, d
         ``dt_softplus``); A: ``[H]`` (negative); B, C: ``[rows, G, N]`` with ``H % G == 0``
         (head ``h`` reads group ``h // (H / G)``); D: ``[H]``, ``[H, P]`` or None; z:
         ``[rows, H, P]`` or None (output gate ``silu(z)``); dt_bias: ``[H]`` or None.
+        entry_states, with_states: a schedule call's kept ``[entries, H, N, P]`` SSM states
+        and whether to return its exits' (:func:`~ps_mcore.recurrent.scan.tree_scan`).
 
     Returns:
         ``[rows, H, P]`` in x's dtype: ``y_t = (sum_{s<=t} (C_t . B_s) exp(sum_{s<r<=t} dt_r A)
@@ -148,12 +153,14 @@ def tree_mamba_chunk_scan(x, dt, A, B, C, tree: RecurrentTree, D=None, z=None, d
     q = C.repeat_interleave(per_group, dim=1).to(x.dtype)
     k = B.repeat_interleave(per_group, dim=1).to(x.dtype)
     v = (x.to(ct) * dt[..., None]).to(x.dtype)
-    y = tree_simple_gla(q, k, v, dt * A.to(ct), tree, scale=1.0, backend=backend)
+    y = tree_simple_gla(q, k, v, dt * A.to(ct), tree, scale=1.0, backend=backend,
+                        entry_states=entry_states, with_states=with_states)
+    y, states = y if with_states else (y, None)
     if D is None and z is None:
-        return y
+        return (y, states) if with_states else y
     y = y.to(ct)
     if D is not None:
         y = y + (D.to(ct)[:, None] if D.dim() == 1 else D.to(ct)) * x.to(ct)
     if z is not None:
         y = y * F.silu(z.to(ct))
-    return y.to(x.dtype)
+    return (y.to(x.dtype), states) if with_states else y.to(x.dtype)

@@ -12,6 +12,11 @@ several ancestors when nodes are short), gathered once (:meth:`RecurrentTree.con
 
 Pure torch/numpy (no Megatron import). Rows past the plan's ``T`` (padding to a TP / SP
 multiple) form one extra root node: they start from zero state and never reach a real row.
+
+One call of a cross-micro-batch schedule (a :class:`~ps_mcore.minibatch.ContextPlan`:
+:class:`CallRecurrentTree`) computes part of a forest: some of its nodes continue rows of
+earlier calls (*entries*: they start from a kept state and conv window) and some of its rows
+are continued by later calls (*exits*: their state and window are kept).
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ class Level:
             one host-to-device copy (a device sync) each per micro-batch, not one per call.
         parent_slot: ``[n]`` position, within the level above, of the chain that ends in each
             head's parent (None at depth 0, where every chain starts at a root).
-        has_children: ``[n]`` bool; only these chains' final states are read.
+        has_children: ``[n]`` bool; only these chains' final states are read (a chain that
+            ends in an exit counts).
+        entry_slot, entry_index: chains at this level that start from an entry state (their
+            positions in the level, ``[e]`` device) and which entry (``[e]``); None if none.
     """
 
     nodes: np.ndarray
@@ -47,6 +55,8 @@ class Level:
     cu_seqlens_host: torch.Tensor
     parent_slot: torch.Tensor | None
     has_children: np.ndarray
+    entry_slot: torch.Tensor | None = None
+    entry_index: torch.Tensor | None = None
 
 
 class RecurrentTree:
@@ -75,8 +85,18 @@ class RecurrentTree:
         self.chains = unary_chains(parent, self.start, rows)
         self.device = plan.device
         self._plan = plan
+        self.entry = np.full(len(parent), -1, dtype=np.int64)  # entry index per node (roots only)
+        self.exit_nodes = np.zeros(0, dtype=np.int64)  # nodes whose final state later calls read
         self._levels: list[Level] | None = None
         self._conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def num_entries(self) -> int:
+        return int((self.entry >= 0).sum())
+
+    @property
+    def num_exits(self) -> int:
+        return int(self.exit_nodes.size)
 
     @property
     def num_nodes(self) -> int:
@@ -85,7 +105,7 @@ class RecurrentTree:
     @property
     def is_flat(self) -> bool:
         """True when every chain starts at a root: one varlen call over the rows as they are."""
-        return bool((self.chains.depth == 0).all())
+        return bool((self.chains.depth == 0).all()) and not self.num_entries and not self.num_exits
 
     def levels(self) -> list[Level]:
         """Chains grouped by chain depth (roots' chains first); cached."""
@@ -93,6 +113,9 @@ class RecurrentTree:
             c = self.chains
             forks = np.zeros(c.heads.size, dtype=bool)
             forks[c.parent[c.parent >= 0]] = True  # only these chains' final states are read
+            exit_chains = c.chain_of[self.exit_nodes]  # an exit ends its chain (CallRecurrentTree)
+            forks[exit_chains] = True
+            chain_entry = self.entry[c.heads]
             slot = np.zeros(c.heads.size, dtype=np.int64)
             by_depth = [np.flatnonzero(c.depth == d) for d in range(int(c.depth.max()) + 1 if c.heads.size else 0)]
             lens = [c.end[chains] - c.start[chains] for chains in by_depth]
@@ -107,6 +130,7 @@ class RecurrentTree:
             for d, (chains, n) in enumerate(zip(by_depth, lens)):
                 slot[chains] = np.arange(len(chains))
                 cu = torch.from_numpy(np.concatenate([[0], np.cumsum(n)]).astype(np.int64))
+                entering = np.flatnonzero(chain_entry[chains] >= 0)
                 levels.append(
                     Level(
                         nodes=c.heads[chains],
@@ -115,9 +139,13 @@ class RecurrentTree:
                         cu_seqlens_host=cu,
                         parent_slot=None if d == 0 else torch.from_numpy(slot[c.parent[chains]]).to(self.device),
                         has_children=forks[chains],
+                        entry_slot=torch.from_numpy(entering).to(self.device) if entering.size else None,
+                        entry_index=(torch.from_numpy(chain_entry[chains][entering]).to(self.device)
+                                     if entering.size else None),
                     )
                 )
             self._levels = levels
+            self._exit_where = [(int(c.depth[e]), int(slot[e])) for e in exit_chains]
             inverse = np.empty(order.size, dtype=np.int64)
             inverse[order] = np.arange(order.size)
             self._level_order = order_dev, sizes
@@ -129,6 +157,11 @@ class RecurrentTree:
         level's rows next to each other (``tree_scan`` splits it, one view per level)."""
         self.levels()
         return self._level_order
+
+    def exit_where(self) -> list[tuple[int, int]]:
+        """``(level, position in the level)`` of the chain ending in each exit node."""
+        self.levels()
+        return self._exit_where
 
     def level_inverse(self) -> torch.Tensor:
         """``[rows]``: position of each packed row in the level-by-level concatenation."""
@@ -151,16 +184,8 @@ class RecurrentTree:
             raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
         if kernel_size not in self._conv:
             w = kernel_size - 1
-            plan = self._plan.host
-            m, real = self.num_nodes, self.plan_nodes
-            tails = np.full((m, w), self.num_rows, dtype=np.int64)
-            if w and real:
-                cu_kv = plan.cu_seqlens_kv.cpu().numpy().astype(np.int64)
-                kv_index = plan.kv_index.cpu().numpy()
-                own_start = cu_kv[1:] - self.length[:real]  # context position of own row 0
-                pos = own_start[:, None] - w + np.arange(w)[None, :]
-                valid = pos >= cu_kv[:-1, None]
-                tails[:real][valid] = kv_index[pos[valid]]
+            m = self.num_nodes
+            tails = self._tails(w)
             ext_len = self.length + w
             ext_off = np.concatenate([[0], np.cumsum(ext_len)[:-1]])
             ext = np.empty(int(ext_len.sum()), dtype=np.int64)
@@ -175,11 +200,103 @@ class RecurrentTree:
             )
         return self._conv[kernel_size]
 
+    def _tails(self, w: int) -> np.ndarray:
+        """``[nodes, w]`` rows of the last ``w`` tokens before each node on its root path
+        (``rows``: a zero row)."""
+        plan = self._plan.host
+        real = self.plan_nodes
+        tails = np.full((self.num_nodes, w), self.num_rows, dtype=np.int64)
+        if w and real:
+            cu_kv = plan.cu_seqlens_kv.cpu().numpy().astype(np.int64)
+            kv_index = plan.kv_index.cpu().numpy()
+            own_start = cu_kv[1:] - self.length[:real]  # context position of own row 0
+            pos = own_start[:, None] - w + np.arange(w)[None, :]
+            valid = pos >= cu_kv[:-1, None]
+            tails[:real][valid] = kv_index[pos[valid]]
+        return tails
 
-def recurrent_tree(plan: TreePlan, rows: int) -> RecurrentTree:
-    """The plan's :class:`RecurrentTree` for ``rows`` rows, cached on the plan (every
-    recurrent layer of a micro-batch shares one)."""
+
+class CallRecurrentTree(RecurrentTree):
+    """The nodes of one call of a cross-micro-batch schedule (a
+    :class:`~ps_mcore.minibatch.ContextPlan`): its query segments (a node's rows in the call),
+    each continuing an own segment, an *entry* (a row an earlier call computed and kept: the
+    segment starts from that row's kept state, its conv reads that row's kept window) or a
+    root; plus one padding root. *Exits*: the segments whose last row later calls continue.
+
+    The conv source of a call is ``[x (rows); a zero row; entry windows (entries * w)]``:
+    :meth:`conv_layout` and :meth:`exit_window_index` index it.
+
+    Args:
+        plan: the call's ContextPlan (``segment_parent``, ``segment_entry``, ``exit_rows``).
+        rows: rows the layer sees (``>= R``); rows ``R..rows`` are a padding root.
+    """
+
+    def __init__(self, plan, rows: int):
+        r = plan.num_tokens
+        if rows < r:
+            raise ValueError(f"recurrent layers need all R={r} rows of the call, got {rows}")
+        host = plan.host
+        cu = host.cu_seqlens_q.cpu().numpy().astype(np.int64)
+        parent = host.segment_parent.cpu().numpy().astype(np.int64)
+        entry = host.segment_entry.cpu().numpy().astype(np.int64)
+        depth = host.position_ids.cpu().numpy().astype(np.int64)[cu[:-1]]
+        exit_rows = host.exit_rows.cpu().numpy().astype(np.int64)
+        self.num_rows = rows
+        self.plan_nodes = len(parent)
+        if rows > r:
+            cu, parent = np.append(cu, rows), np.append(parent, -1)
+            entry, depth = np.append(entry, -1), np.append(depth, 0)
+        self.start = cu[:-1]
+        self.length = np.diff(cu)
+        self.parent = parent
+        self.exit_nodes = np.searchsorted(cu, exit_rows, side="right") - 1
+        if (cu[self.exit_nodes + 1] - 1 != exit_rows).any():  # a planner invariant
+            raise AssertionError("a kept state must be at the last row of a segment")
+        # An exit may have one own child (its other children run in later calls): its chain
+        # ends there, so its final state comes out of the scan.
+        self.chains = unary_chains(parent, self.start, rows, ends=self.exit_nodes)
+        self.device = plan.device
+        self._plan = plan
+        self.entry = entry
+        self.depth = depth  # root-path depth of each node's first row
+        self._levels = None
+        self._conv = {}
+
+    def _path_index(self, nodes: np.ndarray, depths: np.ndarray, w: int) -> np.ndarray:
+        """Conv source index of the row at depth ``depths`` on the root path of ``nodes``
+        (elementwise, ``depths >= depth of the node's first row - w``)."""
+        node = nodes.copy()
+        for _ in range(w):  # every node holds >= 1 row: w steps up reach any depth >= d0 - w
+            up = (depths < self.depth[node]) & (self.parent[node] >= 0)
+            if not up.any():
+                break
+            node[up] = self.parent[node[up]]
+        offset = depths - self.depth[node]
+        index = np.where(offset >= 0, self.start[node] + offset, self.num_rows)
+        entry = self.entry[node]
+        kept = (offset < 0) & (entry >= 0)
+        index[kept] = self.num_rows + 1 + entry[kept] * w + offset[kept] + w
+        return index
+
+    def _tails(self, w: int) -> np.ndarray:
+        nodes = np.repeat(np.arange(self.num_nodes), w).reshape(-1, w)
+        return self._path_index(nodes, self.depth[:, None] - w + np.arange(w)[None, :], w)
+
+    def exit_window_index(self, w: int) -> torch.Tensor:
+        """``[exits * w]`` conv source rows of the last ``w`` conv inputs of each exit's path
+        (its window: what a continuation's convolution reads before its own rows)."""
+        last = self.depth[self.exit_nodes] + self.length[self.exit_nodes] - 1
+        nodes = np.repeat(self.exit_nodes, w).reshape(-1, w)
+        index = self._path_index(nodes, last[:, None] - w + 1 + np.arange(w)[None, :], w)
+        return torch.from_numpy(index.reshape(-1)).to(self.device)
+
+
+def recurrent_tree(plan, rows: int) -> RecurrentTree:
+    """The plan's :class:`RecurrentTree` for ``rows`` rows (a :class:`CallRecurrentTree` for a
+    schedule call's ContextPlan), cached on the plan (every recurrent layer of a micro-batch
+    shares one)."""
     trees = plan.memo.recurrent_trees
     if rows not in trees:
-        trees[rows] = RecurrentTree(plan, rows)
+        call = getattr(plan, "segment_entry", None) is not None
+        trees[rows] = (CallRecurrentTree if call else RecurrentTree)(plan, rows)
     return trees[rows]

@@ -376,9 +376,14 @@ def megatron_scheduler(step, setting, data):
         return None
     model = step.engine.module[0]
     training = not step.forward_only
+    from ps_mcore.layer_specs.schedule import recurrent_state_cost
+
+    config = _unwrap(model).config
+    dtype_bytes = 2 if (config.bf16 or config.fp16) else 4
     return scheduler_for(
         setting.config, training, lambda: megatron_kv_row_cost(_unwrap(model), training),
         megatron_schedule_refusal(step.engine, model, data),
+        lambda: recurrent_state_cost(model, training, dtype_bytes),
     )
 
 

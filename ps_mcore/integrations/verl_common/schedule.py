@@ -80,13 +80,17 @@ class MiniBatchScheduler:
         kv_row_cost: budget tokens per kept K/V row.
         refusal: why this engine cannot run a schedule (units larger than the budget are
             then split, with one warning), or None.
+        state_cost: budget tokens per kept node's recurrent states (hybrid models; see
+            :func:`~ps_mcore.minibatch.schedule_tree`).
     """
 
-    def __init__(self, config: PrefixGrouperConfig, training: bool, kv_row_cost: float, refusal: str | None = None):
+    def __init__(self, config: PrefixGrouperConfig, training: bool, kv_row_cost: float, refusal: str | None = None,
+                 state_cost: float = 0.0):
         self.config = config
         self.training = training
         self.kv_row_cost = kv_row_cost
         self.refusal = refusal
+        self.state_cost = state_cost
         self.schedule: VerlSchedule | None = None
 
     def partitions(self, units: _Units, budget: int, options: dict) -> list[list[int]] | None:
@@ -106,7 +110,7 @@ class MiniBatchScheduler:
             None if units.prompts is None else units.prompts[members],
             None if units.groups is None else [units.groups[i] for i in members],
         )
-        plan = schedule_tree(tree, budget, self.kv_row_cost, self.training)
+        plan = schedule_tree(tree, budget, self.kv_row_cost, self.training, state_cost=self.state_cost)
         small = units.subset([u for u in range(len(units.tokens)) if units.tokens[u] <= budget])
         k_small = _local_count(small, budget)
         k = plan.num_steps + k_small
@@ -117,7 +121,8 @@ class MiniBatchScheduler:
         small_samples = sum(len(m) for m in small.members)
         k_small = min(k - plan.num_steps, small_samples)
         if plan.num_steps + k_small < k:  # other ranks need more micro-batches: split steps
-            plan = schedule_tree(tree, budget, self.kv_row_cost, self.training, min_steps=k - k_small)
+            plan = schedule_tree(tree, budget, self.kv_row_cost, self.training, min_steps=k - k_small,
+                                 state_cost=self.state_cost)
         step_parts = [members[list(step.samples)].tolist() for step in plan.steps]
         small_parts = partition_units(small, k_small, options.get("use_dynamic_bsz_balance", True)) if k_small else []
         self.schedule = VerlSchedule(plan, self.training)
@@ -150,12 +155,15 @@ def megatron_kv_row_cost(model, training: bool) -> float:
 
 
 def scheduler_for(config: PrefixGrouperConfig, training: bool, estimate: Callable[[], float],
-                  refusal: str | None) -> MiniBatchScheduler | None:
-    """The scheduler of one engine step (None when ``cross_microbatch`` is off)."""
+                  refusal: str | None, state_cost: Callable[[], float] | None = None) -> MiniBatchScheduler | None:
+    """The scheduler of one engine step (None when ``cross_microbatch`` is off).
+    ``estimate``: the model's ``kv_row_cost``; ``state_cost``: its kept recurrent state cost
+    (hybrid models), both called only when a schedule can run."""
     if not config.cross_microbatch:
         return None
     cost = config.kv_row_cost if config.kv_row_cost is not None else (estimate() if refusal is None else 1.0)
-    return MiniBatchScheduler(config, training, cost, refusal)
+    states = state_cost() if state_cost is not None and refusal is None else 0.0
+    return MiniBatchScheduler(config, training, cost, refusal, states)
 
 
 def schedule_outputs(schedule: VerlSchedule, index: int, make_run_call: Callable[[], RunCall]) -> dict[str, Any]:

@@ -29,8 +29,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.modules.stock_init import init_stock_without, stock_forward_error
-from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, plan_for_thd, schedule_call_refusal
-from ps_mcore.recurrent import l2norm, recurrent_tree, tree_causal_conv1d, tree_gated_delta_rule
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, call_entries, plan_for_thd
+from ps_mcore.recurrent import l2norm, recurrent_tree, tree_causal_conv1d, tree_conv_windows, tree_gated_delta_rule
 
 _FLA = "flash-linear-attention"
 
@@ -89,13 +89,13 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         qkvzba = qkvzba[:, 0]
         rows = qkvzba.size(0)
         if tree_batch:
-            refusal = schedule_call_refusal(packed_seq_params, "Gated DeltaNet")
-            if refusal:
-                raise NotImplementedError(refusal)
             plan = packed_seq_params.plan.to(qkvzba.device)
         else:
             plan = plan_for_thd(packed_seq_params, rows, qkvzba.device)
         tree = recurrent_tree(plan, rows)
+        # One call of a cross-micro-batch schedule: segments that continue kept rows start from
+        # their state and conv window; a kept call keeps those at its exits.
+        entry_states, entry_windows = call_entries(plan, self.layer_number, "Gated DeltaNet")
 
         tp = self.tp_size
         qkv, gate, beta, alpha = torch.split(
@@ -104,7 +104,9 @@ class TreeGatedDeltaNet(GatedDeltaNet):
              self.num_value_heads // tp, self.num_value_heads // tp],
             dim=-1,
         )
-        qkv = self.act_fn(tree_causal_conv1d(qkv, self.conv1d.weight, self.conv1d.bias, tree))
+        exit_windows = (tree_conv_windows(qkv, tree, self.conv1d.weight.size(-1), entry_windows)
+                        if tree.num_exits else None)
+        qkv = self.act_fn(tree_causal_conv1d(qkv, self.conv1d.weight, self.conv1d.bias, tree, entry_windows))
         query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
         query = query.reshape(rows, -1, self.key_head_dim)
         key = key.reshape(rows, -1, self.key_head_dim)
@@ -117,10 +119,13 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             query = query.repeat_interleave(group, dim=1)
             key = key.repeat_interleave(group, dim=1)
         g = -self.A_log.exp() * F.softplus(alpha.float() + self.dt_bias)  # fp32, as stock
-        out = tree_gated_delta_rule(
+        out, exit_states = tree_gated_delta_rule(
             query.contiguous(), key.contiguous(), value.contiguous(), g, beta.sigmoid().contiguous(),
             tree, backend=getattr(self.config, "tree_gdn_backend", "auto"),
+            entry_states=entry_states, with_states=True,
         )
+        if exit_states is not None:
+            out = plan.runtime.own_recurrent(self.layer_number, out, exit_states, exit_windows)
         gate = gate.reshape(rows, -1, self.value_head_dim)
         norm_out = self._apply_gated_norm(out, gate.contiguous()).reshape(rows, 1, -1)
         return self.out_proj(norm_out)

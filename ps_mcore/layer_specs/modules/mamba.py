@@ -38,8 +38,10 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from ps_mcore.layer_specs.modules.dropout import tree_batch_dropout_refusal
 from ps_mcore.layer_specs.modules.stock_init import init_stock_without, stock_forward_error
-from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, schedule_call_refusal
-from ps_mcore.recurrent import recurrent_tree, resolve_ssd_backend, tree_causal_conv1d, tree_mamba_chunk_scan
+from ps_mcore.layer_specs.packed_params import TreePackedSeqParams, call_entries
+from ps_mcore.recurrent import (
+    recurrent_tree, resolve_ssd_backend, tree_causal_conv1d, tree_conv_windows, tree_mamba_chunk_scan,
+)
 
 _WARNED_TORCH_ON_CUDA = False
 
@@ -121,11 +123,8 @@ class TreeMambaMixer(MambaMixer):
         zxBCdt, _ = self.in_proj(hidden_states)  # [rows, 1, in_proj_dim / tp] (SP gathered)
         zxBCdt = zxBCdt[:, 0]
         rows = zxBCdt.size(0)
-        refusal = schedule_call_refusal(packed_seq_params, "Mamba")
-        if refusal:
-            raise NotImplementedError(refusal)
-        tree = recurrent_tree(packed_seq_params.plan.to(zxBCdt.device), rows)
-        y = self._tree_ssm(zxBCdt, tree, backend)
+        plan = packed_seq_params.plan.to(zxBCdt.device)
+        y = self._tree_ssm(zxBCdt, recurrent_tree(plan, rows), backend, plan)
         return self.out_proj(y[:, None])
 
     def _tree_backend(self, device: torch.device) -> str:
@@ -145,22 +144,31 @@ class TreeMambaMixer(MambaMixer):
             )
         return backend
 
-    def _tree_ssm(self, zxBCdt: torch.Tensor, tree, backend: str) -> torch.Tensor:
-        """``_ssm_training`` over the forest: ``[rows, in_proj_dim / tp]`` -> ``[rows, d_inner / tp]``."""
+    def _tree_ssm(self, zxBCdt: torch.Tensor, tree, backend: str, plan=None) -> torch.Tensor:
+        """``_ssm_training`` over the forest: ``[rows, in_proj_dim / tp]`` -> ``[rows, d_inner / tp]``.
+        ``plan``: the batch's plan (a schedule call's ContextPlan reads and keeps states)."""
         rows = zxBCdt.size(0)
         d_inner, groups, heads = self.cp.d_inner_local_tpcp, self.cp.ngroups_local_tpcp, self.cp.nheads_local_tpcp
         z, xBC, dt = torch.split(zxBCdt, [d_inner, d_inner + 2 * groups * self.d_state, heads], dim=-1)
-        xBC = self.act(tree_causal_conv1d(xBC, self.cp.get_conv1d_weight(), self.cp.get_conv1d_bias(), tree))
+        # One call of a cross-micro-batch schedule: segments that continue kept rows start from
+        # their state and conv window; a kept call keeps those at its exits.
+        entry_states, entry_windows = call_entries(plan, self.layer_number, "Mamba")
+        weight = self.cp.get_conv1d_weight()
+        exit_windows = tree_conv_windows(xBC, tree, weight.size(-1), entry_windows) if tree.num_exits else None
+        xBC = self.act(tree_causal_conv1d(xBC, weight, self.cp.get_conv1d_bias(), tree, entry_windows))
         x, B, C = torch.split(xBC, [d_inner, groups * self.d_state, groups * self.d_state], dim=-1)
         D = self.cp.get_D()
-        y = tree_mamba_chunk_scan(
+        y, exit_states = tree_mamba_chunk_scan(
             x.reshape(rows, heads, self.headdim), dt,
             -torch.exp(self.cp.get_A_log().float()),  # A and dt_bias in fp32, as the stock call
             B.reshape(rows, groups, self.d_state), C.reshape(rows, groups, self.d_state), tree,
             D=D.float().reshape(heads, self.headdim) if self.D_has_hdim else D,
             z=z.reshape(rows, heads, self.headdim), dt_bias=self.cp.get_dt_bias().float(),
-            backend=backend,
-        ).reshape(rows, d_inner)
+            backend=backend, entry_states=entry_states, with_states=True,
+        )
+        y = y.reshape(rows, d_inner)
+        if exit_states is not None:
+            y = plan.runtime.own_recurrent(self.layer_number, y, exit_states, exit_windows)
         # the stock fused kernel gates by silu(z) and the mixer's norm follows without z
         # (norm_before_gate=False: RMSNorm(y * silu(z)) per group of d_inner / ngroups)
         return self.norm(y) if self.rmsnorm else y
