@@ -46,18 +46,34 @@ are split over the SP ranks and the ``"prefix_tree"`` attention runs an all-to-a
 tree attention (:mod:`ps_mcore.fsdp_bridge.sequence_parallel`); log-probs, entropy and values
 come back complete on every SP rank with verl's gradient scaling.
 
-Cross-micro-batch schedules are refused (:data:`FSDP_SCHEDULE_REFUSAL`): sharing units larger
-than the token budget are split, as before.
+Cross-micro-batch schedules (``prefix_grouper.cross_microbatch``): sharing units larger than
+the token budget are planned as one forest whose steps are the first micro-batches
+(:mod:`ps_mcore.integrations.verl_common.schedule`). A step's ``forward_step`` runs
+:func:`fsdp_schedule_step`: verl's device move, autocast and loss call around the step's calls
+(:func:`ps_mcore.fsdp_bridge.hf_call`); verl's ``loss.backward()`` follows; the last releases
+run when ``forward_backward_batch`` returns. :func:`fsdp_schedule_refusal` names what a
+schedule cannot run (more than one data-parallel rank, Ulysses SP, fused kernels, VLM inputs,
+per-sample temperatures, active dropout, and every per-micro-batch fallback): those units are
+split, as before, with one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
+from ps_mcore.fsdp_bridge import (
+    TreeCall,
+    enable_tree_attention,
+    hf_call,
+    hf_dropout_refusal,
+    hf_kv_row_cost,
+    hf_schedule_refusal,
+    unwrap_model,
+)
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
 from ps_mcore.integrations.verl_common.batch import (
@@ -72,6 +88,7 @@ from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN
 from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
+    current_step,
     install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
@@ -82,7 +99,7 @@ from ps_mcore.integrations.verl_common.fused import (
     enable_tree_fused_forward,
     fused_forward_refusal,
 )
-from ps_mcore.integrations.verl_common.schedule import scheduler_for
+from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
 from ps_mcore.integrations.verl_common.vision import (
     engine_image_tokens,
     is_vision_batch,
@@ -324,7 +341,12 @@ def fsdp_forward_step(original: Callable) -> Callable:
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         def call(batch_iter):
-            result = original(self, next(batch_iter), loss_function, forward_only)
+            batch = next(batch_iter)
+            micro = current_micro_batch()
+            if micro is not None and micro.schedule_step is not None:
+                result = fsdp_schedule_step(self, micro, batch, loss_function, forward_only)
+            else:
+                result = original(self, batch, loss_function, forward_only)
             return None, lambda: result
 
         _, step_result = run_step_with_context(self, iter([micro_batch]), call)
@@ -333,17 +355,67 @@ def fsdp_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
-FSDP_SCHEDULE_REFUSAL = (
-    "the FSDP engine runs one model call per micro-batch (a schedule's data-dependent calls "
-    "would desynchronise FSDP's collectives across data-parallel ranks; the Megatron engine "
-    "runs cross-micro-batch schedules)"
-)
+def fsdp_schedule_refusal(engine, data) -> str | None:
+    """Why this FSDP engine cannot run ``data``'s units larger than the token budget as a
+    cross-micro-batch schedule (None: it can). Per-micro-batch fallbacks cannot apply inside a
+    schedule, so they refuse it here; so does what would not be exact across calls."""
+    if engine.get_data_parallel_size() > 1:
+        return (
+            "more than one data-parallel rank (FSDP gathers parameters and reduces gradients "
+            "per model call; a schedule's calls differ in number between ranks)"
+        )
+    if getattr(engine, "use_ulysses_sp", False):
+        return "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)"
+    if batch_flag(data, "use_fused_kernels"):
+        return "use_fused_kernels=True (verl's fused forward runs no schedule step)"
+    if is_vision_batch(data):
+        return "vision-language inputs"
+    reason = fsdp_batch_refusal(engine, data)
+    if reason is None and not _is_value_engine(engine):
+        reason = lm_schedule_refusal(data)
+    return reason if reason is not None else hf_schedule_refusal(engine.module)
 
 
 def fsdp_scheduler(step, setting, data):
-    """The FSDP engine's scheduler: it refuses (units larger than the budget are split, with
-    one warning when ``cross_microbatch`` is on)."""
-    return scheduler_for(setting.config, not step.forward_only, lambda: 1.0, FSDP_SCHEDULE_REFUSAL)
+    """The engine step's cross-micro-batch scheduler (None when ``cross_microbatch`` is off)."""
+    if not setting.config.cross_microbatch:
+        return None
+    engine, training = step.engine, not step.forward_only
+    dtype_bytes = 4 if getattr(engine, "_autocast_dtype", torch.bfloat16) == torch.float32 else 2
+    return scheduler_for(
+        setting.config, training, lambda: hf_kv_row_cost(engine.module, training, dtype_bytes),
+        fsdp_schedule_refusal(engine, data),
+    )
+
+
+def fsdp_schedule_step(engine, micro, micro_batch, loss_function, forward_only) -> tuple:
+    """verl's ``forward_step`` for a micro-batch that is a schedule step: the same device move,
+    autocast, loss call and output, with the step's calls (:func:`hf_call` on the engine's
+    module) in place of the one model call."""
+    from verl.utils.device import get_device_id, get_device_name
+
+    device_name = get_device_name()
+    micro_batch = micro_batch.to(get_device_id())
+    value = _is_value_engine(engine)
+    entropy = not value and batch_flag(micro.batch, "calculate_entropy")
+    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    autocast_ctx = (
+        contextlib.nullcontext() if autocast_dtype == torch.float32
+        else torch.autocast(device_type=device_name, dtype=autocast_dtype)
+    )
+    with autocast_ctx:
+        model_output = run_schedule_step(
+            current_step().schedule, micro, micro_batch["input_ids"], value,
+            lambda temperature: hf_call(engine.module, temperature, entropy, value_head=value),
+        )
+        if loss_function is not None:
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro_batch, dp_group=engine.get_data_parallel_group()
+            )
+        else:
+            assert forward_only, "forward_only must be True when loss_function is None"
+            loss, metrics = torch.tensor(1.0, device=device_name), {}
+        return loss, {"model_output": model_output, "loss": loss.detach().item(), "metrics": metrics}
 
 
 def prefix_aware_unless_stock(stock: Callable) -> Callable:
