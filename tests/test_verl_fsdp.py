@@ -14,7 +14,9 @@ for fp32 parameters).
 
 from __future__ import annotations
 
+import json
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -660,7 +662,8 @@ def test_schedule_refusal_splits_with_one_warning(impl):
 
 def test_schedule_refusals_name_the_option(impl, monkeypatch):
     """What a schedule cannot run exactly is refused by name (its units are then split): more
-    than one data-parallel rank, Ulysses SP, verl's fused kernels, active dropout."""
+    than one data-parallel rank without FSDP2, Ulysses SP, verl's fused kernels, active
+    dropout."""
     engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(seed=9), _setting("arbitrary_prefix"))
     data = _long_batch(5)
     assert fsdp_glue.fsdp_schedule_refusal(engine, data) is None
@@ -668,11 +671,49 @@ def test_schedule_refusals_name_the_option(impl, monkeypatch):
     assert "use_fused_kernels" in fsdp_glue.fsdp_schedule_refusal(engine, fused)
     monkeypatch.setattr(engine, "use_ulysses_sp", True, raising=False)
     assert "Ulysses" in fsdp_glue.fsdp_schedule_refusal(engine, data)
-    monkeypatch.setattr(engine, "get_data_parallel_size", lambda: 2)
-    assert "data-parallel rank" in fsdp_glue.fsdp_schedule_refusal(engine, data)
+    monkeypatch.setattr(engine, "use_ulysses_sp", False)
+    monkeypatch.setattr(engine, "get_data_parallel_size", lambda: 2)  # FSDP2 runs it (test below)
+    assert "without FSDP2 with more than one data-parallel rank" in fsdp_glue.fsdp_schedule_refusal(engine, data)
     critic = make_model(seed=9, value=True)
     critic.dropout.p = 0.1  # the token-classification head's classifier_dropout
     engine = make_engine(impl, impl.FSDPEngineWithValueHead, critic, _setting("arbitrary_prefix", shared_dropout=True))
     assert "active dropout" in fsdp_glue.fsdp_schedule_refusal(engine, data)  # shared or not
     critic.eval()
     assert fsdp_glue.fsdp_schedule_refusal(engine, data) is None
+
+
+def _dp_reports(tmp_path, device):
+    from megatron_shims import run_torchrun
+
+    out = tmp_path / "dp.json"
+    run_torchrun(Path(__file__).with_name("verl_fsdp_dp_worker.py"), 2, out, device, timeout=900)
+    return json.loads(out.read_text())
+
+
+def _check_dp(reports):
+    """Each rank's log-probs, PPO loss and every (reduced) gradient equal verl's stock run; the
+    ranks that schedule compute each row once; parameters are sharded again afterwards."""
+    assert len(reports) == 2
+    for rep in reports:
+        for case in ("both", "rank0_only"):
+            r = rep[case]
+            assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5, (case, rep)
+            np.testing.assert_allclose(r["loss"][1], r["loss"][0], rtol=RTOL)
+            assert r["grad_rel"] <= RTOL and r["grads_complete"] and r["resharded"], (case, rep)
+            n, t, unique = r["tokens"]
+            scheduled = case == "both" or rep["rank"] == 0
+            assert t == unique if scheduled else unique < t < n, (case, rep)
+
+
+@pytest.mark.slow
+def test_schedule_on_two_data_parallel_ranks_with_fsdp2(tmp_path):
+    """Two DP ranks, FSDP2 over both, different mini-batches (different call counts, or a
+    schedule on one rank only): parameters gathered once and gradients reduced once per engine
+    step, equal to verl's stock run (``tests/verl_fsdp_dp_worker.py``)."""
+    _check_dp(_dp_reports(tmp_path, "cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_schedule_on_two_data_parallel_ranks_with_fsdp2_nccl(tmp_path):
+    _check_dp(_dp_reports(tmp_path, "cuda"))

@@ -9,7 +9,8 @@
   logits / hidden states and per-token log-probs / entropy.
 * :func:`hf_call` runs one call of a cross-micro-batch schedule
   (:class:`~ps_mcore.schedule.ScheduleRunner`): a forest larger than the token budget, every
-  shared prefix computed once across micro-batches.
+  shared prefix computed once across micro-batches; :func:`gathered_once` runs such calls on
+  several FSDP2 data-parallel ranks (parameters gathered once, gradients reduced once).
 """
 
 from ps_mcore.fsdp_bridge.dropout import hf_dropout_refusal
@@ -24,6 +25,7 @@ from ps_mcore.fsdp_bridge.hf_attention import (
     prefix_tree_attention,
     register_attention,
 )
+from ps_mcore.fsdp_bridge.lockstep import gathered_once
 from ps_mcore.fsdp_bridge.schedule import hf_call, hf_kv_row_cost, hf_schedule_refusal
 from ps_mcore.fsdp_bridge.unwrap import unwrap_model
 
@@ -36,6 +38,7 @@ __all__ = [
     "disable_tree_attention",
     "enable_tree_attention",
     "forward_tree",
+    "gathered_once",
     "hf_call",
     "hf_dropout_refusal",
     "hf_kv_row_cost",

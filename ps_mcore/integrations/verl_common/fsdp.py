@@ -51,8 +51,12 @@ the token budget are planned as one forest whose steps are the first micro-batch
 (:mod:`ps_mcore.integrations.verl_common.schedule`). A step's ``forward_step`` runs
 :func:`fsdp_schedule_step`: verl's device move, autocast and loss call around the step's calls
 (:func:`ps_mcore.fsdp_bridge.hf_call`); verl's ``loss.backward()`` follows; the last releases
-run when ``forward_backward_batch`` returns. :func:`fsdp_schedule_refusal` names what a
-schedule cannot run (more than one data-parallel rank, Ulysses SP, fused kernels, VLM inputs,
+run when ``forward_backward_batch`` returns. Ranks make different numbers of model calls, so
+with several data-parallel ranks and FSDP2, when any rank schedules (one all-reduce per engine
+step), every rank runs the step with parameters gathered once and gradients reduced once
+(:func:`ps_mcore.fsdp_bridge.lockstep.gathered_once`; memory: the full parameters and
+gradients on each rank during that step). :func:`fsdp_schedule_refusal` names what a schedule
+cannot run (several data-parallel ranks under FSDP1, Ulysses SP, fused kernels, VLM inputs,
 per-sample temperatures, active dropout, and every per-micro-batch fallback): those units are
 split, as before, with one warning.
 """
@@ -75,6 +79,7 @@ from ps_mcore.fsdp_bridge import (
     unwrap_model,
 )
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
+from ps_mcore.fsdp_bridge.lockstep import fsdp1_wrapped, fsdp2_modules, gathered_once
 from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
 from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
@@ -359,10 +364,11 @@ def fsdp_schedule_refusal(engine, data) -> str | None:
     """Why this FSDP engine cannot run ``data``'s units larger than the token budget as a
     cross-micro-batch schedule (None: it can). Per-micro-batch fallbacks cannot apply inside a
     schedule, so they refuse it here; so does what would not be exact across calls."""
-    if engine.get_data_parallel_size() > 1:
+    if engine.get_data_parallel_size() > 1 and not fsdp2_modules(engine.module):
+        kind = "FSDP1 (strategy fsdp)" if fsdp1_wrapped(engine.module) else "a model without FSDP2"
         return (
-            "more than one data-parallel rank (FSDP gathers parameters and reduces gradients "
-            "per model call; a schedule's calls differ in number between ranks)"
+            f"{kind} with more than one data-parallel rank (its collectives run per model call, "
+            "and a schedule's calls differ in number between ranks; the fsdp2 strategy runs it)"
         )
     if getattr(engine, "use_ulysses_sp", False):
         return "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)"
@@ -398,12 +404,7 @@ def fsdp_schedule_step(engine, micro, micro_batch, loss_function, forward_only) 
     micro_batch = micro_batch.to(get_device_id())
     value = _is_value_engine(engine)
     entropy = not value and batch_flag(micro.batch, "calculate_entropy")
-    autocast_dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
-    autocast_ctx = (
-        contextlib.nullcontext() if autocast_dtype == torch.float32
-        else torch.autocast(device_type=device_name, dtype=autocast_dtype)
-    )
-    with autocast_ctx:
+    with engine_autocast(engine):
         model_output = run_schedule_step(
             current_step().schedule, micro, micro_batch["input_ids"], value,
             lambda temperature: hf_call(engine.module, temperature, entropy, value_head=value),
@@ -418,16 +419,63 @@ def fsdp_schedule_step(engine, micro, micro_batch, loss_function, forward_only) 
         return loss, {"model_output": model_output, "loss": loss.detach().item(), "metrics": metrics}
 
 
+def engine_autocast(engine):
+    """The autocast verl's ``forward_step`` runs the model in (none for fp32 parameters)."""
+    from verl.utils.device import get_device_name
+
+    dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+
+def _reduction_pass(engine) -> Callable[[], torch.Tensor]:
+    """A one-token forward of the engine's model in its autocast (for :func:`gathered_once`)."""
+    from verl.utils.device import get_device_id
+
+    def run():
+        with engine_autocast(engine):
+            out = engine.module(input_ids=torch.zeros(1, 1, dtype=torch.long, device=get_device_id()), use_cache=False)
+        return out.logits.float().sum()
+
+    return run
+
+
+def gather_once_if_scheduled(step, dp_group) -> None:
+    """With several data-parallel ranks and FSDP2: when any rank runs a schedule this engine
+    step (one all-reduce over ``dp_group``), every rank runs the step's micro-batches with
+    parameters gathered once and gradients reduced once (:func:`gathered_once`, left when
+    ``forward_backward_batch`` ends), so the ranks' different call counts issue no
+    collectives."""
+    if dp_group is None or dist.get_world_size(dp_group) == 1 or not fsdp2_modules(step.engine.module):
+        return
+    from verl.utils.device import get_device_id
+
+    flag = torch.tensor([int(step.schedule is not None)], device=get_device_id())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dp_group)
+    if flag.item():
+        step.contexts.enter_context(
+            gathered_once(step.engine.module, not step.forward_only, _reduction_pass(step.engine))
+        )
+
+
 def prefix_aware_unless_stock(stock: Callable) -> Callable:
     """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
     batches whose every micro-batch runs verl's stock forward (their token budget must
-    count raw tokens)."""
+    count raw tokens); then :func:`gather_once_if_scheduled`."""
     aware = prefix_aware(stock, fsdp_scheduler, images_of=engine_image_tokens)
 
     def prepare_micro_batches(data, *args, **kwargs):
         if batch_flags_refusal(data) is not None:
             return stock(data, *args, **kwargs)
-        return aware(data, *args, **kwargs)
+        result = aware(data, *args, **kwargs)
+        step = current_step()
+        setting = active_setting(None if step is None else step.engine)
+        if (setting is not None and setting.config.cross_microbatch and step.contexts is not None
+                and batch_flag(data, "use_dynamic_bsz")):
+            dp_group = kwargs.get("dp_group", args[0] if args else None)
+            gather_once_if_scheduled(step, dp_group)
+        return result
 
     return prepare_micro_batches
 
