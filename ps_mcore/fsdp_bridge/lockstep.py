@@ -85,6 +85,10 @@ def gathered_once(
             them), so every FSDP2 module reduces its accumulated gradients once. Not run when leaving on an exception (no collective).
     """
     modules = fsdp2_modules(module)
+    if modules and hasattr(modules[0]._get_fsdp_state(), "_lazy_init"):
+        # The root's first forward would otherwise set its root-only defaults inside, and
+        # leaving would put back the pre-initialisation values over them.
+        modules[0]._get_fsdp_state()._lazy_init()
     saved = [_Saved(m) for m in modules]
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)
