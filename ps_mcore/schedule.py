@@ -48,9 +48,39 @@ from typing import Callable
 import torch
 
 from ps_mcore.attention.context import add_kept_grad, add_side_grads, read_kept
+from ps_mcore.logprobs import token_logprobs
 from ps_mcore.minibatch import ContextPlan, MiniBatchPlan
+from ps_mcore.planner import TreePlan
 
 RunCall = Callable[[ContextPlan], dict[str, torch.Tensor]]
+
+
+def call_outputs(
+    rows: torch.Tensor,
+    plan: ContextPlan | TreePlan,
+    value_head: bool = False,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    tp_group=None,
+) -> dict[str, torch.Tensor]:
+    """What ``run_call`` returns, from one call's packed head output.
+
+    Args:
+        rows: ``[R, V]`` the call's LM-head logits (a vocab shard under TP), or ``[R, 1]`` a
+            value head's output (``value_head``); rows past R (padding) are ignored.
+        plan: the call's plan (a ContextPlan, or the TreePlan of a forest that fits).
+        temperature, compute_entropy, tp_group: as :func:`~ps_mcore.logprobs.token_logprobs`.
+
+    Returns:
+        ``{"values": [n]}``, or ``{"log_probs": [n]}`` plus ``"entropy"`` when asked, in the
+        call's token order.
+    """
+    if value_head:
+        return {"values": rows[: plan.num_tokens, 0].index_select(0, plan.unpack_index.to(rows.device))}
+    logprobs, entropy = token_logprobs(
+        rows, plan, temperature=temperature, compute_entropy=compute_entropy, tp_group=tp_group
+    )
+    return {"log_probs": logprobs} if entropy is None else {"log_probs": logprobs, "entropy": entropy}
 
 
 def _accumulate(store: dict, key, grad: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from ps_mcore.fsdp_bridge import (  # noqa: E402
     disable_tree_attention,
     enable_tree_attention,
     forward_tree,
+    hf_call,
     prefix_tree_attention,
     register_attention,
     unwrap_model,
@@ -755,28 +756,27 @@ def test_unsupported_attention_features_are_refused(small):
 # ----------------------------------------------------------------------------- schedules
 
 
-def schedule_run(model, seqs, weights, budget, kv_row_cost, entropy_coef=0.3):
-    """A cross-micro-batch schedule of ``seqs`` on an HF model: ``forward_tree`` per call,
-    the per-sample-weighted loss per step, releases. Returns (log-probs [N], entropy [N], grads)."""
-    plan = plan_minibatch(seqs, budget, kv_row_cost=kv_row_cost, min_prefix_len=1)
+def schedule_run(model, seqs, weights, budget=None, kv_row_cost=0.25, entropy_coef=0.3, plan=None, training=True):
+    """A cross-micro-batch schedule of ``seqs`` (or of ``plan``) on an HF model: ``hf_call``
+    per call, the per-sample-weighted loss per step, releases (``training=False``: a
+    forward-only plan under no_grad). Returns (log-probs [N], entropy [N], grads)."""
+    if plan is None:
+        plan = plan_minibatch(seqs, budget, kv_row_cost=kv_row_cost, min_prefix_len=1, training=training)
     assert plan.num_steps > 1 and any(c.kept for c in plan.calls)
-
-    def run_call(call_plan):
-        out = forward_tree(model, call_plan, return_logits=False, compute_logprobs=True, compute_entropy=True)
-        return {"log_probs": out.logprobs, "entropy": out.entropy}
-
     model.zero_grad(set_to_none=True)
-    runner = ScheduleRunner(plan, run_call)
+    runner = ScheduleRunner(plan, hf_call(model, compute_entropy=True), training=training)
     w = torch.repeat_interleave(torch.tensor(weights, dtype=torch.float64), torch.tensor(plan.tree.seq_lens))
     lp = torch.zeros(plan.tree.num_input_tokens, dtype=torch.float64)
     ent = torch.zeros_like(lp)
-    for j, step in enumerate(plan.steps):
-        out = runner.forward(j)
-        tokens = torch.from_numpy(plan.sample_tokens(step.samples))
-        lp[tokens], ent[tokens] = out["log_probs"].detach().double(), out["entropy"].detach().double()
-        (w[tokens] * (out["log_probs"].double() + entropy_coef * out["entropy"].double())).sum().backward()
-        runner.release(j)
-    runner.finish()
+    with torch.set_grad_enabled(training):
+        for j, step in enumerate(plan.steps):
+            out = runner.forward(j)
+            tokens = torch.from_numpy(plan.sample_tokens(step.samples))
+            lp[tokens], ent[tokens] = out["log_probs"].detach().double(), out["entropy"].detach().double()
+            if training:
+                (w[tokens] * (out["log_probs"].double() + entropy_coef * out["entropy"].double())).sum().backward()
+            runner.release(j)
+        runner.finish()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return lp, ent, grads
 

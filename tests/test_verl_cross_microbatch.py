@@ -22,8 +22,8 @@ pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, enable_cpu_pipeline, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
 from verl_batches import (  # noqa: E402
-    RTOL, add_value_targets, assert_grads, assert_outputs, engine_shell, make_batch, seq_last_mask, step_tokens,
-    tiny_critic,
+    RTOL, add_value_targets, assert_grads, assert_outputs, engine_shell, long_units, make_batch, seq_last_mask,
+    step_tokens, tiny_critic,
 )
 from verl_helpers import megatron_patchset  # noqa: E402
 
@@ -46,24 +46,6 @@ def env():
     randomize_(model)
     yield impl, model
     setup.uninstall()
-
-
-def long_units(rng):
-    """Two GRPO groups whose prompt is most of the budget (each unit 2-3 budgets large), a
-    step-wise trajectory longer than the budget and a small group that fits."""
-    def tokens(n):
-        return [int(x) for x in rng.integers(1, 128, n)]
-
-    samples = []
-    for g in range(2):
-        prompt = tokens(26)
-        samples += [(prompt, tokens(int(rng.integers(4, 10))), f"g{g}") for _ in range(5)]
-    steps = [tokens(6) for _ in range(5)]
-    samples += [(tokens(8), sum(steps[: k + 1], []), "traj") for k in range(5)]
-    prompt = tokens(6)
-    samples += [(prompt, tokens(3), "small") for _ in range(2)]
-    order = rng.permutation(len(samples))
-    return [samples[i] for i in order]
 
 
 def _setting(**kw):

@@ -14,7 +14,9 @@ for fp32 parameters).
 
 from __future__ import annotations
 
+import json
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,18 +29,21 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_warnings")  # each test sees its own one-time warnings
 
 from verl_batches import (  # noqa: E402
-    RTOL, VOCAB, WORKLOADS, assert_grads, assert_outputs, make_batch, sample_temperatures, step_tokens,
+    RTOL, VOCAB, WORKLOADS, add_value_targets, assert_grads, assert_outputs, long_units, make_batch,
+    sample_temperatures, step_tokens,
 )
 from verl_helpers import fsdp_patchset  # noqa: E402
 
 from ps_mcore import setup  # noqa: E402
 from ps_mcore.integrations import patching  # noqa: E402
 from ps_mcore.integrations.verl_common import fsdp as fsdp_glue  # noqa: E402
+from ps_mcore.integrations.verl_common.batch import sequences  # noqa: E402
 from ps_mcore.integrations.verl_common.config import ENGINE_ATTR, PrefixGrouperConfig, PrefixSharingSetting  # noqa: E402
 from ps_mcore.integrations.verl_common.fsdp import tree_model_inputs  # noqa: E402
 from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED  # noqa: E402
 from ps_mcore.fsdp_bridge import hf_attention  # noqa: E402
 from ps_mcore.attention import tree_attention  # noqa: E402
+from ps_mcore.planner import plan_prefix_tree  # noqa: E402
 
 PATCHSET = fsdp_patchset()
 MODES = {"grpo": "prompt_only", "stepwise": "arbitrary_prefix", "tree": "arbitrary_prefix"}
@@ -544,11 +549,171 @@ def test_install_and_uninstall_restore_exactly(impl):
     assert _snapshot(impl) == before  # the same objects, no new attributes
 
 
-def test_units_larger_than_the_budget_are_split_with_one_warning(impl):
-    """The FSDP engine runs no cross-micro-batch schedule: a unit larger than the token budget
-    is split into pieces (as before), saying so once; still exact."""
-    rng = np.random.default_rng(11)
-    samples = WORKLOADS["grpo"](rng, prompts=1, group=6)
-    data = make_batch(samples, rng, max_token_len_per_gpu=30)
-    with pytest.warns(UserWarning, match="no cross-micro-batch schedule.*FSDP engine runs one model call"):
-        _assert_training_matches_stock(impl, make_model(), data, _setting("prompt_only"), _ppo())
+# ----------------------------------------------------------------------------- schedules
+
+BUDGET = 40
+
+
+def _long_batch(seed, **kw):
+    """Sharing units 2-3 token budgets large (:func:`long_units`) under ``BUDGET``."""
+    rng = np.random.default_rng(seed)
+    return make_batch(long_units(rng), rng, max_token_len_per_gpu=BUDGET, **kw)
+
+
+def _unique_tokens(data):
+    return plan_prefix_tree(sequences(data), min_prefix_len=4).num_tokens
+
+
+def _fully_shard(model):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+@pytest.mark.parametrize("wrap", ["plain", "fsdp2", "checkpointing"])
+def test_schedule_update_actor_matches_stock(impl, wrap):
+    """update_actor with units larger than the token budget: one cross-micro-batch schedule
+    (every row computed once over the steps, a prefix's backward once after its last
+    continuation) equals verl's stock micro-batches: PPO loss, every gradient, log-probs and
+    entropy. FSDP2-wrapped (its hooks around every call and release) and with activation
+    checkpointing too."""
+    model = make_model(seed=4)
+    if wrap == "fsdp2":
+        _fully_shard(model)
+    elif wrap == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    data = _long_batch(0, temperature=0.8)
+    tree = _assert_training_matches_stock(impl, model, data, _setting("arbitrary_prefix"), _ppo())
+    n, t = step_tokens(tree)
+    assert n == int(data["input_ids"].offsets()[-1])
+    assert t == _unique_tokens(data)  # every row once across micro-batches
+
+
+def test_schedule_log_prob_pass_matches_stock(impl):
+    model = make_model(seed=5)
+    data = _long_batch(1, temperature=0.7)
+    setting = _setting("arbitrary_prefix")
+    stock, _ = _run(impl, model, data, setting, patched=False)
+    tree, _ = _run(impl, model, data, setting, patched=True)
+    assert_outputs(stock, tree)
+    assert step_tokens(tree)[1] == _unique_tokens(data)
+
+
+def test_schedule_off_splits_the_units(impl, recwarn):
+    """``cross_microbatch: false``: units larger than the budget are split into pieces that
+    each recompute their prefix (as before the schedule), exact, without a warning."""
+    data = _long_batch(2)
+    tree = _assert_training_matches_stock(impl, make_model(seed=6), data,
+                                          _setting("arbitrary_prefix", cross_microbatch=False), _ppo())
+    assert step_tokens(tree)[1] > _unique_tokens(data)
+    assert not [w for w in recwarn if "cross-micro-batch" in str(w.message)]
+
+
+def test_schedule_critic_values_and_value_loss_match_stock(impl, monkeypatch):
+    """verl 0.8.0's value loss is a mean per micro-batch, so its gradient depends on how
+    samples are grouped: the stock reference runs on the schedule's own micro-batches."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import FSDPCriticConfig
+    from verl.workers.utils.losses import value_loss
+
+    critic = make_model(seed=7, value=True)
+    data = _long_batch(3)
+    add_value_targets(data)
+    setting, cls = _setting("arbitrary_prefix"), impl.FSDPEngineWithValueHead
+    stock, _ = _run(impl, critic, data, setting, False, cls=cls)
+    tree, _ = _run(impl, critic, data, setting, True, cls=cls)
+    assert_outputs(stock, tree, keys=("values",))
+    assert step_tokens(tree)[1] == _unique_tokens(data)
+
+    seen = []
+    postprocess = impl.postprocess_batch_func
+    monkeypatch.setattr(impl, "postprocess_batch_func", lambda output_lst, indices, data: (
+        seen.append(indices), postprocess(output_lst=output_lst, indices=indices, data=data))[1])
+    loss_fn = partial(value_loss, config=FSDPCriticConfig(ppo_micro_batch_size_per_gpu=2, rollout_n=1))
+    tree, g_tree = _run(impl, critic, data, setting, True, loss_fn, cls=cls)
+    parts = seen[-1]
+    assert len(parts) > 2
+    setup.uninstall()  # before replacing what uninstalling would put back
+    monkeypatch.setattr(impl, "prepare_micro_batches", lambda data, **_: (
+        [tu.index_select_tensor_dict(data, p) for p in parts], parts))
+    stock, g_stock = _run(impl, critic, data, setting, False, loss_fn, cls=cls)
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    assert_grads(g_stock, g_tree)
+
+
+def test_schedule_refusal_splits_with_one_warning(impl):
+    """Per-sample temperatures run on the tree per micro-batch but not in a schedule (its calls
+    score one temperature): the units are split, saying so once by name; still exact."""
+    model = make_model(seed=8)
+    data = _long_batch(4)
+    data["temperature"] = torch.linspace(0.5, 1.0, len(data["input_ids"]))
+    setting = _setting("arbitrary_prefix")
+    stock, _ = _run(impl, model, data, setting, patched=False)
+    with pytest.warns(UserWarning, match="no cross-micro-batch schedule.*per-sample temperatures"):
+        tree, _ = _run(impl, model, data, setting, patched=True)
+    assert_outputs(stock, tree)
+    n, computed = step_tokens(tree)
+    assert _unique_tokens(data) < computed < n  # split, each piece shared
+
+
+def test_schedule_refusals_name_the_option(impl, monkeypatch):
+    """What a schedule cannot run exactly is refused by name (its units are then split): more
+    than one data-parallel rank without FSDP2, Ulysses SP, verl's fused kernels, active
+    dropout."""
+    engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(seed=9), _setting("arbitrary_prefix"))
+    data = _long_batch(5)
+    assert fsdp_glue.fsdp_schedule_refusal(engine, data) is None
+    fused = _long_batch(5, use_fused_kernels=True)
+    assert "use_fused_kernels" in fsdp_glue.fsdp_schedule_refusal(engine, fused)
+    monkeypatch.setattr(engine, "use_ulysses_sp", True, raising=False)
+    assert "Ulysses" in fsdp_glue.fsdp_schedule_refusal(engine, data)
+    monkeypatch.setattr(engine, "use_ulysses_sp", False)
+    monkeypatch.setattr(engine, "get_data_parallel_size", lambda: 2)  # FSDP2 runs it (test below)
+    assert "without FSDP2 with more than one data-parallel rank" in fsdp_glue.fsdp_schedule_refusal(engine, data)
+    critic = make_model(seed=9, value=True)
+    critic.dropout.p = 0.1  # the token-classification head's classifier_dropout
+    engine = make_engine(impl, impl.FSDPEngineWithValueHead, critic, _setting("arbitrary_prefix", shared_dropout=True))
+    assert "active dropout" in fsdp_glue.fsdp_schedule_refusal(engine, data)  # shared or not
+    critic.eval()
+    assert fsdp_glue.fsdp_schedule_refusal(engine, data) is None
+
+
+def _dp_reports(tmp_path, device):
+    from megatron_shims import run_torchrun
+
+    out = tmp_path / "dp.json"
+    run_torchrun(Path(__file__).with_name("verl_fsdp_dp_worker.py"), 2, out, device, timeout=900)
+    return json.loads(out.read_text())
+
+
+def _check_dp(reports):
+    """Each rank's log-probs, PPO loss and every (reduced) gradient equal verl's stock run; the
+    ranks that schedule compute each row once; parameters are sharded again afterwards."""
+    assert len(reports) == 2
+    for rep in reports:
+        for case in ("both", "rank0_only"):
+            r = rep[case]
+            assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5, (case, rep)
+            np.testing.assert_allclose(r["loss"][1], r["loss"][0], rtol=RTOL)
+            assert r["grad_rel"] <= RTOL and r["grads_complete"] and r["resharded"], (case, rep)
+            n, t, unique = r["tokens"]
+            scheduled = case == "both" or rep["rank"] == 0
+            assert t == unique if scheduled else unique < t < n, (case, rep)
+
+
+@pytest.mark.slow
+def test_schedule_on_two_data_parallel_ranks_with_fsdp2(tmp_path):
+    """Two DP ranks, FSDP2 over both, different mini-batches (different call counts, or a
+    schedule on one rank only): parameters gathered once and gradients reduced once per engine
+    step, equal to verl's stock run (``tests/verl_fsdp_dp_worker.py``)."""
+    _check_dp(_dp_reports(tmp_path, "cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_schedule_on_two_data_parallel_ranks_with_fsdp2_nccl(tmp_path):
+    _check_dp(_dp_reports(tmp_path, "cuda"))

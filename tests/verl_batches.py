@@ -96,6 +96,22 @@ def tree_samples(rng):
     return out
 
 
+def long_units(rng):
+    """Sharing units larger than a token budget of 40: two GRPO groups whose prompt is most of
+    it (each unit 2-3 budgets large), a step-wise trajectory longer than it and a small group
+    that fits, shuffled."""
+    samples = []
+    for g in range(2):
+        prompt = _tokens(rng, 26)
+        samples += [(prompt, _tokens(rng, int(rng.integers(4, 10))), f"g{g}") for _ in range(5)]
+    steps = [_tokens(rng, 6) for _ in range(5)]
+    samples += [(_tokens(rng, 8), sum(steps[: k + 1], []), "traj") for k in range(5)]
+    prompt = _tokens(rng, 6)
+    samples += [(prompt, _tokens(rng, 3), "small") for _ in range(2)]
+    order = rng.permutation(len(samples))
+    return [samples[i] for i in order]
+
+
 WORKLOADS = {"grpo": grpo_samples, "stepwise": stepwise_samples, "tree": tree_samples}
 
 

@@ -16,24 +16,14 @@ rank 0 writes every rank's JSON report to OUT.
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from gloo_world import init_torchrun_world
 import verl_batches  # noqa: F401  (before verl: verl 0.9.1 without a GPU gets the CPU platform)
-
-
-def init(device: str) -> torch.device:
-    if device == "cuda":
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl")
-        return dev
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
 
 
 def stock_ulysses_model(seed: int, value: bool, device: torch.device):
@@ -160,7 +150,7 @@ def main(out_path: str, device: str = "cpu") -> None:
     from ulysses_shims import emulate_all_to_all, varlen_attention_from_position_ids
     from verl.models.transformers import monkey_patch
 
-    dev = init(device)
+    dev = init_torchrun_world(device)
     emulate_all_to_all()
     monkey_patch._flash_attention_forward = varlen_attention_from_position_ids
     report = {

@@ -7,6 +7,10 @@
   run :func:`ps_mcore.tree_attention`.
 * :func:`forward_tree` runs a model on a :class:`~ps_mcore.TreePlan` and returns packed
   logits / hidden states and per-token log-probs / entropy.
+* :func:`hf_call` runs one call of a cross-micro-batch schedule
+  (:class:`~ps_mcore.schedule.ScheduleRunner`): a forest larger than the token budget, every
+  shared prefix computed once across micro-batches; :func:`gathered_once` runs such calls on
+  several FSDP2 data-parallel ranks (parameters gathered once, gradients reduced once).
 """
 
 from ps_mcore.fsdp_bridge.dropout import hf_dropout_refusal
@@ -21,6 +25,8 @@ from ps_mcore.fsdp_bridge.hf_attention import (
     prefix_tree_attention,
     register_attention,
 )
+from ps_mcore.fsdp_bridge.lockstep import gathered_once
+from ps_mcore.fsdp_bridge.schedule import hf_call, hf_kv_row_cost, hf_schedule_refusal
 from ps_mcore.fsdp_bridge.unwrap import unwrap_model
 
 __all__ = [
@@ -32,7 +38,11 @@ __all__ = [
     "disable_tree_attention",
     "enable_tree_attention",
     "forward_tree",
+    "gathered_once",
+    "hf_call",
     "hf_dropout_refusal",
+    "hf_kv_row_cost",
+    "hf_schedule_refusal",
     "prefix_tree_attention",
     "register_attention",
     "unwrap_model",

@@ -37,9 +37,8 @@ from typing import Any, Callable
 import torch
 
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-from ps_mcore.logprobs import token_logprobs
 from ps_mcore.minibatch import ContextPlan, MiniBatchPlan, Step, kept_state_cost, token_activation_bytes
-from ps_mcore.schedule import RunCall, ScheduleRunner
+from ps_mcore.schedule import RunCall, ScheduleRunner, call_outputs
 
 
 def schedule_refusal(model) -> str | None:
@@ -137,13 +136,7 @@ def gpt_call(
             attention_mask=None,
             packed_seq_params=psp,
         )
-        rows = output[0, : plan.num_tokens]
-        if value_head:
-            return {"values": rows[:, 0].index_select(0, plan.unpack_index)}
-        logprobs, entropy = token_logprobs(
-            rows, plan, temperature=temperature, compute_entropy=compute_entropy, tp_group=tp_group
-        )
-        return {"log_probs": logprobs} if entropy is None else {"log_probs": logprobs, "entropy": entropy}
+        return call_outputs(output[0, : plan.num_tokens], plan, value_head, temperature, compute_entropy, tp_group)
 
     return run_call
 

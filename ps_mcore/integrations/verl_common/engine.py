@@ -7,6 +7,7 @@ micro-batcher made and the micro-batch being run), prefix-aware ``prepare_micro_
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -54,6 +55,8 @@ class EngineStep:
         forward_only: the step computes no gradients (a log-prob pass).
         schedule: the cross-micro-batch schedule of the units larger than the token budget
             (:mod:`ps_mcore.integrations.verl_common.schedule`), when the micro-batcher made one.
+        contexts: contexts entered during the step (e.g. by the micro-batcher) and left when
+            ``forward_backward_batch`` ends, after the schedule's last releases.
     """
 
     engine: Any
@@ -61,6 +64,7 @@ class EngineStep:
     micro: MicroBatchContext | None = None
     forward_only: bool = False
     schedule: Any = None
+    contexts: contextlib.ExitStack | None = None
 
     def carried_plan(self, batch) -> TreePlan | None:
         """The plan the micro-batcher made for exactly this micro-batch object (or None)."""
@@ -90,9 +94,10 @@ def with_engine_context(original: Callable) -> Callable:
         step = EngineStep(engine=self, forward_only=bool(forward_only))
         token = _STEP.set(step)
         try:
-            result = original(self, *args, **kwargs)
-            if step.schedule is not None:  # the last releases (no-op where the schedule ran them)
-                step.schedule.finish()
+            with contextlib.ExitStack() as step.contexts:
+                result = original(self, *args, **kwargs)
+                if step.schedule is not None:  # the last releases (no-op where the schedule ran them)
+                    step.schedule.finish()
             return result
         finally:
             _STEP.reset(token)

@@ -46,19 +46,40 @@ are split over the SP ranks and the ``"prefix_tree"`` attention runs an all-to-a
 tree attention (:mod:`ps_mcore.fsdp_bridge.sequence_parallel`); log-probs, entropy and values
 come back complete on every SP rank with verl's gradient scaling.
 
-Cross-micro-batch schedules are refused (:data:`FSDP_SCHEDULE_REFUSAL`): sharing units larger
-than the token budget are split, as before.
+Cross-micro-batch schedules (``prefix_grouper.cross_microbatch``): sharing units larger than
+the token budget are planned as one forest whose steps are the first micro-batches
+(:mod:`ps_mcore.integrations.verl_common.schedule`). A step's ``forward_step`` runs
+:func:`fsdp_schedule_step`: verl's device move, autocast and loss call around the step's calls
+(:func:`ps_mcore.fsdp_bridge.hf_call`); verl's ``loss.backward()`` follows; the last releases
+run when ``forward_backward_batch`` returns. Ranks make different numbers of model calls, so
+with several data-parallel ranks and FSDP2, when any rank schedules (one all-reduce per engine
+step), every rank runs the step with parameters gathered once and gradients reduced once
+(:func:`ps_mcore.fsdp_bridge.lockstep.gathered_once`; memory: the full parameters and
+gradients on each rank during that step). :func:`fsdp_schedule_refusal` names what a schedule
+cannot run (several data-parallel ranks under FSDP1, Ulysses SP, fused kernels, VLM inputs,
+per-sample temperatures, active dropout, and every per-micro-batch fallback): those units are
+split, as before, with one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ps_mcore.fsdp_bridge import TreeCall, enable_tree_attention, hf_dropout_refusal, unwrap_model
+from ps_mcore.fsdp_bridge import (
+    TreeCall,
+    enable_tree_attention,
+    hf_call,
+    hf_dropout_refusal,
+    hf_kv_row_cost,
+    hf_schedule_refusal,
+    unwrap_model,
+)
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
+from ps_mcore.fsdp_bridge.lockstep import fsdp1_wrapped, fsdp2_modules, gathered_once
 from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
 from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
@@ -72,6 +93,7 @@ from ps_mcore.integrations.verl_common.config import SHARED_DROPOUT_OPT_IN
 from ps_mcore.integrations.verl_common.engine import (
     active_setting,
     current_micro_batch,
+    current_step,
     install_engine_micro_batching,
     plan_or_stock,
     prefix_aware,
@@ -82,7 +104,7 @@ from ps_mcore.integrations.verl_common.fused import (
     enable_tree_fused_forward,
     fused_forward_refusal,
 )
-from ps_mcore.integrations.verl_common.schedule import scheduler_for
+from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
 from ps_mcore.integrations.verl_common.vision import (
     engine_image_tokens,
     is_vision_batch,
@@ -324,7 +346,12 @@ def fsdp_forward_step(original: Callable) -> Callable:
 
     def forward_step(self, micro_batch, loss_function, forward_only):
         def call(batch_iter):
-            result = original(self, next(batch_iter), loss_function, forward_only)
+            batch = next(batch_iter)
+            micro = current_micro_batch()
+            if micro is not None and micro.schedule_step is not None:
+                result = fsdp_schedule_step(self, micro, batch, loss_function, forward_only)
+            else:
+                result = original(self, batch, loss_function, forward_only)
             return None, lambda: result
 
         _, step_result = run_step_with_context(self, iter([micro_batch]), call)
@@ -333,29 +360,122 @@ def fsdp_forward_step(original: Callable) -> Callable:
     return forward_step
 
 
-FSDP_SCHEDULE_REFUSAL = (
-    "the FSDP engine runs one model call per micro-batch (a schedule's data-dependent calls "
-    "would desynchronise FSDP's collectives across data-parallel ranks; the Megatron engine "
-    "runs cross-micro-batch schedules)"
-)
+def fsdp_schedule_refusal(engine, data) -> str | None:
+    """Why this FSDP engine cannot run ``data``'s units larger than the token budget as a
+    cross-micro-batch schedule (None: it can). Per-micro-batch fallbacks cannot apply inside a
+    schedule, so they refuse it here; so does what would not be exact across calls."""
+    if engine.get_data_parallel_size() > 1 and not fsdp2_modules(engine.module):
+        kind = "FSDP1 (strategy fsdp)" if fsdp1_wrapped(engine.module) else "a model without FSDP2"
+        return (
+            f"{kind} with more than one data-parallel rank (its collectives run per model call, "
+            "and a schedule's calls differ in number between ranks; the fsdp2 strategy runs it)"
+        )
+    if getattr(engine, "use_ulysses_sp", False):
+        return "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)"
+    if batch_flag(data, "use_fused_kernels"):
+        return "use_fused_kernels=True (verl's fused forward runs no schedule step)"
+    if is_vision_batch(data):
+        return "vision-language inputs"
+    reason = fsdp_batch_refusal(engine, data)
+    if reason is None and not _is_value_engine(engine):
+        reason = lm_schedule_refusal(data)
+    return reason if reason is not None else hf_schedule_refusal(engine.module)
 
 
 def fsdp_scheduler(step, setting, data):
-    """The FSDP engine's scheduler: it refuses (units larger than the budget are split, with
-    one warning when ``cross_microbatch`` is on)."""
-    return scheduler_for(setting.config, not step.forward_only, lambda: 1.0, FSDP_SCHEDULE_REFUSAL)
+    """The engine step's cross-micro-batch scheduler (None when ``cross_microbatch`` is off)."""
+    if not setting.config.cross_microbatch:
+        return None
+    engine, training = step.engine, not step.forward_only
+    dtype_bytes = 4 if getattr(engine, "_autocast_dtype", torch.bfloat16) == torch.float32 else 2
+    return scheduler_for(
+        setting.config, training, lambda: hf_kv_row_cost(engine.module, training, dtype_bytes),
+        fsdp_schedule_refusal(engine, data),
+    )
+
+
+def fsdp_schedule_step(engine, micro, micro_batch, loss_function, forward_only) -> tuple:
+    """verl's ``forward_step`` for a micro-batch that is a schedule step: the same device move,
+    autocast, loss call and output, with the step's calls (:func:`hf_call` on the engine's
+    module) in place of the one model call."""
+    from verl.utils.device import get_device_id, get_device_name
+
+    device_name = get_device_name()
+    micro_batch = micro_batch.to(get_device_id())
+    value = _is_value_engine(engine)
+    entropy = not value and batch_flag(micro.batch, "calculate_entropy")
+    with engine_autocast(engine):
+        model_output = run_schedule_step(
+            current_step().schedule, micro, micro_batch["input_ids"], value,
+            lambda temperature: hf_call(engine.module, temperature, entropy, value_head=value),
+        )
+        if loss_function is not None:
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro_batch, dp_group=engine.get_data_parallel_group()
+            )
+        else:
+            assert forward_only, "forward_only must be True when loss_function is None"
+            loss, metrics = torch.tensor(1.0, device=device_name), {}
+        return loss, {"model_output": model_output, "loss": loss.detach().item(), "metrics": metrics}
+
+
+def engine_autocast(engine):
+    """The autocast verl's ``forward_step`` runs the model in (none for fp32 parameters)."""
+    from verl.utils.device import get_device_name
+
+    dtype = getattr(engine, "_autocast_dtype", torch.bfloat16)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+
+def _reduction_pass(engine) -> Callable[[], torch.Tensor]:
+    """A one-token forward of the engine's model in its autocast (for :func:`gathered_once`)."""
+    from verl.utils.device import get_device_id
+
+    def run():
+        with engine_autocast(engine):
+            out = engine.module(input_ids=torch.zeros(1, 1, dtype=torch.long, device=get_device_id()), use_cache=False)
+        return out.logits.float().sum()
+
+    return run
+
+
+def gather_once_if_scheduled(step, dp_group) -> None:
+    """With several data-parallel ranks and FSDP2: when any rank runs a schedule this engine
+    step (one all-reduce over ``dp_group``), every rank runs the step's micro-batches with
+    parameters gathered once and gradients reduced once (:func:`gathered_once`, left when
+    ``forward_backward_batch`` ends), so the ranks' different call counts issue no
+    collectives."""
+    if dp_group is None or dist.get_world_size(dp_group) == 1 or not fsdp2_modules(step.engine.module):
+        return
+    from verl.utils.device import get_device_id
+
+    flag = torch.tensor([int(step.schedule is not None)], device=get_device_id())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=dp_group)
+    if flag.item():
+        step.contexts.enter_context(
+            gathered_once(step.engine.module, not step.forward_only, _reduction_pass(step.engine))
+        )
 
 
 def prefix_aware_unless_stock(stock: Callable) -> Callable:
     """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
     batches whose every micro-batch runs verl's stock forward (their token budget must
-    count raw tokens)."""
+    count raw tokens); then :func:`gather_once_if_scheduled`."""
     aware = prefix_aware(stock, fsdp_scheduler, images_of=engine_image_tokens)
 
     def prepare_micro_batches(data, *args, **kwargs):
         if batch_flags_refusal(data) is not None:
             return stock(data, *args, **kwargs)
-        return aware(data, *args, **kwargs)
+        result = aware(data, *args, **kwargs)
+        step = current_step()
+        setting = active_setting(None if step is None else step.engine)
+        if (setting is not None and setting.config.cross_microbatch and step.contexts is not None
+                and batch_flag(data, "use_dynamic_bsz")):
+            dp_group = kwargs.get("dp_group", args[0] if args else None)
+            gather_once_if_scheduled(step, dp_group)
+        return result
 
     return prepare_micro_batches
 

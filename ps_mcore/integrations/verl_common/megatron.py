@@ -84,7 +84,12 @@ from ps_mcore.integrations.verl_common.engine import (
 )
 from ps_mcore.integrations.verl_common.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
 from ps_mcore.integrations.verl_common.vision import images_refusal, multi_modal_inputs_refusal, packed_images
-from ps_mcore.integrations.verl_common.schedule import megatron_kv_row_cost, schedule_outputs, scheduler_for
+from ps_mcore.integrations.verl_common.schedule import (
+    lm_schedule_refusal,
+    megatron_kv_row_cost,
+    run_schedule_step,
+    scheduler_for,
+)
 from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
 from ps_mcore.mindspeed.state import reset_attention_mask_active
 from ps_mcore.multimodal import row_values, with_tokens
@@ -336,9 +341,7 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
     if batch_flag(data, "use_fused_kernels"):
         return "use_fused_kernels=True (verl's fused forward, which runs no schedule step)"
     if not isinstance(engine, _value_engine_class()):
-        if isinstance(_schedule_temperature(data), torch.Tensor):
-            return "per-sample temperatures (a schedule's calls score every row at one temperature)"
-        reason = lm_head_batch_refusal(data)
+        reason = lm_schedule_refusal(data)
         if reason is not None:
             return reason
     if len(engine.module) > 1:
@@ -356,12 +359,6 @@ def megatron_schedule_refusal(engine, model, data) -> str | None:
         moe = moe_refusal(_unwrap(model).config)
         refusal = None if moe is None else f"MoE with {moe}"
     return refusal
-
-
-def _schedule_temperature(data) -> float | torch.Tensor:
-    """The temperature of a batch that a schedule scores with (one float), or its ``[B]``
-    per-sample tensor (refused)."""
-    return batch_temperature(data["temperature"] if "temperature" in data.keys() else None)
 
 
 def _value_engine_class():
@@ -387,28 +384,21 @@ def megatron_scheduler(step, setting, data):
     )
 
 
-def run_schedule_step(model, micro, input_ids: torch.Tensor, args: dict) -> Any:
+def megatron_schedule_step(model, micro, input_ids: torch.Tensor, args: dict) -> Any:
     """Step ``micro.schedule_step`` of the engine step's schedule; returns what verl's engine
     forward returns (jagged ``[B, j]`` with ``input_ids``'s offsets)."""
     from megatron.core import parallel_state as mpu
 
     from ps_mcore.layer_specs.schedule import gpt_call  # after MindSpeed's repatch
 
-    schedule = current_step().schedule
     value = bool(args.get("value_model"))
     if not value and args.get("logits_processor") is None:
         raise NotImplementedError(
             "a cross-micro-batch schedule step returns log-probs or values; this forward asked "
             "for raw logits (no logits_processor)"
         )
-    temperature = 1.0 if value else _schedule_temperature(micro.batch)
-    reason = None if value else lm_head_batch_refusal(micro.batch)
-    if reason is None and isinstance(temperature, torch.Tensor):
-        reason = "per-sample temperatures"
-    if reason is not None:
-        raise NotImplementedError(f"a cross-micro-batch schedule step cannot run: {reason}")
 
-    def make_run_call():
+    def make_run_call(temperature):
         return gpt_call(
             model,
             temperature=temperature,
@@ -418,11 +408,8 @@ def run_schedule_step(model, micro, input_ids: torch.Tensor, args: dict) -> Any:
             value_head=value,
         )
 
-    out = schedule_outputs(schedule, micro.schedule_step, make_run_call)
-    micro.record(*schedule.step_tokens(micro.schedule_step))
-    if value:
-        return nested_like(out["values"], input_ids)
-    return {name: nested_like(tensor, input_ids) for name, tensor in out.items()}
+    out = run_schedule_step(current_step().schedule, micro, input_ids, value, make_run_call)
+    return out["values"] if value else out
 
 
 def tree_engine_forward(stock: Callable) -> Callable:
@@ -438,7 +425,7 @@ def tree_engine_forward(stock: Callable) -> Callable:
         args = dict(bound.arguments)
         model, input_ids = args["model"], args["input_ids"]
         if micro.schedule_step is not None:
-            return run_schedule_step(model, micro, input_ids, args)
+            return megatron_schedule_step(model, micro, input_ids, args)
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
         reason = megatron_batch_refusal(model, args, micro.batch)
         images = image_tokens_of(model) if reason is None and _is_vision(model, args) else None

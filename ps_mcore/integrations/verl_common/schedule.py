@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl_common.batch import plan_sequences
+from ps_mcore.integrations.verl_common.batch import batch_temperature, lm_head_batch_refusal, nested_like, plan_sequences
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.integrations.verl_common.microbatch import _local_count, _sync_count, _Units, partition_units
 from ps_mcore.minibatch import MiniBatchPlan, kept_kv_row_cost, schedule_tree
@@ -166,6 +167,32 @@ def scheduler_for(config: PrefixGrouperConfig, training: bool, estimate: Callabl
     return MiniBatchScheduler(config, training, cost, refusal, states)
 
 
-def schedule_outputs(schedule: VerlSchedule, index: int, make_run_call: Callable[[], RunCall]) -> dict[str, Any]:
-    """Run step ``index`` (its releases first): per-token outputs of its samples ``[N_step]``."""
-    return schedule.runner_with(make_run_call).forward(index)
+def schedule_temperature(data) -> float | torch.Tensor:
+    """The temperature a schedule scores ``data`` with (one float), or its ``[B]`` per-sample
+    tensor (which a schedule refuses: its calls score every row at one temperature)."""
+    return batch_temperature(data["temperature"] if "temperature" in data.keys() else None)
+
+
+def lm_schedule_refusal(data) -> str | None:
+    """Why an LM-head engine cannot run ``data`` as a schedule for reasons of the batch itself
+    (every engine), or None."""
+    if isinstance(schedule_temperature(data), torch.Tensor):
+        return "per-sample temperatures (a schedule's calls score every row at one temperature)"
+    return lm_head_batch_refusal(data)
+
+
+def run_schedule_step(
+    schedule: VerlSchedule, micro, input_ids: torch.Tensor, value: bool, make_run_call: Callable[[float], RunCall]
+) -> dict[str, torch.Tensor]:
+    """Step ``micro.schedule_step`` of ``schedule`` (its releases first), as verl's engines
+    return a forward's outputs: ``{name: [B, j]}`` jagged with ``input_ids``'s offsets, the
+    step's samples in order. ``make_run_call(temperature)`` builds the engine's model call
+    (the LM head's temperature; 1.0 for a value head); the step's token counts are recorded
+    for the metrics."""
+    reason = None if value else lm_schedule_refusal(micro.batch)
+    if reason is not None:
+        raise NotImplementedError(f"a cross-micro-batch schedule step cannot run: {reason}")
+    temperature = 1.0 if value else schedule_temperature(micro.batch)
+    out = schedule.runner_with(lambda: make_run_call(temperature)).forward(micro.schedule_step)
+    micro.record(*schedule.step_tokens(micro.schedule_step))
+    return {name: nested_like(tensor, input_ids) for name, tensor in out.items()}
