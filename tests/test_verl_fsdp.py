@@ -14,6 +14,8 @@ for fp32 parameters).
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import json
 from functools import partial
 from pathlib import Path
@@ -692,8 +694,11 @@ def _dp_reports(tmp_path, device):
 
 def _check_dp(reports):
     """Each rank's log-probs, PPO loss and every (reduced) gradient equal verl's stock run; the
-    ranks that schedule compute each row once; parameters are sharded again afterwards."""
+    ranks that schedule compute each row once (on verl 0.8.0; other versions refuse schedules on
+    several ranks and split); parameters are sharded again wherever verl's stock run leaves them
+    sharded."""
     assert len(reports) == 2
+    lockstep = importlib.metadata.version("verl").startswith("0.8.")  # else refused by name: split
     for rep in reports:
         for case in ("both", "rank0_only"):
             r = rep[case]
@@ -701,7 +706,7 @@ def _check_dp(reports):
             np.testing.assert_allclose(r["loss"][1], r["loss"][0], rtol=RTOL)
             assert r["grad_rel"] <= RTOL and r["grads_complete"] and r["resharded"], (case, rep)
             n, t, unique = r["tokens"]
-            scheduled = case == "both" or rep["rank"] == 0
+            scheduled = lockstep and (case == "both" or rep["rank"] == 0)
             assert t == unique if scheduled else unique < t < n, (case, rep)
 
 

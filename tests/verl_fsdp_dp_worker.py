@@ -62,9 +62,9 @@ def case_report(device, rank_seeds) -> dict:
     model = sharded_model(seed=4, device=device)
     setting = _setting("arbitrary_prefix")
     loss_fn = partial(_ppo())
-    stock_i, _, _ = _run(model, data, setting, None, patched=False)
+    stock_i, _, stock_sharded_i = _run(model, data, setting, None, patched=False)
     tree_i, _, sharded_i = _run(model, data, setting, None, patched=True)
-    stock_t, g_stock, _ = _run(model, data, setting, loss_fn, patched=False)
+    stock_t, g_stock, stock_sharded_t = _run(model, data, setting, loss_fn, patched=False)
     tree_t, g_tree, sharded_t = _run(model, data, setting, loss_fn, patched=True)
     s, t = stock_i["model_output"], tree_i["model_output"]
     keep = seq_last_mask(s["log_probs"])
@@ -76,7 +76,9 @@ def case_report(device, rank_seeds) -> dict:
                         for a, b in zip(g_stock, g_tree)),
         "grads_complete": all(g is not None for g in g_tree),
         "tokens": [*step_tokens(tree_t), _unique_tokens(data)],
-        "resharded": sharded_i and sharded_t,
+        # parameters sharded again wherever verl's stock run leaves them sharded
+        "resharded": (sharded_i or not stock_sharded_i) and (sharded_t or not stock_sharded_t),
+        "sharded": [stock_sharded_i, stock_sharded_t, sharded_i, sharded_t],
     }
 
 

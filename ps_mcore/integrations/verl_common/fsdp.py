@@ -370,6 +370,11 @@ def fsdp_schedule_refusal(engine, data) -> str | None:
             f"{kind} with more than one data-parallel rank (its collectives run per model call, "
             "and a schedule's calls differ in number between ranks; the fsdp2 strategy runs it)"
         )
+    if engine.get_data_parallel_size() > 1 and not _lockstep_verified():
+        return (
+            "more than one data-parallel rank on this verl (the ranks' lockstep, parameters gathered "
+            "once per engine step, is verified with verl 0.8.0; with verl 0.9.1 a two-rank run hangs)"
+        )
     if getattr(engine, "use_ulysses_sp", False):
         return "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)"
     if batch_flag(data, "use_fused_kernels"):
@@ -380,6 +385,14 @@ def fsdp_schedule_refusal(engine, data) -> str | None:
     if reason is None and not _is_value_engine(engine):
         reason = lm_schedule_refusal(data)
     return reason if reason is not None else hf_schedule_refusal(engine.module)
+
+
+def _lockstep_verified() -> bool:
+    """Whether this verl's FSDP engine runs :func:`gathered_once` in step on every rank (tested
+    on two ranks with verl 0.8.0)."""
+    from importlib.metadata import version
+
+    return version("verl").startswith("0.8.")
 
 
 def fsdp_scheduler(step, setting, data):
