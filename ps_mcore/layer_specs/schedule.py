@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
-from ps_mcore.minibatch import ContextPlan, MiniBatchPlan, Step, kept_state_cost, token_activation_bytes
+from ps_mcore.minibatch import ContextPlan, MiniBatchPlan, Step, kept_kv_row_cost, kept_state_cost, token_activation_bytes
 from ps_mcore.schedule import RunCall, ScheduleRunner, call_outputs
 
 
@@ -64,7 +64,28 @@ def schedule_refusal(model) -> str | None:
     return None
 
 
-def recurrent_state_cost(model, training: bool = True, dtype_bytes: int = 2) -> float:
+def _token_shape(inner, training: bool) -> dict:
+    """The arguments of :func:`~ps_mcore.minibatch.token_activation_bytes` (and of
+    :func:`~ps_mcore.minibatch.kept_kv_row_cost`) for a Megatron GPT model's config."""
+    c = inner.config
+    heads = c.num_attention_heads
+    vocab = getattr(inner, "vocab_size", None) or getattr(getattr(inner, "output_layer", None), "output_size", 0)
+    return dict(
+        layers=c.num_layers, hidden=c.hidden_size, heads=heads, kv_heads=c.num_query_groups or heads,
+        head_dim=c.kv_channels or c.hidden_size // heads, ffn=c.ffn_hidden_size, vocab=int(vocab or 0),
+        training=training, full_recompute=getattr(c, "recompute_granularity", None) == "full",
+        dtype_bytes=2 if (c.bf16 or c.fp16) else 4,
+    )
+
+
+def gpt_kv_row_cost(model, training: bool = True) -> float:
+    """``kv_row_cost`` for :func:`~ps_mcore.minibatch.schedule_tree`:
+    :func:`~ps_mcore.minibatch.kept_kv_row_cost` of ``model``'s config (activation dtype from
+    its ``bf16`` / ``fp16``)."""
+    return kept_kv_row_cost(**_token_shape(_unwrap(model), training))
+
+
+def recurrent_state_cost(model, training: bool = True) -> float:
     """``state_cost`` for :func:`~ps_mcore.minibatch.schedule_tree`: budget tokens one kept
     node's recurrent states cost in ``model`` (every ``TreeGatedDeltaNet`` / ``TreeMambaMixer``
     layer's state and conv window, per tensor-parallel rank) against one token's activations
@@ -86,15 +107,8 @@ def recurrent_state_cost(model, training: bool = True, dtype_bytes: int = 2) -> 
         window += weight.size(0) * (weight.size(-1) - 1)
     if not state:
         return 0.0
-    c = inner.config
-    heads = c.num_attention_heads
-    head_dim = c.kv_channels or c.hidden_size // heads
-    token = token_activation_bytes(
-        c.num_layers, c.hidden_size, heads, c.num_query_groups or heads, head_dim, c.ffn_hidden_size,
-        getattr(inner, "vocab_size", 0), training, getattr(c, "recompute_granularity", None) == "full",
-        dtype_bytes,
-    )
-    return kept_state_cost(state, window, token, training, dtype_bytes)
+    shape = _token_shape(inner, training)
+    return kept_state_cost(state, window, token_activation_bytes(**shape), training, shape["dtype_bytes"])
 
 
 def _unwrap(model):

@@ -64,6 +64,7 @@ split, as before, with one warning.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
@@ -387,6 +388,7 @@ def fsdp_schedule_refusal(engine, data) -> str | None:
     return reason if reason is not None else hf_schedule_refusal(engine.module)
 
 
+@functools.lru_cache(maxsize=None)
 def _lockstep_verified() -> bool:
     """Whether this verl's FSDP engine runs :func:`gathered_once` in step on every rank (tested
     on two ranks with verl 0.8.0)."""

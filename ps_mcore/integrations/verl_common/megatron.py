@@ -84,12 +84,7 @@ from ps_mcore.integrations.verl_common.engine import (
 )
 from ps_mcore.integrations.verl_common.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
 from ps_mcore.integrations.verl_common.vision import images_refusal, multi_modal_inputs_refusal, packed_images
-from ps_mcore.integrations.verl_common.schedule import (
-    lm_schedule_refusal,
-    megatron_kv_row_cost,
-    run_schedule_step,
-    scheduler_for,
-)
+from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
 from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
 from ps_mcore.mindspeed.state import reset_attention_mask_active
 from ps_mcore.multimodal import row_values, with_tokens
@@ -373,14 +368,12 @@ def megatron_scheduler(step, setting, data):
         return None
     model = step.engine.module[0]
     training = not step.forward_only
-    from ps_mcore.layer_specs.schedule import recurrent_state_cost
+    from ps_mcore.layer_specs.schedule import gpt_kv_row_cost, recurrent_state_cost  # after MindSpeed's repatch
 
-    config = _unwrap(model).config
-    dtype_bytes = 2 if (config.bf16 or config.fp16) else 4
     return scheduler_for(
-        setting.config, training, lambda: megatron_kv_row_cost(_unwrap(model), training),
+        setting.config, training, lambda: gpt_kv_row_cost(model, training),
         megatron_schedule_refusal(step.engine, model, data),
-        lambda: recurrent_state_cost(model, training, dtype_bytes),
+        lambda: recurrent_state_cost(model, training),
     )
 
 

@@ -24,7 +24,7 @@ one warning.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from ps_mcore.integrations.patching import warn_once
 from ps_mcore.integrations.verl_common.batch import batch_temperature, lm_head_batch_refusal, nested_like, plan_sequences
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.integrations.verl_common.microbatch import _local_count, _sync_count, _Units, partition_units
-from ps_mcore.minibatch import MiniBatchPlan, kept_kv_row_cost, schedule_tree
+from ps_mcore.minibatch import MiniBatchPlan, schedule_tree
 from ps_mcore.schedule import RunCall, ScheduleRunner
 
 
@@ -134,25 +134,6 @@ class MiniBatchScheduler:
 
     def owns(self, batch) -> bool:
         return self.schedule is not None and self.schedule.step_of(batch) is not None
-
-
-def megatron_kv_row_cost(model, training: bool) -> float:
-    """:func:`~ps_mcore.minibatch.kept_kv_row_cost` of a Megatron GPT model's config."""
-    config = model.config
-    heads = config.num_attention_heads
-    vocab = getattr(model, "vocab_size", None) or getattr(getattr(model, "output_layer", None), "output_size", 0)
-    return kept_kv_row_cost(
-        layers=config.num_layers,
-        hidden=config.hidden_size,
-        heads=heads,
-        kv_heads=config.num_query_groups or heads,
-        head_dim=config.kv_channels,
-        ffn=config.ffn_hidden_size,
-        vocab=int(vocab or 0),
-        training=training,
-        full_recompute=config.recompute_granularity == "full",
-        dtype_bytes=2 if (config.bf16 or config.fp16) else 4,
-    )
 
 
 def scheduler_for(config: PrefixGrouperConfig, training: bool, estimate: Callable[[], float],
