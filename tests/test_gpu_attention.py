@@ -321,9 +321,7 @@ def test_variants_every_backend(backend, variant):
     wanted = attention_variant(q, variant.get("window"), 0.0 if variant.get("sinks") else None, variant.get("softcap"))
     refusal = ATTENTION_BACKENDS[backend].variant_refusal(q, wanted)
     if backend == "cudnn" and refusal is None:
-        from ps_mcore.attention.cudnn import cudnn_refusal
-
-        refusal = cudnn_refusal(q, wanted.window is not None, wanted.sinks is not None)
+        refusal = _cudnn_probe_refusal(8, 128, torch.bfloat16, wanted.window is not None, wanted.sinks is not None)
     for i, seqs in enumerate(_variant_forests()):
         plan = plan_prefix_tree(seqs, min_prefix_len=4)
         if refusal is not None:
@@ -340,7 +338,7 @@ def test_variants_gqa_head_dims_fp16(backend):
             continue
         variant = dict(window=40, sinks=True)
         plan = plan_prefix_tree(random_forest(np.random.default_rng(d), max_seqs=10, max_len=200), min_prefix_len=2)
-        if backend == "cudnn" and _cudnn_probe_refusal(hq, d, dtype) is not None:
+        if backend == "cudnn" and _cudnn_probe_refusal(hq, d, dtype, window=True, sinks=True) is not None:
             # this cuDNN build has no kernel for the case: the backend refuses it by name
             with pytest.raises(ValueError, match="refused"):
                 variant_check(plan, backend, hq, hkv, d, dtype, **variant)
@@ -348,11 +346,11 @@ def test_variants_gqa_head_dims_fp16(backend):
         variant_check(plan, backend, hq, hkv, d, dtype, **variant)
 
 
-def _cudnn_probe_refusal(hq, d, dtype):
-    """cuDNN's probe for a sliding window with learnable sinks at these heads and dims."""
+def _cudnn_probe_refusal(hq, d, dtype, window, sinks):
+    """cuDNN's probe (what this cuDNN build refuses) at these heads, dims and variant."""
     from ps_mcore.attention.cudnn import cudnn_refusal
 
-    return cudnn_refusal(torch.zeros(1, hq, d, device="cuda", dtype=dtype), window=True, sinks=True)
+    return cudnn_refusal(torch.zeros(1, hq, d, device="cuda", dtype=dtype), window=window, sinks=sinks)
 
 
 @pytest.mark.parametrize("backend", ["varlen", pytest.param("fa4", marks=needs_fa4)])
