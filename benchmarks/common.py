@@ -114,23 +114,27 @@ class Measured:
                 self.tree_ms, self.speedup, self.speedup / self.ideal, self.base_mib, self.tree_mib]
 
 
-def measure(steps, shape, warmup: int, iters: int, reset: Callable[[], object] | None = None,
-            queued: bool = False) -> Measured:
+def release_grads(steps) -> None:
+    """Free the gradients of ``steps.models``: each step allocates its own, so a peak measured
+    while an earlier step's gradients are still allocated would miss them (the step frees and
+    reallocates them inside the measured window)."""
+    for model in steps.models:
+        model.zero_grad(set_to_none=True)
+
+
+def measure(steps, shape, warmup: int, iters: int, queued: bool = False) -> Measured:
     """Time and peak memory of ``steps.base_step`` vs ``steps.tree_step``; ``steps.plan`` is the
-    tree plan, ``shape.ideal_speedup(stats)`` the FLOP-weighted ideal. ``reset`` (e.g. the
-    model's ``zero_grad``) runs after the timing and after the memory runs, so gradients left
-    by one phase are not counted in the next. ``queued``: steps back to back (:func:`time_ms`)."""
+    tree plan, ``shape.ideal_speedup(stats)`` the FLOP-weighted ideal, ``steps.models`` the
+    models whose gradients are freed before each memory run (:func:`release_grads`).
+    ``queued``: steps back to back (:func:`time_ms`)."""
     stats = steps.plan.stats(window=shape.window)  # windowed layers count windowed pairs
     base_ms = time_ms(steps.base_step, warmup, iters, queued)
     tree_ms = time_ms(steps.tree_step, warmup, iters, queued)
-    if reset is not None:
-        reset()
+    release_grads(steps)
     base_mib = peak_mib(steps.base_step)
-    if reset is not None:
-        reset()  # else the tree step would find the baseline's gradient buffers already allocated
+    release_grads(steps)
     tree_mib = peak_mib(steps.tree_step)
-    if reset is not None:
-        reset()
+    release_grads(steps)
     return Measured(stats, shape.ideal_speedup(stats), base_ms, tree_ms, base_mib, tree_mib)
 
 
@@ -146,7 +150,7 @@ def decoder_row(name: str, m: Measured, steps) -> list:
 
 def workload_rows(
     args, shape, new_steps: Callable[[list], object], row: Callable[[str, Measured, object], list],
-    scale: float = 1.0, reset: Callable[[], object] | None = None, verbose: bool = True,
+    scale: float = 1.0, verbose: bool = True,
 ) -> list[list]:
     """One table row per workload in ``args.workloads`` (seed ``args.seed``, lengths x ``scale``,
     ids below ``shape.vocab``): ``new_steps(sequences)`` builds the baseline/tree steps,
@@ -159,7 +163,7 @@ def workload_rows(
             print(f"[{i + 1}/{len(args.workloads)}] {name}", flush=True)
         w = make_workload(name, seed=args.seed, scale=scale, vocab=shape.vocab)
         steps = new_steps(w.sequences)
-        measured = measure(steps, shape, args.warmup, args.iters, reset, not args.synced)
+        measured = measure(steps, shape, args.warmup, args.iters, not args.synced)
         rows.append(row(name, measured, steps))
         if verbose:  # the row as soon as it exists: a long run that is cut short still says something
             print("  " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)

@@ -167,8 +167,7 @@ def autocast_table(args, model, shape, device, plain: str, stock_packed: bool, s
         if autocast is not None:
             model.float()  # the same weights, now fp32 under autocast
         rows[precision] = workload_rows(
-            args, shape, lambda seqs, a=autocast: Steps(model, seqs, device, stock_packed, a), precision_row, scale,
-            reset=lambda: model.zero_grad(set_to_none=True))
+            args, shape, lambda seqs, a=autocast: Steps(model, seqs, device, stock_packed, a), precision_row, scale)
     cols = ["base ms", "tree ms", "base MiB", "tree MiB", "mem ratio"]
     headers = (["workload", "N", "T"] + [f"{plain} {c}" for c in cols] + [f"amp {c}" for c in cols]
                + [f"amp/{plain} mem ratio", "amp max |dlogp|"])
@@ -207,8 +206,7 @@ def run(args) -> str:
         title += ("attn ratio = the full-attention layers' (the ideal counts windowed pairs); MiB = peak "
                   "allocated above the model")
         table = markdown_table(DECODER_HEADERS, workload_rows(
-            args, shape, lambda seqs: Steps(model, seqs, device, stock_packed), decoder_row, scale,
-            reset=lambda: model.zero_grad(set_to_none=True)))
+            args, shape, lambda seqs: Steps(model, seqs, device, stock_packed), decoder_row, scale))
     return f"{title}\n\n{environment()}\n\n{table}\n"
 
 

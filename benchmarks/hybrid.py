@@ -46,6 +46,7 @@ class HybridShape:
     ffn: int
     vocab: int
     conv: int = 4
+    window: None = None  # no sliding window (what measure's plan statistics ask)
 
     def kinds(self) -> str:
         return "".join(self.pattern[i % len(self.pattern)] for i in range(self.layers))
@@ -124,7 +125,7 @@ def run(args) -> str:
         print("note: the first fla calls autotune every Triton kernel they use (minutes on a fresh "
               "machine; later processes reuse Triton's on-disk cache)", flush=True)
     rows = workload_rows(args, shape, lambda seqs: Steps(model, seqs, device, stock_thd=True), decoder_row,
-                         1 / 32 if args.tiny else 1.0, reset=lambda: model.zero_grad(set_to_none=True))
+                         1 / 32 if args.tiny else 1.0)
     title = (
         f"megatron-core GPTModel, Qwen3-Next-like hybrid ({'tiny' if args.tiny else 'full'} shapes: "
         f"layers {shape.kinds()}, hidden {shape.hidden}, attention {shape.heads}/{shape.kv_heads} "

@@ -373,9 +373,10 @@ class MiniBatchSteps:
         self.base_parts = parts(first_fit(self.lengths, budget))
         self.tree_parts = parts(tree_bins)
         self.plan = _Plans([steps.plan for _, steps in self.tree_parts])
+        self.models = self.tree_parts[0][1].models  # every micro-batch's Steps runs the same models
 
     def _step(self, parts, logprobs: str) -> None:
-        for model in parts[0][1].models:
+        for model in self.models:
             model.zero_grad(set_to_none=True)
         for _, steps in parts:
             (getattr(steps, logprobs)() * steps.token_weights).sum().backward()
@@ -412,7 +413,7 @@ def minibatch_rows(args, shape, make_steps, row, scale: float = 1.0) -> list[lis
     name = f"grpo-minibatch @{budget} ({len(steps.base_parts)} vs {len(steps.tree_parts)} mb)"
     if dist.get_rank() == 0:
         print(f"[+] {name}", flush=True)
-    measured = measure(steps, shape, args.warmup, args.iters, None, not args.synced)
+    measured = measure(steps, shape, args.warmup, args.iters, not args.synced)
     result = row(name, measured, steps)
     del steps
     if torch.cuda.is_available():
@@ -452,8 +453,7 @@ def _local_rows(args, arch: str, device: str, dtype: torch.dtype, scale: float) 
     def make(seqs):
         return Steps(model, seqs, device)
 
-    reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
-    rows = workload_rows(args, shape, make, decoder_row, scale, reset=reset, verbose=dist.get_rank() == 0)
+    rows = workload_rows(args, shape, make, decoder_row, scale, verbose=dist.get_rank() == 0)
     rows += minibatch_rows(args, shape, make, decoder_row, scale)
     return [[arch] + r for r in rows]
 

@@ -142,6 +142,7 @@ class Runs:
         from ps_mcore.layer_specs import TreePackedSeqParams
 
         self.stock, self.tree = stock, tree
+        self.models = (stock, tree)
         self.plan = plan_prefix_tree(sequences).to(device)
         self.flat = plan_unshared(sequences).to(device)
         lengths = [len(s) for s in sequences]

@@ -300,7 +300,7 @@ def run(args) -> str:
         steps = Steps(model, batch, ids["IMAGE"], device)
         stock, tree = steps.images
         shape = StepShape(decoder, vision, image_work(model, stock), image_work(model, tree))
-        m = measure(steps, shape, args.warmup, args.iters, lambda: model.zero_grad(set_to_none=True), queued=True)
+        m = measure(steps, shape, args.warmup, args.iters, queued=True)
         s = m.stats
         rows.append([name, s["N"], s["T"], s["N"] / s["T"], len(stock), len(tree), m.ideal, m.base_ms, m.tree_ms,
                      m.speedup, m.speedup / m.ideal, m.base_mib, m.tree_mib, steps.max_logprob_diff(),

@@ -1,0 +1,102 @@
+"""The benchmarks' ``--tiny`` CPU runs: each finishes and reports a tree that matches its
+baseline (the GPU tables in docs/benchmarks.md come from the same code, so a benchmark broken
+by a library change fails here rather than on the GPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--workloads", "agent-tree", "no-sharing", "--warmup", "0", "--iters", "1"]
+
+
+def _run_table(script: str, *args: str) -> list[dict[str, str]]:
+    """Run ``benchmarks/<script> --tiny *args``; the rows of the table it prints, by header."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.replace("|dlogp|", "dlogp")  # the column name holds the table's separator
+    lines = [line for line in out.splitlines() if line.startswith("|")]
+    header, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return [dict(zip(header, r)) for r in rows[1:]]  # rows[0] is the |---| rule
+
+
+@pytest.mark.parametrize("mode", [[], ["--autocast"]], ids=["bf16", "autocast"])
+def test_hf(mode):
+    pytest.importorskip("transformers")
+    rows = _run_table("hf.py", "--model", "qwen2", *FAST, *mode)
+    assert [r["workload"] for r in rows] == ["agent-tree", "no-sharing"]
+    # max |dlogp| of the tree vs the baseline: fp32 on the CPU; bf16 under autocast
+    column = "amp max dlogp" if mode else "max dlogp"
+    assert all(float(r[column]) < (5e-2 if mode else 1e-4) for r in rows), rows
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["--arch", "gpt-oss-20b", "gemma3-4b", "--minibatch-budget", "32768"],
+], ids=["local", "windows-sinks-minibatch"])
+def test_model(args):
+    rows = _run_table("model.py", *FAST, *args)
+    names = [r["workload"] for r in rows]
+    assert names[:2] == ["agent-tree", "no-sharing"]
+    assert len(rows) == (2 if not args else 6) and all("grpo-minibatch" in n for n in names[2::3])
+    assert all(float(r["max dlogp"]) < 1e-4 for r in rows), rows
+    assert all(0 < float(r["T"]) <= float(r["N"]) for r in rows), rows
+
+
+@pytest.mark.parametrize("model", ["moe", "mla"])
+def test_moe_mla(model):
+    rows = _run_table("moe_mla.py", "--model", model, "--workloads", "agent-tree", "--warmup", "0", "--iters", "1")
+    assert [r["workload"] for r in rows] == ["agent-tree"]
+    # tiny: both models in fp32, the "bf16 err" columns are each model's distance to the reference
+    assert float(rows[0]["bf16 err stock"]) < 1e-4 and float(rows[0]["bf16 err tree"]) < 1e-4, rows
+
+
+def test_hybrid():
+    rows = _run_table("hybrid.py", *FAST)
+    assert [r["workload"] for r in rows] == ["agent-tree", "no-sharing"]
+    assert all(float(r["max dlogp"]) < 1e-4 for r in rows), rows
+
+
+def test_memory_runs_start_without_gradients(monkeypatch):
+    """Each step frees and reallocates its model's gradients, so a peak measured while an earlier
+    step's gradients are allocated would leave them out: ``measure`` frees them before each
+    memory run, for every benchmark (no caller has to remember)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    from ps_mcore import plan_prefix_tree
+    from ps_mcore.flops import DecoderShape
+
+    model = torch.nn.Linear(4, 4)
+
+    class Steps(common.PairedSteps):
+        models = (model,)
+        plan = plan_prefix_tree([[1, 2, 3], [1, 2, 4]])
+        token_weights = torch.ones(3)
+
+        def base_logprobs(self):
+            return model(torch.ones(3, 4)).sum(-1)
+
+        tree_logprobs = base_logprobs
+
+    grads_at_peak = []
+
+    def peak_mib(step):
+        grads_at_peak.append(model.weight.grad is not None)
+        step()
+        return 1.0
+
+    monkeypatch.setattr(common, "peak_mib", peak_mib)
+    shape = DecoderShape(layers=1, hidden=4, heads=1, kv_heads=1, head_dim=4, ffn=4, vocab=8)
+    measured = common.measure(Steps(), shape, warmup=1, iters=1)
+    assert grads_at_peak == [False, False] and model.weight.grad is None
+    assert measured.base_mib == measured.tree_mib == 1.0
