@@ -100,3 +100,13 @@ def test_memory_runs_start_without_gradients(monkeypatch):
     measured = common.measure(Steps(), shape, warmup=1, iters=1)
     assert grads_at_peak == [False, False] and model.weight.grad is None
     assert measured.base_mib == measured.tree_mib == 1.0
+
+
+def test_cross_microbatch():
+    rows = _run_table("cross_microbatch.py", "--warmup", "0", "--iters", "1")
+    schedules = [r for r in rows if r["method"] == "schedule"]
+    assert len(schedules) == 4 and all(float(r["max dlogp"]) < 1e-4 for r in schedules), rows
+    for r in schedules:  # every row once: never more tokens than the split pieces compute
+        split = next(s for s in rows if s["mini-batch"] == r["mini-batch"] and s["method"] == "split")
+        if split["tokens"] != "-":
+            assert int(r["tokens"].split(" + ")[0]) <= int(split["tokens"]), (r, split)
