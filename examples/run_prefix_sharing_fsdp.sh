@@ -8,7 +8,8 @@
 set -euo pipefail
 
 ENGINE=fsdp
-# Prefix sharing needs verl's unfused forward and no Ulysses SP (either falls back to stock).
+# verl's defaults for fused kernels and Ulysses SP; both also run on the tree (turn them on
+# here as in any verl run).
 ENGINE_OVERRIDES=(
     actor_rollout_ref.actor.strategy=fsdp2
     actor_rollout_ref.ref.strategy=fsdp2
