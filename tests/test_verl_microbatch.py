@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("verl")
 
-from verl_batches import WORKLOADS, make_batch  # noqa: E402
+from verl_batches import WORKLOADS, driver_batch, make_batch  # noqa: E402
 
 from ps_mcore.integrations.verl_common.batch import plan_sequences  # noqa: E402
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig  # noqa: E402
@@ -166,6 +166,15 @@ def test_group_partitions_keep_groups_and_equal_sizes():
         parts = group_partitions([1] * 8, uneven, 2)
     assert sorted(len(p) for p in parts) == [4, 4]
     _check_partition(parts, 8)
+    # uneven sizes weighed by what each group computes: whole groups a+b (21) and c+d (35),
+    # where the raw weights (a: 9, b: 4, c: 5, d: 3) split d across the ranks
+    sizes = {"a": 3, "b": 1, "c": 2, "d": 2}
+    labels = [g for g, n in sizes.items() for _ in range(n)]
+    raw = [1, 3, 5, 4, 4, 1, 1, 2]
+    assert all("d" in {labels[i] for i in p} for p in group_partitions(raw, labels, 2))  # d split
+    parts = group_partitions(raw, labels, 2, {"a": 1, "b": 20, "c": 16, "d": 19})
+    assert sorted(sorted({labels[i] for i in p}) for p in parts) == [["a", "b"], ["c", "d"]]
+    _check_partition(parts, 8)
     with pytest.raises(ValueError, match="cannot be split evenly"):
         group_partitions([1] * 7, ["a"] * 7, 2)
 
@@ -208,7 +217,7 @@ class _Tags:
         self.keys, self.tags = [self.keys[i] for i in idx], [self.tags[i] for i in idx]
 
 
-def _trainer(cls, config_flag, dp):
+def _trainer(cls, config_flag, dp, grouper=None):
     from omegaconf import OmegaConf
     from types import SimpleNamespace
 
@@ -216,7 +225,10 @@ def _trainer(cls, config_flag, dp):
         cls = type(cls.__name__, (cls,), {})
         cls.__abstractmethods__ = frozenset()
     trainer = object.__new__(cls)
-    trainer.config = OmegaConf.create({"actor_rollout_ref": {"actor": {"use_prefix_grouper": config_flag}}})
+    actor = {"use_prefix_grouper": config_flag}
+    if grouper is not None:
+        actor["prefix_grouper"] = grouper
+    trainer.config = OmegaConf.create({"actor_rollout_ref": {"actor": actor}})
     trainer.actor_rollout_wg = SimpleNamespace(_dispatch_info={"actor": list(range(dp))})
     trainer._get_dp_size = lambda wg, role: dp
     trainer._get_required_batch_multiple = lambda dp_size: dp_size
@@ -234,12 +246,12 @@ def test_both_trainers_keep_groups_on_one_rank():
     rng = np.random.default_rng(4)
     uids = [f"u{i}" for i in rng.permutation(np.repeat(np.arange(6), 2))]  # 6 groups of 2, scattered
     lens = rng.integers(3, 30, len(uids))
-    mask = torch.zeros(len(uids), 32, dtype=torch.long)
-    for i, n in enumerate(lens):
-        mask[i, :n] = 1
+    prompt = {u: rng.integers(1, 100, 2).tolist() for u in uids}
+    samples = [(prompt[u], rng.integers(1, 100, n - 2).tolist(), u) for u, n in zip(uids, lens)]
     setup.install()
     try:
-        batch = DataProto.from_dict({"attention_mask": mask}, {"uid": np.array(uids, dtype=object)})
+        batch = driver_batch(samples)
+        assert isinstance(batch, DataProto)
         metrics = {}
         _trainer(ray_trainer.RayPPOTrainer, True, 3)._balance_batch(batch, metrics)
         ranks = np.array_split(np.array(list(batch.non_tensor_batch["uid"])), 3)
@@ -257,6 +269,175 @@ def test_both_trainers_keep_groups_on_one_rank():
         assert sorted(off.keys) == sorted(keys)
     finally:
         setup.uninstall()
+
+
+def _computed_workload(seqs) -> int:
+    """What a rank computes for one sharing group, in verl's workload units, from first
+    principles: the deduplicated rows are the distinct prefixes; a row at position d (1-based)
+    costs verl's calculate_workload(d) - calculate_workload(d - 1) = 24576 + 2d - 1."""
+    rows = {tuple(s[:d]) for s in seqs for d in range(1, len(s) + 1)}
+    return sum(24576 + 2 * len(r) - 1 for r in rows)
+
+
+def _rank_loads(parts, samples):
+    """Per partition (rank), the computed workload of the groups it holds (whole groups)."""
+    loads = []
+    for p in parts:
+        by_group = {}
+        for i in p:
+            by_group.setdefault(samples[i][2], []).append(list(samples[i][0]) + list(samples[i][1]))
+        loads.append(sum(_computed_workload(s) for s in by_group.values()))
+    return loads
+
+
+def _balanced_order(trainer, samples):
+    """Run the (patched) trainer's ``_balance_batch``; the partitions as sample indices."""
+    batch = driver_batch(samples)
+    batch.non_tensor_batch["index"] = np.arange(len(samples))
+    trainer._balance_batch(batch, {})
+    return batch.non_tensor_batch["index"].tolist()
+
+
+def _raw_partitions(samples, k):
+    """The partitions balancing raw sequences (the groups' summed calculate_workload)."""
+    from verl.utils.seqlen_balancing import calculate_workload
+
+    lens = torch.tensor([len(p) + len(r) for p, r, _ in samples])
+    return group_partitions(calculate_workload(lens).tolist(), [u for _, _, u in samples], k)
+
+
+def _grpo_group(rng, uid, prompt_len, response_len, size=4):
+    """A group of one prompt and ``size`` responses that differ from their first token."""
+    prompt = rng.integers(1, 1000, prompt_len).tolist()
+    return [(prompt, [1000 + j] + rng.integers(1, 1000, response_len - 1).tolist(), uid) for j in range(size)]
+
+
+def test_plan_workload_is_verl_workload_of_computed_rows():
+    from verl.utils.seqlen_balancing import calculate_workload
+
+    from ps_mcore.integrations.verl_common.batch import plan_workload
+    from ps_mcore.planner import plan_prefix_tree, plan_unshared
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, 50, n).tolist() for n in (1, 7, 30)]
+    assert plan_workload(plan_unshared(seqs)) == int(calculate_workload(torch.tensor([1, 7, 30])).sum())
+    tree = [list(p) + list(r) for p, r, _ in _mixed_samples(rng)]
+    plan = plan_prefix_tree(tree, min_prefix_len=1, min_group_size=1)
+    assert plan_workload(plan) == _computed_workload(tree)
+
+
+def test_dp_balancing_weighs_groups_by_their_trees():
+    """Four groups, two ranks. Raw tokens pair the two heavily shared groups (A: 160 tokens,
+    B: 480) against the two that share little (C, D: 320 each), a perfect raw split that
+    leaves one rank computing ~3x the other; weighed by their trees, each rank gets one of
+    each kind."""
+    from verl.trainer.ppo import ray_trainer
+
+    from ps_mcore import setup
+
+    rng = np.random.default_rng(1)
+    samples = (
+        _grpo_group(rng, "A", 36, 4) + _grpo_group(rng, "C", 8, 72) + _grpo_group(rng, "B", 108, 12)
+        + _grpo_group(rng, "D", 8, 72)
+    )
+    groups = {u: [list(p) + list(r) for p, r, g in samples if g == u] for u in "ABCD"}
+    w = {u: _computed_workload(s) for u, s in groups.items()}
+    raw = _rank_loads(_raw_partitions(samples, 2), samples)
+    assert sorted(raw) == sorted([w["A"] + w["B"], w["C"] + w["D"]])
+    assert max(raw) / min(raw) > 2.5
+    setup.install()
+    try:
+        order = _balanced_order(_trainer(ray_trainer.RayPPOTrainer, True, 2), samples)
+    finally:
+        setup.uninstall()
+    parts = [order[:8], order[8:]]
+    assert sorted(_rank_loads(parts, samples)) == sorted([w["A"] + w["C"], w["B"] + w["D"]])
+    assert [len({samples[i][2] for i in p}) for p in parts] == [2, 2]  # whole groups
+
+
+def test_dp_balancing_without_prompts_weighs_raw_sequences():
+    """``prompt_only`` cannot plan a batch without ``prompts``: one warning naming the option,
+    and the groups weigh their raw sequences (the partitions raw balancing gives)."""
+    from verl.trainer.ppo import ray_trainer
+
+    from ps_mcore import setup
+
+    rng = np.random.default_rng(3)
+    samples = [s for g in range(4) for s in _grpo_group(rng, f"u{g}", int(rng.integers(8, 40)), int(rng.integers(2, 30)))]
+    batch = driver_batch(samples)
+    batch.pop(batch_keys=["prompts"])
+    batch.non_tensor_batch["index"] = np.arange(len(samples))
+    setup.install()
+    try:
+        with pytest.warns(UserWarning, match=r"prefix_grouper\.mode=prompt_only needs the batch's 'prompts'"):
+            _trainer(ray_trainer.RayPPOTrainer, True, 2)._balance_batch(batch, {})
+    finally:
+        setup.uninstall()
+    raw = _raw_partitions(samples, 2)
+    assert batch.non_tensor_batch["index"].tolist() == [i for p in raw for i in p]
+
+
+@pytest.mark.parametrize("flag, env", [(False, "1"), (True, "0")])
+def test_dp_balancing_is_verls_when_sharing_is_off(flag, env, monkeypatch):
+    from verl.trainer.ppo import ray_trainer
+
+    from ps_mcore import setup
+
+    rng = np.random.default_rng(2)
+    samples = [s for g in range(6) for s in _grpo_group(rng, f"u{g}", int(rng.integers(8, 40)), int(rng.integers(2, 30)))]
+    stock = _balanced_order(_trainer(ray_trainer.RayPPOTrainer, flag, 3), samples)
+    monkeypatch.setenv("ENABLE_PREFIX_SHARING", env)
+    setup.install()
+    try:
+        patched = _balanced_order(_trainer(ray_trainer.RayPPOTrainer, flag, 3), samples)
+    finally:
+        setup.uninstall()
+    assert patched == stock
+    assert stock != list(range(len(samples)))  # verl did reorder
+
+
+def _branching_group(rng, uid, size=4):
+    """A prompt and ``size`` samples branching from one another at random depths (some
+    duplicates, some a prefix of another)."""
+    prompt = rng.integers(1, 1000, int(rng.integers(8, 80))).tolist()
+    out = [rng.integers(1, 1000, int(rng.integers(2, 60))).tolist()]
+    for _ in range(size - 1):
+        base = out[int(rng.integers(len(out)))]
+        cut = int(rng.integers(0, len(base) + 1))
+        out.append(base[:cut] + rng.integers(1, 1000, int(rng.integers(0, 40))).tolist())
+    return [(prompt, r or [1], uid) for r in out]
+
+
+def test_dp_balancing_by_trees_is_no_worse_than_raw():
+    """Random batches (12 branching groups, 3 ranks): the ranks' computed workloads are never
+    further apart (max / min) than raw balancing leaves them, and closer on most batches."""
+    from verl.trainer.ppo import ray_trainer
+
+    from ps_mcore import setup
+    from ps_mcore.integrations.verl_common.trainer import sharing_group_workloads
+
+    k, grouper = 3, {"mode": "arbitrary_prefix", "min_prefix_len": 1, "min_group_size": 1}
+    closer = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        samples = [s for g in range(4 * k) for s in _branching_group(rng, f"g{g}")]
+        samples = [samples[i] for i in rng.permutation(len(samples))]
+        uids = [u for _, _, u in samples]
+        trees = sharing_group_workloads(driver_batch(samples).batch, PrefixGrouperConfig(**grouper), uids)
+        for u in set(uids):  # the planner's statistic is the rows it computes
+            assert trees[u] == _computed_workload([list(p) + list(r) for p, r, g in samples if g == u])
+        setup.install()
+        try:
+            order = _balanced_order(_trainer(ray_trainer.RayPPOTrainer, True, k, grouper), samples)
+        finally:
+            setup.uninstall()
+        parts = [order[j * len(order) // k : (j + 1) * len(order) // k] for j in range(k)]
+        assert all(len({samples[i][2] for i in p}) == 4 for p in parts)  # whole groups
+        tree_loads, raw_loads = _rank_loads(parts, samples), _rank_loads(_raw_partitions(samples, k), samples)
+        tree_ratio, raw_ratio = max(tree_loads) / min(tree_loads), max(raw_loads) / min(raw_loads)
+        assert tree_ratio <= raw_ratio
+        closer += tree_ratio < raw_ratio
+    assert closer >= 4
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -115,6 +115,24 @@ def long_units(rng):
 WORKLOADS = {"grpo": grpo_samples, "stepwise": stepwise_samples, "tree": tree_samples}
 
 
+def driver_batch(samples):
+    """The trainer's ``DataProto`` (what ``_balance_batch`` reorders) from (prompt, response,
+    uid) triples: left-padded ``prompts``, right-padded ``responses``, their ``input_ids``
+    ``[B, P+R]`` and ``attention_mask``, ``uid`` labels."""
+    from verl import DataProto
+
+    b = len(samples)
+    p_max = max(len(p) for p, _, _ in samples)
+    r_max = max(len(r) for _, r, _ in samples)
+    ids = torch.zeros(b, p_max + r_max, dtype=torch.long)
+    mask = torch.zeros(b, p_max + r_max, dtype=torch.long)
+    for i, (p, r, _) in enumerate(samples):
+        ids[i, p_max - len(p) : p_max + len(r)] = torch.tensor(list(p) + list(r))
+        mask[i, p_max - len(p) : p_max + len(r)] = 1
+    tensors = {"input_ids": ids, "attention_mask": mask, "prompts": ids[:, :p_max], "responses": ids[:, p_max:]}
+    return DataProto.from_dict(tensors, {"uid": np.array([u for _, _, u in samples], dtype=object)})
+
+
 def make_batch(samples, rng, temperature=1.0, **non_tensor):
     """A verl worker TensorDict from (prompt, response, uid) triples."""
     from tensordict.tensorclass import NonTensorData, NonTensorStack

@@ -11,7 +11,11 @@ import torch
 
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.multimodal import image_key, keyed_sequence
-from ps_mcore.planner import TreePlan, plan_prefix_tree
+from ps_mcore.planner import TreePlan, plan_prefix_tree, tree_pairs
+
+# verl's ``calculate_workload``: ``24576 * L + L**2`` for a sequence of L tokens (a 7B model's
+# linear FLOPs per token in units of its attention FLOPs per query-key pair, halved).
+VERL_TOKEN_WORKLOAD = 24576
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,21 @@ def plan_sequences(
         prompt_lens=prompts,
         group_ids=groups,
     )
+
+
+def tree_workload(tokens: int, pairs: float) -> int:
+    """verl's workload (``calculate_workload``'s units) of ``tokens`` rows attending ``pairs``
+    causal query-key pairs. A sequence of L rows attends ``L * (L + 1) / 2`` pairs, so verl's
+    ``L**2`` is ``2 * pairs - L``: with nothing shared this is the sum of ``calculate_workload``
+    over the sequences."""
+    return int(VERL_TOKEN_WORKLOAD * tokens + round(2 * pairs) - tokens)
+
+
+def plan_workload(plan: TreePlan) -> int:
+    """:func:`tree_workload` of what ``plan`` computes: its T rows and the pairs its nodes
+    attend (:func:`ps_mcore.planner.tree_pairs`)."""
+    host = plan.host
+    return tree_workload(plan.num_tokens, tree_pairs(host.cu_seqlens_q.numpy(), host.cu_seqlens_kv.numpy()))
 
 
 def saved_fraction(plan: TreePlan) -> float:

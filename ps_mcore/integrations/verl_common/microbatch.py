@@ -29,7 +29,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ps_mcore.integrations.verl_common.batch import group_ids, plan_sequences, prompt_lengths, sharing_sequences
+from ps_mcore.integrations.verl_common.batch import (
+    VERL_TOKEN_WORKLOAD,
+    group_ids,
+    plan_sequences,
+    prompt_lengths,
+    sharing_sequences,
+)
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.planner import common_prefix_len
 
@@ -96,7 +102,7 @@ class _Units:
     def workload(self, u: int) -> int:
         # verl's calculate_workload (24576 * L + L^2) on the unit's packed length.
         t = self.tokens[u]
-        return 24576 * t + t * t
+        return VERL_TOKEN_WORKLOAD * t + t * t
 
     def subset(self, unit_ids: list[int]) -> "_Units":
         """The units ``unit_ids`` alone (same samples, same sequences)."""
