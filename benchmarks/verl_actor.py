@@ -50,15 +50,21 @@ change the model under both sides).
     python benchmarks/verl_actor.py --quick --engines megatron
     python benchmarks/verl_actor.py --curves 30 --plot curves.png   # training curves
     python benchmarks/verl_actor.py --tiny                          # CPU exactness check (CI)
+    python benchmarks/verl_actor.py --tiny --engines megatron --models tiny-moe
+    python benchmarks/verl_actor.py --tiny --curves 2 --plot curves.png
 
 ``--curves N``: N update steps from the same initial weights on fixed batches (each step:
 old log-probs, then ``update_actor``), stock twice and ps-mcore once per engine; per step the
 loss, grad norm, entropy and the mean log-prob of a held-out batch; reports the largest
 per-step deviation of ps-mcore from stock next to stock's own run-to-run deviation.
 
-``--tiny``: CPU, fp32, gloo world of 1, tiny Qwen2, a few samples, both engines; exits 0 only
-when ps-mcore's (and PrefixGrouper's) log-probs, entropy, ref log-probs, loss, grad norm and
-every gradient equal stock's. Its CPU shims are test-only (``tests/verl_cpu_worker_shims.py``).
+``--tiny``: CPU, fp32, gloo world of 1, a few samples, both engines, the model ``tiny`` (Qwen2)
+or ``tiny-moe`` (the Qwen3-30B-A3B builder at tiny sizes: 4 experts, top-2; Megatron engine,
+Megatron's seeded init); exits 0 only when ps-mcore's (and PrefixGrouper's) log-probs,
+entropy, ref log-probs, loss, grad norm and every gradient equal stock's. With ``--curves N``
+the training-curve run above on that CPU setup (lr 1e-3), exiting 0 only when every step of
+ps-mcore's curves is within fp32 tolerance of stock's and its updates computed fewer tokens.
+Its CPU shims are test-only (``tests/verl_cpu_worker_shims.py``).
 """
 
 from __future__ import annotations
@@ -94,6 +100,21 @@ from ps_mcore.table import format_table  # noqa: E402
 
 QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, rope_theta=1e6,
              max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu", attention_dropout=0.0)
+
+
+def qwen3_moe(**sizes) -> dict:
+    """Qwen3-30B-A3B's HF config (128 experts, top-8, 768 per expert, 2048 hidden, 32/4 heads
+    of 128, every layer MoE, no load-balancing loss as in RL), ``sizes`` replacing its sizes."""
+    return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True, rope_theta=1e6,
+                max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                attention_dropout=0.0, output_router_logits=False, router_aux_loss_coef=0.0) | sizes
+
+
+TINY_SIZES = dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=12, max_position_embeddings=1024)
 MODELS = {
     "qwen2.5-0.5b": dict(QWEN2, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
@@ -101,23 +122,22 @@ MODELS = {
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2.5-3b": dict(QWEN2, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
-    # Qwen3-30B-A3B's layer (128 experts, top-8, 2048 hidden, 32/4 heads of 128), 4 layers
-    "qwen3-30b-a3b-4l": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
-                             hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                             num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                             num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
-                             rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                             tie_word_embeddings=False, attention_dropout=0.0, output_router_logits=False,
-                             router_aux_loss_coef=0.0),
-    "tiny": dict(QWEN2, vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=1024,
-                 tie_word_embeddings=False),
+    "qwen3-30b-a3b-4l": qwen3_moe(num_hidden_layers=4),  # Qwen3-30B-A3B's layer, 4 of its 48
+    # --tiny (CPU): the same builders at tiny sizes
+    "tiny": dict(QWEN2, **TINY_SIZES, tie_word_embeddings=False),
+    "tiny-moe": qwen3_moe(**TINY_SIZES, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
 }
-MOE = ("qwen3-30b-a3b-4l",)
+TINY_MODELS = ("tiny", "tiny-moe")
+GPU_MODELS = tuple(m for m in MODELS if m not in TINY_MODELS)
 
 
 def is_moe(model: str) -> bool:
-    return model in MOE
+    return "num_experts" in MODELS[model]
+
+
+def model_engines(model: str, engines: list[str]) -> list[str]:
+    """``engines`` that run ``model``: MoE models on the Megatron engine only (no HF weights)."""
+    return [e for e in engines if not (is_moe(model) and e == "fsdp")]
 
 
 def decoder_shape(model: str) -> DecoderShape:
@@ -571,6 +591,30 @@ def init_world(device: str) -> None:
     verl_flash_fallback.install()
 
 
+def run_settings(args, lr: float | None = None) -> RunSettings:
+    """The workers' settings: ``--tiny`` on the CPU with a 256-token budget (several
+    micro-batches per tiny batch)."""
+    lr = args.lr if lr is None else lr
+    if args.tiny:
+        return RunSettings(device="cpu", max_token_len=256, lr=lr, pg_groups=args.pg_groups, tiny=True)
+    return RunSettings(device="cuda", max_token_len=args.max_token_len, lr=lr, pg_groups=args.pg_groups)
+
+
+def start(tiny: bool) -> str:
+    """The run's device (``cuda``; ``cpu`` with ``--tiny``, which installs the test-only CPU
+    shims of tests/verl_cpu_worker_shims.py) and its world of one."""
+    if not tiny:
+        init_world("cuda")
+        return "cuda"
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from verl_cpu_worker_shims import install_cpu_worker_shims
+
+    torch.manual_seed(0)
+    init_world("cpu")
+    install_cpu_worker_shims()
+    return "cpu"
+
+
 @contextlib.contextmanager
 def megatron_seeded_init(active: bool):
     """MoE models load no HF checkpoint: Megatron's seeded init (identical for every
@@ -747,15 +791,15 @@ FULL_SIZES = dict(gsm8k=16, **{"pg-4k": 4, "pg-8k": 4}, agent=4, **{"no-sharing"
 
 
 def benchmark(args) -> int:
-    settings = RunSettings(device="cuda", max_token_len=args.max_token_len, lr=args.lr, pg_groups=args.pg_groups)
-    init_world("cuda")
+    settings = run_settings(args)
+    start(tiny=False)
     sizes = QUICK["sizes"] if args.quick else FULL_SIZES
     report = [f"verl 0.8.0 actor worker, one GPU ({torch.cuda.get_device_name()}), torch {torch.__version__}, "
               f"date {time.strftime('%Y-%m-%d')}, command `python {' '.join(sys.argv)}`; token budget "
               f"{args.max_token_len}, warm-up {args.warmup}, timed {args.iters} mini-batches per cell"]
     by_engine: dict[str, list[Cell]] = {e: [] for e in args.engines}
     for model in args.models:
-        engines = [e for e in args.engines if not (is_moe(model) and e == "fsdp")]
+        engines = model_engines(model, args.engines)
         if not engines:
             continue
         vocab = MODELS[model]["vocab_size"]
@@ -784,52 +828,96 @@ def write_report(header: list[str], by_engine: dict[str, list[Cell]], path: str 
 
 # ----------------------------------------------------------------------------- curves
 
+CURVE_METRICS = ("loss", "grad_norm", "entropy", "held_out_logp")
+CURVE_RUNS = (("stock", "stock"), ("stock-2", "stock"), ("ps", "ps"))  # (label, configuration)
+
+
+def curve_batches(vocab: int, seed: int, tiny: bool) -> tuple[list[Batch], Batch]:
+    """Four fixed GSM8K-shaped training batches (step k trains on batch k mod 4) and a held-out
+    one; ``tiny``: 2 groups each at 1/16 of the lengths."""
+    groups, scale = (2, 1 / 16) if tiny else (4, 1.0)
+    train = [make_batch("gsm8k", vocab, groups, seed + i, scale) for i in range(4)]
+    return train, make_batch("gsm8k", vocab, max(1, groups // 2), seed + 100, scale)
+
+
+def curve_run(engine: str, config: str, model_dir: str, settings: RunSettings, steps: int,
+              train: list[Batch], held_out: Batch) -> dict[str, list[float]]:
+    """``steps`` trainer steps (old log-probs, then ``update_actor``) of fresh workers; per
+    step the :data:`CURVE_METRICS`, and the tokens the update computed (``tokens``) of
+    ``num_tokens``."""
+    with patchsets(config):
+        workers = Workers(engine, model_dir, config, settings, ref=False)
+        hist = {k: [] for k in CURVE_METRICS + ("tokens", "num_tokens")}
+        for step in range(steps):
+            batch = train[step % len(train)]
+            lp, ent = workers.old_log_prob(batch)
+            metrics = workers.update(batch, lp)
+            hist["loss"].append(float(np.sum(metrics["loss"])))
+            hist["grad_norm"].append(float(np.mean(metrics["grad_norm"])))
+            hist["entropy"].append(float(ent[response_mask(batch)].mean()))
+            held, _ = workers.old_log_prob(held_out)
+            hist["held_out_logp"].append(float(held[response_mask(held_out)].mean()))
+            hist["tokens"].append(packed_tokens(metrics, batch))
+            hist["num_tokens"].append(batch.num_tokens)
+        workers.close()
+    return hist
+
+
+def curve_rows(runs: dict, engines: list[str], tiny: bool) -> tuple[list[list], bool]:
+    """Per (engine, metric): the largest per-step :func:`deviation` of ps-mcore from stock next
+    to stock's own run-to-run one, the first / last values, and the tokens ps-mcore's updates
+    computed of N. ``tiny``: the verdict against the fp32 tolerances, the sharing path shown to
+    have run."""
+    rows, ok = [], True
+    for engine in engines:
+        stock, again, ps = (runs[(engine, label)] for label, _ in CURVE_RUNS)
+        tokens, num_tokens = sum(ps["tokens"]), sum(ps["num_tokens"])
+        for key in CURVE_METRICS:
+            ps_dev = float(deviation(key, ps[key], stock[key]).max())
+            row = [engine, key, "rel" if key in RELATIVE else "abs", ps_dev,
+                   float(deviation(key, again[key], stock[key]).max()), stock[key][0], stock[key][-1], ps[key][-1],
+                   f"{tokens}/{num_tokens}"]
+            if tiny:
+                good = ps_dev <= tolerance(key) and tokens < num_tokens
+                ok &= good
+                row.append("ok" if good else "FAIL")
+            rows.append(row)
+    return rows, ok
+
 
 def curves(args) -> int:
-    """``--curves N``: stock twice and ps-mcore once per engine, N steps each."""
-    settings = RunSettings(device="cuda", max_token_len=args.max_token_len, lr=args.lr)
-    init_world("cuda")
+    """``--curves N``: stock twice and ps-mcore once per engine, N steps each from the same
+    weights; with ``--tiny`` exits 0 only when every per-step deviation is within the fp32
+    tolerances."""
+    device = start(args.tiny)
+    settings = run_settings(args)
     model = args.models[0]
-    vocab = MODELS[model]["vocab_size"]
-    model_dir = write_model_dir(model, "cuda", weights=True)
-    train = [make_batch("gsm8k", vocab, 4, args.seed + i) for i in range(4)]
-    held_out = make_batch("gsm8k", vocab, 2, args.seed + 100)
-    held_mask = response_mask(held_out)
+    engines = model_engines(model, args.engines)
+    train, held_out = curve_batches(MODELS[model]["vocab_size"], args.seed, args.tiny)
+    model_dir = write_model_dir(model, device, weights=not is_moe(model))
     runs: dict[tuple[str, str], dict[str, list[float]]] = {}
-    for engine in args.engines:
-        for label, config in (("stock", "stock"), ("stock-2", "stock"), ("ps", "ps")):
-            print(f"[curves {engine}/{label}] {args.curves} steps", flush=True)
-            with patchsets(config):
-                workers = Workers(engine, model_dir, config, settings, ref=False)
-                hist = {k: [] for k in ("loss", "grad_norm", "entropy", "held_out_logp")}
-                for step in range(args.curves):
-                    batch = train[step % len(train)]
-                    lp, ent = workers.old_log_prob(batch)
-                    metrics = workers.update(batch, lp)
-                    mask = response_mask(batch)
-                    hist["loss"].append(float(np.sum(metrics["loss"])))
-                    hist["grad_norm"].append(float(np.mean(metrics["grad_norm"])))
-                    hist["entropy"].append(float(ent[mask].mean()))
-                    held, _ = workers.old_log_prob(held_out)
-                    hist["held_out_logp"].append(float(held[held_mask].mean()))
-                workers.close()
-            runs[(engine, label)] = hist
-    rows = []
-    for engine in args.engines:
-        for key in ("loss", "grad_norm", "entropy", "held_out_logp"):
-            s1, s2, ps = (np.array(runs[(engine, lab)][key]) for lab in ("stock", "stock-2", "ps"))
-            rows.append([engine, key, float(np.abs(ps - s1).max()), float(np.abs(s2 - s1).max()),
-                         float(s1[0]), float(s1[-1]), float(ps[-1])])
-    text = (f"training curves, {model}, {args.curves} steps, lr {args.lr}, command `python {' '.join(sys.argv)}`\n\n"
-            + format_table(["engine", "metric", "max|ps - stock|", "max|stock2 - stock|", "stock first",
-                            "stock last", "ps last"], rows))
+    with megatron_seeded_init(is_moe(model)):
+        for engine in engines:
+            for label, config in CURVE_RUNS:
+                print(f"[curves {engine}/{label}] {args.curves} steps", flush=True)
+                runs[(engine, label)] = curve_run(engine, config, model_dir, settings, args.curves, train, held_out)
+    rows, ok = curve_rows(runs, engines, args.tiny)
+    headers = ["engine", "metric", "deviation", "max|ps - stock|", "max|stock2 - stock|", "stock first", "stock last",
+               "ps last", "ps tokens T/N"] + (["fp32"] if args.tiny else [])
+    text = (f"training curves, {model} on {device}, {args.curves} steps, lr {args.lr}, command "
+            f"`python {' '.join(sys.argv)}`; per step, deviation abs (rel: relative to stock's largest value)\n\n"
+            + format_table(headers, rows))
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     if args.plot:
-        plot_curves(runs, args.engines, args.plot)
-    return 0
+        plot_curves(runs, engines, args.plot)
+    if not args.tiny:
+        return 0
+    print(f"OK: every step within {TINY_ATOL} abs / {TINY_RTOL} rel" if ok
+          else "FAILED: ps-mcore's curves differ from stock's")
+    return 0 if ok else 1
 
 
 def plot_curves(runs, engines, path: str) -> None:
@@ -861,6 +949,19 @@ def plot_curves(runs, engines, path: str) -> None:
 # tests/verl_batches.py). Tolerances: 1e-5 absolute on log-probs / entropy, 1e-5 relative on
 # losses and grad norms, 1e-5 x max|g| per gradient tensor.
 TINY_ATOL, TINY_RTOL = 1e-5, 1e-5
+RELATIVE = ("loss", "grad_norm")  # compared relative to stock's values; log-probs and entropy absolute
+
+
+def deviation(metric: str, value, stock) -> np.ndarray:
+    """|value - stock| (scalars or per-step curves), for the :data:`RELATIVE` metrics relative
+    to stock's largest |value| (a PPO loss curve crosses zero)."""
+    value, stock = np.asarray(value, dtype=np.float64), np.asarray(stock, dtype=np.float64)
+    diff = np.abs(value - stock)
+    return diff / max(float(np.abs(stock).max()), 1e-12) if metric in RELATIVE else diff
+
+
+def tolerance(metric: str) -> float:
+    return TINY_RTOL if metric in RELATIVE else TINY_ATOL
 
 
 def tiny_batches(vocab: int) -> list[Batch]:
@@ -868,10 +969,7 @@ def tiny_batches(vocab: int) -> list[Batch]:
             make_batch("pg-4k", vocab, 1, 3, scale=1 / 128)]
 
 
-def tiny_run(engine: str, config: str, model_dir: str, batches: list[Batch]) -> dict:
-    # lr 1e-12: Adam moves every weight by ~lr whatever its gradient, so a larger lr would turn
-    # fp32 gradient noise into different weights for the next batch
-    settings = RunSettings(device="cpu", max_token_len=256, lr=1e-12, tiny=True)
+def tiny_run(engine: str, config: str, model_dir: str, batches: list[Batch], settings: RunSettings) -> dict:
     with patchsets(config), prefix_grouper_driving(config):
         workers = Workers(engine, model_dir, config, settings, ref=True)
         if engine == "fsdp" and not fsdp2_casts_inputs(workers.actor.actor.engine.module):
@@ -910,8 +1008,7 @@ def tiny_compare(stock: dict, other: dict, batches: list[Batch], config: str) ->
     for b in batches:
         s, o, mask = stock[b.name], other[b.name], response_mask(b)
         d = {k: response_diff(o[k], s[k], mask) for k in ("log_probs", "entropy", "ref")}
-        loss = abs(o["loss"] - s["loss"]) / max(abs(s["loss"]), 1e-12)
-        gnorm = abs(o["grad_norm"] - s["grad_norm"]) / max(abs(s["grad_norm"]), 1e-12)
+        loss, gnorm = (float(deviation(k, o[k], s[k])) for k in RELATIVE)
         grad = max(float((a - g).abs().max()) / max(float(g.abs().max()), 1e-12) for a, g in zip(o["grads"], s["grads"]))
         # the sharing path really ran (PrefixGrouper shares only groups of one prompt)
         shared = o["tokens"] < b.num_tokens or (config == "pg" and b.group_size == 1)
@@ -923,28 +1020,28 @@ def tiny_compare(stock: dict, other: dict, batches: list[Batch], config: str) ->
 
 
 def tiny(args) -> int:
-    tests_dir = os.path.join(os.path.dirname(HERE), "tests")
-    sys.path.insert(0, tests_dir)
-    from verl_cpu_worker_shims import install_cpu_worker_shims
-
-    torch.manual_seed(0)
-    init_world("cpu")
-    install_cpu_worker_shims()
-    model_dir = write_model_dir("tiny", "cpu", weights=True)
-    batches = tiny_batches(MODELS["tiny"]["vocab_size"])
-    headers = ["engine", "config", "batch", "N", "T", "max|dlogp|", "max|dentropy|", "max|dref|", "loss rel", "grad-norm rel",
-               "max grad rel", ""]
+    start(True)
+    # lr 1e-12: Adam moves every weight by ~lr whatever its gradient, so a larger lr would turn
+    # fp32 gradient noise into different weights for the next batch
+    settings = run_settings(args, lr=1e-12)
+    headers = ["model", "engine", "config", "batch", "N", "T", "max|dlogp|", "max|dentropy|", "max|dref|", "loss rel",
+               "grad-norm rel", "max grad rel", ""]
     rows, ok = [], True
-    for engine in args.engines:
-        stock = tiny_run(engine, "stock", model_dir, batches)
-        for config in CONFIGS[engine][1:]:
-            if config not in args.configs:
-                continue
-            r, good = tiny_compare(stock, tiny_run(engine, config, model_dir, batches), batches, config)
-            rows += [[engine, config] + row for row in r]
-            ok &= good
+    for model in args.models:
+        model_dir = write_model_dir(model, "cpu", weights=not is_moe(model))
+        batches = tiny_batches(MODELS[model]["vocab_size"])
+        with megatron_seeded_init(is_moe(model)):
+            for engine in model_engines(model, args.engines):
+                stock = tiny_run(engine, "stock", model_dir, batches, settings)
+                for config in CONFIGS[engine][1:]:
+                    if config not in args.configs:
+                        continue
+                    r, good = tiny_compare(stock, tiny_run(engine, config, model_dir, batches, settings), batches, config)
+                    rows += [[model, engine, config] + row for row in r]
+                    ok &= good
     print(f"tiny exactness check (CPU, fp32, verl's real ActorRolloutRefWorker): vs stock, tolerance "
           f"{TINY_ATOL} abs / {TINY_RTOL} rel\n\n" + format_table(headers, rows))
+    ok &= bool(rows)
     print("OK" if ok else "FAILED: a configuration differs from stock")
     return 0 if ok else 1
 
@@ -957,8 +1054,9 @@ def parse_args(argv=None):
     p.add_argument("--engines", nargs="+", default=["fsdp", "megatron"], choices=list(CONFIGS))
     p.add_argument("--configs", nargs="+", default=["stock", "pg", "ps"], choices=["stock", "pg", "ps"],
                    help="configurations to run (stock is the baseline of every ratio)")
-    p.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen3-30b-a3b-4l"],
-                   choices=[m for m in MODELS if m != "tiny"])
+    p.add_argument("--models", nargs="+", choices=list(MODELS),
+                   help=f"default: every GPU model ({', '.join(GPU_MODELS)}); --quick: qwen2.5-1.5b; "
+                        f"--curves: qwen2.5-0.5b; --tiny: tiny (--tiny runs {', '.join(TINY_MODELS)} only)")
     p.add_argument("--batches", nargs="+", default=list(BATCHES), choices=BATCHES)
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
     p.add_argument("--quick", action="store_true",
@@ -968,31 +1066,39 @@ def parse_args(argv=None):
     p.add_argument("--max-token-len", type=int, default=16384, help="ppo_max_token_len_per_gpu (and log-prob budgets)")
     p.add_argument("--pg-groups", type=int, default=1, help="PrefixGrouper: groups per fixed micro-batch")
     p.add_argument("--ref-samples", type=int, default=8, help="sequences per batch in the fp32 reference (0: none)")
-    p.add_argument("--lr", type=float, default=None, help="actor lr (default 1e-6; 1e-5 with --curves)")
+    p.add_argument("--lr", type=float, default=None, help="actor lr (default 1e-6; 1e-5 with --curves, 1e-3 with --tiny --curves)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--curves", type=int, default=0, metavar="N", help="training-curve check with N update steps")
     p.add_argument("--plot", help="--curves: write the overlaid curves here (png)")
     p.add_argument("--out", help="also write the tables (markdown) here")
-    p.add_argument("--tiny", action="store_true", help="CPU exactness check, tiny model (what CI runs)")
+    p.add_argument("--tiny", action="store_true", help="CPU exactness check, tiny model (what CI runs); "
+                   "with --curves the training-curve check on the CPU")
     args = p.parse_args(argv)
-    if args.lr is None:
-        args.lr = 1e-5 if args.curves else 1e-6
+    if args.models is None:
+        args.models = (["tiny"] if args.tiny else ["qwen2.5-0.5b"] if args.curves
+                       else QUICK["models"] if args.quick else list(GPU_MODELS))
+    wrong = [m for m in args.models if (m in TINY_MODELS) != args.tiny]
+    if wrong:
+        p.error(f"--models {' '.join(wrong)}: " + (f"--tiny runs {', '.join(TINY_MODELS)}" if args.tiny
+                                                   else f"{', '.join(TINY_MODELS)} run with --tiny only"))
+    if args.curves and len(args.models) != 1:
+        p.error("--curves runs one model: give one to --models")
+    if not any(model_engines(m, args.engines) for m in args.models):
+        p.error(f"--models {' '.join(args.models)}: MoE models run on the megatron engine only (--engines)")
+    if args.lr is None:  # --tiny --curves: the tiny model's weights (std 0.02) move visibly in a few steps
+        args.lr = (1e-3 if args.tiny else 1e-5) if args.curves else 1e-6
     if args.quick:
-        if "--models" not in (argv or sys.argv):
-            args.models = QUICK["models"]
         args.warmup, args.iters = QUICK["warmup"], QUICK["iters"]
-    if args.curves and "--models" not in (argv or sys.argv):
-        args.models = ["qwen2.5-0.5b"]
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.tiny:
-        return tiny(args)
-    if not torch.cuda.is_available():
+    if not args.tiny and not torch.cuda.is_available():
         sys.exit("verl_actor.py needs a CUDA GPU (or --tiny for the CPU exactness check)")
-    return curves(args) if args.curves else benchmark(args)
+    if args.curves:
+        return curves(args)
+    return tiny(args) if args.tiny else benchmark(args)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ Megatron engines: real __init__, model build through HF / mbridge, optimizer, th
 ``left_right_2_no_padding`` batches) on a CPU gloo world of one, fp32, stock vs ps-mcore (and
 verl's PrefixGrouper on FSDP): old / ref log-probs, entropy, the update's loss, grad norm and
 every gradient must equal stock's, with the sharing path shown to have run (fewer tokens
-computed). Runs in a subprocess: the CPU shims it installs (tests/verl_cpu_worker_shims.py)
-patch torch and megatron process-wide."""
+computed); the same for the Qwen3-MoE-like model on the Megatron engine (Megatron's seeded
+init, MoE layers) and for the training-curve mode (``--curves``, ``--plot``). Runs in a
+subprocess: the CPU shims it installs (tests/verl_cpu_worker_shims.py) patch torch and
+megatron process-wide."""
 
 from __future__ import annotations
 
@@ -21,18 +23,65 @@ pytest.importorskip("mbridge")
 pytest.importorskip("prefix_grouper")
 
 ROOT = Path(__file__).resolve().parents[1]
+FP32_TOL = 1e-5  # fp32 on a CPU: shared rows only reorder sums (the benchmark's TINY_ATOL / TINY_RTOL)
+
+
+def run_tiny(*args: str) -> str:
+    """``verl_actor.py --tiny *args``'s output from the table headed ``title`` on; exit 0 asserted."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), "--tiny", *args],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def table_rows(table: str) -> list[list[str]]:
+    """The cells of a markdown table's body rows (engine rows only)."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("|") and ("fsdp" in line or "megatron" in line)]
+
+
+def check_cells(out: str, count: int) -> list[list[str]]:
+    table = out[out.index("tiny exactness check"):]
+    rows = table_rows(table)
+    # every model/engine/configuration/batch cell was compared and passed
+    assert len(rows) == count and all(row[-1] == "ok" for row in rows), table
+    assert table.rstrip().endswith("OK")
+    return rows
 
 
 @pytest.mark.slow  # ~80 s of CPU (10 worker builds over 2 engines; 3 min wall on a busy 2-core box)
 def test_tiny_actor_worker_matches_stock():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), "--tiny"],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
-    table = out[out.index("tiny exactness check"):]
-    rows = [line for line in table.splitlines() if line.startswith("|") and ("fsdp" in line or "megatron" in line)]
-    # every engine/configuration/batch cell was compared and passed
-    assert len(rows) == 9 and all(line.rstrip().endswith("ok |") for line in rows), table
-    assert table.rstrip().endswith("OK")
+    rows = check_cells(run_tiny(), 9)
+    assert {row[0] for row in rows} == {"tiny"}
+
+
+@pytest.mark.slow  # ~15 s of CPU (4 Megatron worker builds)
+def test_tiny_moe_megatron_matches_stock():
+    """The Qwen3-30B-A3B-like MoE (the GPU run's config builder at tiny sizes: 4 experts,
+    top-2, every layer MoE) on the Megatron engine from Megatron's seeded init."""
+    rows = check_cells(run_tiny("--engines", "megatron", "--models", "tiny-moe"), 3)
+    for model, engine, config, batch, n, t, *_ in rows:
+        assert (model, engine, config) == ("tiny-moe", "megatron", "ps") and int(t) < int(n), rows
+
+
+@pytest.mark.slow  # ~50 s of CPU (6 worker builds over 2 engines, 2 steps each)
+def test_tiny_training_curves_match_stock(tmp_path):
+    """``--curves 2 --plot``: per step, ps-mcore's loss and grad norm (relative) and entropy
+    and held-out log-prob (absolute) within fp32 tolerance of stock's, ps-mcore's updates
+    computing fewer tokens, the PNG written."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "curves.png"
+    out = run_tiny("--curves", "2", "--plot", str(png))
+    table = out[out.index("training curves"):]
+    rows = table_rows(table)
+    assert [(r[0], r[1]) for r in rows] == [(e, m) for e in ("fsdp", "megatron")
+                                             for m in ("loss", "grad_norm", "entropy", "held_out_logp")], table
+    for engine, metric, kind, ps_dev, _, _, _, _, tokens, verdict in rows:
+        assert kind == ("rel" if metric in ("loss", "grad_norm") else "abs"), table
+        assert float(ps_dev) <= FP32_TOL and verdict == "ok", table
+        t, n = map(int, tokens.split("/"))
+        assert t < n, table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert table.rstrip().splitlines()[-1].startswith("OK")

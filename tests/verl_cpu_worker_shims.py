@@ -19,6 +19,9 @@ What each shim stands in for (all hardware or fp32 gaps, none changes the math):
   optimizer, grad-norm and multi-tensor helpers allocate ``device="cuda"`` tensors
   (redirected to the CPU); verl's ``McoreEngineConfig`` accepts only bf16/fp16 and its
   optimizer config forces ``bf16`` (fp32 allowed here: exactness is checked in fp32).
+* Megatron MoE (``megatron_shims.enable_cpu_moe``): the alltoall dispatcher's side CUDA
+  stream and host copies; mbridge asks for grouped-GEMM experts (TE's or the ``grouped_gemm``
+  CUDA kernels), here megatron's ``SequentialMLP`` (the same experts, one GEMM each).
 """
 
 from __future__ import annotations
@@ -96,11 +99,12 @@ def _megatron_on_cpu() -> None:
     from megatron.core.optimizer import clip_grads, optimizer
     from verl.workers.engine.megatron import transformer_impl
 
-    from megatron_shims import init_cpu_megatron
+    from megatron_shims import enable_cpu_moe, init_cpu_megatron
     from ps_mcore.layer_specs import to_tree_spec
     from verl_batches import cpu_forward_backward_func
 
     init_cpu_megatron()
+    enable_cpu_moe()
     torch.nn.Module.cuda = lambda self, device=None: self
     stock_block_spec = llm_bridge.get_gpt_decoder_block_spec
 
@@ -137,4 +141,5 @@ MEGATRON_CPU_TRANSFORMER_CONFIG = dict(
     use_cpu_initialization=True, gradient_accumulation_fusion=False, apply_rope_fusion=False,
     bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
     persist_layer_norm=False,
+    moe_grouped_gemm=False,  # grouped GEMM experts need TE or the grouped_gemm CUDA kernels: SequentialMLP
 )
