@@ -55,7 +55,8 @@ run when ``forward_backward_batch`` returns. Ranks make different numbers of mod
 with several data-parallel ranks and FSDP2, when any rank schedules (one all-reduce per engine
 step), every rank runs the step with parameters gathered once and gradients reduced once
 (:func:`ps_mcore.fsdp_bridge.lockstep.gathered_once`; memory: the full parameters and
-gradients on each rank during that step). :func:`fsdp_schedule_refusal` names what a schedule
+gradients on each rank during that step); verl 0.9.1's deferred gradient sync is left off
+inside it (:func:`sync_deferred_unless_gathered`). :func:`fsdp_schedule_refusal` names what a schedule
 cannot run (several data-parallel ranks under FSDP1, Ulysses SP, fused kernels, VLM inputs,
 per-sample temperatures, active dropout, and every per-micro-batch fallback): those units are
 split, as before, with one warning.
@@ -500,7 +501,7 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch (patchsets ``verl080_fsdp`` and ``verl091_fsdp``: the seams are
-    the same in both releases)."""
+    the same in both releases, plus verl 0.9.1's gradient sync context)."""
     record_hf_attention_forwards()  # before verl patches a VLM's attention classes
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
