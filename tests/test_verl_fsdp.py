@@ -14,8 +14,6 @@ for fp32 parameters).
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import json
 from functools import partial
 from pathlib import Path
@@ -684,6 +682,32 @@ def test_schedule_refusals_name_the_option(impl, monkeypatch):
     assert fsdp_glue.fsdp_schedule_refusal(engine, data) is None
 
 
+def test_gradient_sync_stays_off_while_gathered(impl):
+    """verl 0.9.1 turns FSDP2's gradient sync off for a non-last micro-batch and on again after
+    it; inside ``gathered_once`` (a schedule on several ranks) it stays off, or the ranks'
+    different call counts would reduce-scatter different numbers of times. Outside, verl's own."""
+    if not hasattr(impl.FSDPEngine, "_gradient_sync_context"):
+        pytest.skip("verl 0.8.0 has no deferred gradient sync")
+    from ps_mcore.fsdp_bridge.lockstep import _groups, fsdp2_modules, gathered_once
+
+    model = _fully_shard(make_model(seed=3))
+    setup.install([PATCHSET])
+    engine = make_engine(impl, impl.FSDPEngineWithLMHead, model, _setting("arbitrary_prefix"))
+    assert engine.engine_config.use_no_sync_for_gradient_accumulation
+
+    def syncing():
+        return {g.reduce_grads for m in fsdp2_modules(model) for g in _groups(m)}
+
+    with gathered_once(model, training=False, reduction_pass=None):
+        with engine._gradient_sync_context(is_last_micro_batch=False):
+            assert syncing() == {False}
+        assert syncing() == {False}
+    assert syncing() == {True}
+    with engine._gradient_sync_context(is_last_micro_batch=False):
+        assert syncing() == {False}
+    assert syncing() == {True}
+
+
 def _dp_reports(tmp_path, device):
     from megatron_shims import run_torchrun
 
@@ -694,11 +718,9 @@ def _dp_reports(tmp_path, device):
 
 def _check_dp(reports):
     """Each rank's log-probs, PPO loss and every (reduced) gradient equal verl's stock run; the
-    ranks that schedule compute each row once (on verl 0.8.0; other versions refuse schedules on
-    several ranks and split); parameters are sharded again wherever verl's stock run leaves them
-    sharded."""
+    ranks that schedule compute each row once (the other rank's units fit: split pieces, each
+    shared); parameters are sharded again wherever verl's stock run leaves them sharded."""
     assert len(reports) == 2
-    lockstep = importlib.metadata.version("verl").startswith("0.8.")  # else refused by name: split
     for rep in reports:
         for case in ("both", "rank0_only"):
             r = rep[case]
@@ -706,7 +728,7 @@ def _check_dp(reports):
             np.testing.assert_allclose(r["loss"][1], r["loss"][0], rtol=RTOL)
             assert r["grad_rel"] <= RTOL and r["grads_complete"] and r["resharded"], (case, rep)
             n, t, unique = r["tokens"]
-            scheduled = lockstep and (case == "both" or rep["rank"] == 0)
+            scheduled = case == "both" or rep["rank"] == 0
             assert t == unique if scheduled else unique < t < n, (case, rep)
 
 

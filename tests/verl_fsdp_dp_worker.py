@@ -6,6 +6,8 @@ against verl's stock run of the same data.
 Cases: both ranks schedule (different plans), and only rank 0 schedules (rank 1's units fit
 the budget). Per rank: PPO loss, every gradient (the full tensors of FSDP2's sharded, reduced
 gradients), log-probs / entropy of the log-prob pass, and the token counts (each row once).
+On verl 0.9.1 the engine config's default defers gradient sync to the last micro-batch
+(``use_no_sync_for_gradient_accumulation``), which must stay off inside ``gathered_once``.
 
 Usage: ``torchrun --standalone --nproc_per_node 2 verl_fsdp_dp_worker.py OUT [cpu|cuda]``;
 rank 0 writes every rank's JSON report to OUT.

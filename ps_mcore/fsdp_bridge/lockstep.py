@@ -13,14 +13,24 @@ parameters are resharded and every setting is what it was.
 
 Memory: while inside, each rank holds the full parameters (and, in training, full gradients
 in the reduce dtype), as FSDP without resharding or ``no_sync`` does.
+
+Nothing inside may turn gradient sync back on (``set_requires_gradient_sync(True)``): the
+next backward would reduce-scatter on the ranks that make one, and the ranks would wait on
+each other's different collectives. A caller that toggles sync per micro-batch (gradient
+accumulation without sync on all but the last) asks :func:`is_gathered` first and leaves it
+alone: inside, every backward already accumulates without sync.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator
 
 import torch
+
+# The modules inside gathered_once now (weak: a module dropped inside is no longer listed).
+_GATHERED: weakref.WeakSet = weakref.WeakSet()
 
 
 def fsdp2_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -35,6 +45,12 @@ def fsdp1_wrapped(module: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+
+
+def is_gathered(module: torch.nn.Module) -> bool:
+    """``module`` is inside :func:`gathered_once` now: its gradient sync must stay off until
+    the context leaves (see the module docstring)."""
+    return module in _GATHERED
 
 
 def _groups(module) -> list:
@@ -94,6 +110,8 @@ def gathered_once(
         m.set_reshard_after_forward(False, recurse=False)
         m.set_reshard_after_backward(False, recurse=False)
         m.set_requires_gradient_sync(False, recurse=False)
+    if modules:
+        _GATHERED.add(module)
     try:
         for m in modules:
             m.unshard()
@@ -106,6 +124,7 @@ def gathered_once(
             with torch.enable_grad():
                 (reduction_pass() * 0).backward()
     finally:
+        _GATHERED.discard(module)
         for s in saved:
             s.restore()
         for m in modules:

@@ -55,7 +55,8 @@ run when ``forward_backward_batch`` returns. Ranks make different numbers of mod
 with several data-parallel ranks and FSDP2, when any rank schedules (one all-reduce per engine
 step), every rank runs the step with parameters gathered once and gradients reduced once
 (:func:`ps_mcore.fsdp_bridge.lockstep.gathered_once`; memory: the full parameters and
-gradients on each rank during that step). :func:`fsdp_schedule_refusal` names what a schedule
+gradients on each rank during that step); verl 0.9.1's deferred gradient sync is left off
+inside it (:func:`sync_deferred_unless_gathered`). :func:`fsdp_schedule_refusal` names what a schedule
 cannot run (several data-parallel ranks under FSDP1, Ulysses SP, fused kernels, VLM inputs,
 per-sample temperatures, active dropout, and every per-micro-batch fallback): those units are
 split, as before, with one warning.
@@ -64,7 +65,6 @@ split, as before, with one warning.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Callable
 
 import torch
@@ -80,7 +80,7 @@ from ps_mcore.fsdp_bridge import (
     unwrap_model,
 )
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
-from ps_mcore.fsdp_bridge.lockstep import fsdp1_wrapped, fsdp2_modules, gathered_once
+from ps_mcore.fsdp_bridge.lockstep import fsdp1_wrapped, fsdp2_modules, gathered_once, is_gathered
 from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
 from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
@@ -371,11 +371,6 @@ def fsdp_schedule_refusal(engine, data) -> str | None:
             f"{kind} with more than one data-parallel rank (its collectives run per model call, "
             "and a schedule's calls differ in number between ranks; the fsdp2 strategy runs it)"
         )
-    if engine.get_data_parallel_size() > 1 and not _lockstep_verified():
-        return (
-            "more than one data-parallel rank on this verl (the ranks' lockstep, parameters gathered "
-            "once per engine step, is verified with verl 0.8.0; with verl 0.9.1 a two-rank run hangs)"
-        )
     if getattr(engine, "use_ulysses_sp", False):
         return "Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)"
     if batch_flag(data, "use_fused_kernels"):
@@ -386,15 +381,6 @@ def fsdp_schedule_refusal(engine, data) -> str | None:
     if reason is None and not _is_value_engine(engine):
         reason = lm_schedule_refusal(data)
     return reason if reason is not None else hf_schedule_refusal(engine.module)
-
-
-@functools.lru_cache(maxsize=None)
-def _lockstep_verified() -> bool:
-    """Whether this verl's FSDP engine runs :func:`gathered_once` in step on every rank (tested
-    on two ranks with verl 0.8.0)."""
-    from importlib.metadata import version
-
-    return version("verl").startswith("0.8.")
 
 
 def fsdp_scheduler(step, setting, data):
@@ -474,6 +460,21 @@ def gather_once_if_scheduled(step, dp_group) -> None:
         )
 
 
+def sync_deferred_unless_gathered(original: Callable) -> Callable:
+    """verl 0.9.1's ``FSDPEngine._gradient_sync_context``: verl's (gradient sync off for all
+    but the last micro-batch, then on again), except inside :func:`gathered_once`, where sync
+    is already off until the one reduction on leaving; turning it on there would make each
+    rank's last micro-batch and schedule releases reduce-scatter, as many times as that rank
+    makes calls, and the ranks would hang on each other."""
+
+    def _gradient_sync_context(self, *, is_last_micro_batch: bool):
+        if is_gathered(self.module):
+            return contextlib.nullcontext()
+        return original(self, is_last_micro_batch=is_last_micro_batch)
+
+    return _gradient_sync_context
+
+
 def prefix_aware_unless_stock(stock: Callable) -> Callable:
     """The FSDP module's ``prepare_micro_batches``: prefix-aware (the shared one), except for
     batches whose every micro-batch runs verl's stock forward (their token budget must
@@ -500,7 +501,7 @@ def prefix_aware_unless_stock(stock: Callable) -> Callable:
 
 def install_verl_fsdp_patches(patcher) -> None:
     """Every FSDP-engine patch (patchsets ``verl080_fsdp`` and ``verl091_fsdp``: the seams are
-    the same in both releases)."""
+    the same in both releases, plus verl 0.9.1's gradient sync context)."""
     record_hf_attention_forwards()  # before verl patches a VLM's attention classes
     impl = _impl()
     lm, value = impl.FSDPEngineWithLMHead, impl.FSDPEngineWithValueHead
@@ -511,3 +512,5 @@ def install_verl_fsdp_patches(patcher) -> None:
         value, "prepare_model_outputs", lambda original: fsdp_prepare_model_outputs(original, tree_value_outputs)
     )
     install_engine_micro_batching(patcher, impl, impl.FSDPEngine, prefix_aware_unless_stock)
+    if hasattr(impl.FSDPEngine, "_gradient_sync_context"):  # verl 0.9.1 (0.8.0 syncs every backward)
+        patcher.wrap(impl.FSDPEngine, "_gradient_sync_context", sync_deferred_unless_gathered)
