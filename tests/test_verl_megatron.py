@@ -556,16 +556,6 @@ def _mtp_engine(engine, detach: bool = False):
     engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True, detach_encoder=detach)
 
 
-def _tree_mtp():
-    """Skip where megatron-core's own MTP loss (``process_mtp_loss``) refuses the tree MTP path
-    (:func:`test_multi_token_prediction_process_mtp_loss_falls_back` covers that stack)."""
-    from ps_mcore.integrations.verl_common.mtp import mtp_loss_api_refusal
-
-    reason = mtp_loss_api_refusal()
-    if reason is not None:
-        pytest.skip(f"MTP on the tree is refused here: {reason}")
-
-
 def _mtp_run(impl, model, data, patched, detach, loss_fn=None, **setting):
     setup.install([megatron_patchset()]) if patched else setup.uninstall()
     engine = engine_shell(impl.MegatronEngineWithLMHead, model, _setting("arbitrary_prefix", **setting))
@@ -585,7 +575,6 @@ def test_multi_token_prediction_matches_stock(env, fresh_warnings, depths, detac
     losses. Branching tree, GRPO groups and step-wise samples, several micro-batches."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    _tree_mtp()
     impl, _ = env
     MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depth count
     model = _mtp_model(depths, detach)
@@ -616,7 +605,6 @@ def test_multi_token_prediction_with_shared_dropout(env, recwarn):
     """prefix_grouper.shared_dropout=true with hidden dropout in training: the MTP layers' own
     tree batches (one per depth) carry the opt-in too, so the step runs on the tree, the MTP
     loss reaching the MTP layers, reproducible under a seed."""
-    _tree_mtp()
     impl, _ = env
     model = _mtp_model(1, False, hidden_dropout=0.1).train()
     rng = np.random.default_rng(33)
@@ -649,7 +637,6 @@ def test_multi_token_prediction_process_mtp_loss_falls_back(env, fresh_warnings)
 def test_multi_token_prediction_layout_refusal_names_it(env):
     from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal
 
-    _tree_mtp()
     model = _mtp_model(1, False)
     model.config.num_moe_experts = 4  # only the decision is checked: the model is not run
     try:

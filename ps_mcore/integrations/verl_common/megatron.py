@@ -236,7 +236,8 @@ def _mtp_context(model, plan, input_ids: torch.Tensor, args: dict, engine, share
         return contextlib.nullcontext()
     mtp = getattr(getattr(engine, "model_config", None), "mtp", None)
     detach = bool(getattr(mtp, "detach_encoder", False))
-    return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach, shared_dropout)
+    return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach, shared_dropout,
+                             args.get("mtp_loss_normalization_factor"))
 
 
 def vision_tree_inputs(model, batch, plan, psp) -> dict:
