@@ -16,6 +16,8 @@ The same through verl's Megatron engine: tests/test_verl_megatron.py.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -37,14 +39,15 @@ enable_cpu_recompute()
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec  # noqa: E402
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from verl.models.mcore.mtp_patch import patch_mtp_layer_get_embeddings, patch_postprocess  # noqa: E402
+from verl.utils.megatron_utils import patch_engine_mtp  # noqa: E402
 
 from ps_mcore.integrations.verl_common.mtp import megatron_mtp_loss, tree_mtp_training  # noqa: E402
 from ps_mcore.layer_specs import TreePackedSeqParams, get_gpt_layer_local_tree_spec  # noqa: E402
 
 
 def _models(depths: int, detach: bool, tied: bool, **config):
-    """(stock, tree): the same random weights, verl's MTP patches on both."""
+    """(stock, tree): the same random weights, verl's MTP patches on both (as its engine applies
+    them: postprocess, recompute, ``detach_encoder``)."""
     cfg = tiny_config("qwen2", mtp_num_layers=depths, **config)
     models = []
     for spec in (get_gpt_layer_local_spec(**layer_spec_args(cfg)), get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))):
@@ -54,9 +57,7 @@ def _models(depths: int, detach: bool, tied: bool, **config):
     randomize_(stock, seed=11)
     tree.load_state_dict(stock.state_dict())
     for model in models:
-        patch_postprocess(model)
-        if detach:
-            patch_mtp_layer_get_embeddings(model)
+        patch_engine_mtp(model, SimpleNamespace(mtp=SimpleNamespace(detach_encoder=detach)))
         model.train()
     return stock, tree
 
