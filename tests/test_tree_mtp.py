@@ -178,6 +178,7 @@ def _branching():
     dict(mtp_detach_heads=True),  # megatron-core 0.19
     dict(mtp_use_repeated_layer=True),  # megatron-core 0.19: one layer at every depth
     dict(mtp_loss_scaling_factor=0.7),
+    dict(use_mup=True, mup_base_hidden_size=32),  # megatron-core 0.19: MuP scales the MTP logits too
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_tree_mtp_matches_stock_on_a_branching_forest(options):
     grads = _check(_branching(), **options)
