@@ -50,7 +50,8 @@ def _models(depths: int, detach: bool, tied: bool, **config):
     them: postprocess, recompute, ``detach_encoder``)."""
     cfg = tiny_config("qwen2", mtp_num_layers=depths, **config)
     models = []
-    for spec in (get_gpt_layer_local_spec(**layer_spec_args(cfg)), get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))):
+    for make_spec in (get_gpt_layer_local_spec, get_gpt_layer_local_tree_spec):
+        spec = make_spec(**layer_spec_args(cfg))
         mtp = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
         models.append(build_gpt(cfg, spec, mtp_block_spec=mtp, share_embeddings_and_output_weights=tied))
     stock, tree = models

@@ -34,7 +34,7 @@ saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens
 model was not built with tree specs, and for what the tree path does not support: dynamic
 context parallelism (``local_cp_size``), VLM inputs other than a Megatron-Bridge Qwen2.5-VL's
 images (videos, mbridge's VLM models, a VLM under CP / PP / SP), MTP training outside what
-:mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
+:mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE or hybrid-pattern MTP layers), FP8 attention or
 FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
 :mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k, active
 dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unless
