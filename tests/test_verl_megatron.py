@@ -636,6 +636,12 @@ def test_multi_token_prediction_layout_refusal_names_it(env):
     finally:
         model.config.num_moe_experts = None
     assert "multi-token prediction (MTP) training" in reason and "MoE" in reason
+    model.mtp.mtp_layer_pattern = "*"  # megatron-core 0.19's hybrid MTP layers (decision only)
+    try:
+        reason = megatron_batch_refusal(model, {"mtp_enable_train": True}, None)
+    finally:
+        model.mtp.mtp_layer_pattern = None
+    assert "mtp_hybrid_override_pattern" in reason
     assert megatron_batch_refusal(model, {"mtp_enable_train": True, "logits_processor": None}, None) is None
 
 
