@@ -116,13 +116,15 @@ def layer_spec_args(config) -> dict:
 
 
 def build_gpt(config, spec, vocab: int = VOCAB, **model_kwargs):
-    """GPTModel with rope base 1e6 and an untied LM head (Qwen2.5-1.5B+ style); extra keywords
-    (e.g. ``pre_process``/``post_process`` of a pipeline stage) go to GPTModel."""
+    """GPTModel with rope base 1e6 and an untied LM head (Qwen2.5-1.5B+ style) unless
+    ``share_embeddings_and_output_weights``; extra keywords (e.g. ``pre_process``/``post_process``
+    of a pipeline stage) go to GPTModel."""
     from megatron.core.models.gpt import GPTModel
 
+    model_kwargs = {"share_embeddings_and_output_weights": False, **model_kwargs}
     return GPTModel(
         config, spec, vocab_size=vocab, max_sequence_length=512, position_embedding_type="rope",
-        rotary_base=1_000_000, share_embeddings_and_output_weights=False, **model_kwargs,
+        rotary_base=1_000_000, **model_kwargs,
     )
 
 

@@ -540,30 +540,18 @@ def _mtp_model(depths: int, detach: bool, seed: int = 5, **config):
     """A real megatron-core MTP block (``depths`` layers, tree specs like the decoder's) with
     verl's MTP patches, as ``MegatronEngine`` applies them (``patch_engine_mtp``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from verl.models.mcore.mtp_patch import patch_mtp_layer_get_embeddings, patch_postprocess
+    from verl.utils.megatron_utils import patch_engine_mtp
 
     cfg = tiny_config("qwen2", mtp_num_layers=depths, **config)
     spec = _tree_spec(cfg)
     model = build_gpt(cfg, spec, mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False))
     randomize_(model, seed=seed)
-    patch_postprocess(model)
-    if detach:
-        patch_mtp_layer_get_embeddings(model)
+    patch_engine_mtp(model, SimpleNamespace(mtp=SimpleNamespace(detach_encoder=detach)))
     return model
 
 
 def _mtp_engine(engine, detach: bool = False):
     engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True, detach_encoder=detach)
-
-
-def _tree_mtp():
-    """Skip where megatron-core's own MTP loss (``process_mtp_loss``) refuses the tree MTP path
-    (:func:`test_multi_token_prediction_process_mtp_loss_falls_back` covers that stack)."""
-    from ps_mcore.integrations.verl_common.mtp import mtp_loss_api_refusal
-
-    reason = mtp_loss_api_refusal()
-    if reason is not None:
-        pytest.skip(f"MTP on the tree is refused here: {reason}")
 
 
 def _mtp_run(impl, model, data, patched, detach, loss_fn=None, **setting):
@@ -575,20 +563,25 @@ def _mtp_run(impl, model, data, patched, detach, loss_fn=None, **setting):
     return out, {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("depths, detach", [(1, False), (2, False), (2, True)], ids=["d1", "d2", "d2-detach"])
-def test_multi_token_prediction_matches_stock(env, fresh_warnings, depths, detach):
+@pytest.mark.parametrize("depths, detach, config", [
+    (1, False, {}), (2, False, {}), (2, True, {}),
+    # verl 0.9.1 then scales megatron's process_mtp_loss by its mtp_loss_normalization_factor
+    (1, False, dict(calculate_per_token_loss=True)),
+], ids=["d1", "d2", "d2-detach", "d1-per-token"])
+def test_multi_token_prediction_matches_stock(env, fresh_warnings, depths, detach, config):
     """MTP training on the tree: each depth's rows follow every sample's own path (a shared
     row predicts once per distinct continuation, weighted by the samples behind it). Against
     verl's stock MTP (megatron's block, rolled ids / labels / mask per sequence) on the
     unshared batch: log-probs, entropy, the PPO loss, every gradient (MTP layers, embedding
     and decoder, which the MTP loss reaches unless ``detach_encoder``) and the logged MTP
-    losses. Branching tree, GRPO groups and step-wise samples, several micro-batches."""
+    losses. Branching tree, GRPO groups and step-wise samples, several micro-batches. The loss
+    is verl's own on megatron-core 0.16, megatron's ``process_mtp_loss`` on 0.19 (which trains
+    the output layer too). Model-level checks on nasty shapes: tests/test_tree_mtp.py."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    _tree_mtp()
     impl, _ = env
     MTPLossLoggingHelper.tracker.clear()  # sized by the first model's depth count
-    model = _mtp_model(depths, detach)
+    model = _mtp_model(depths, detach, **config)
     rng = np.random.default_rng(30 + depths)
     samples = WORKLOADS["tree"](rng) + WORKLOADS["grpo"](rng, prompts=1) + WORKLOADS["stepwise"](rng, steps=3)
     # fixed micro-batches of whole groups (the same in both runs: the logged MTP loss is a mean
@@ -616,7 +609,6 @@ def test_multi_token_prediction_with_shared_dropout(env, recwarn):
     """prefix_grouper.shared_dropout=true with hidden dropout in training: the MTP layers' own
     tree batches (one per depth) carry the opt-in too, so the step runs on the tree, the MTP
     loss reaching the MTP layers, reproducible under a seed."""
-    _tree_mtp()
     impl, _ = env
     model = _mtp_model(1, False, hidden_dropout=0.1).train()
     rng = np.random.default_rng(33)
@@ -634,22 +626,9 @@ def test_multi_token_prediction_with_shared_dropout(env, recwarn):
     assert all(float(g.abs().max()) > 0 for k, g in g_first.items() if k.startswith("mtp."))
 
 
-def test_multi_token_prediction_process_mtp_loss_falls_back(env, fresh_warnings):
-    """megatron-core 0.19's ``process_mtp_loss`` (which verl's MTP postprocess calls there):
-    every micro-batch takes verl's stock MTP forward, one warning names it, stock bit for bit."""
-    from megatron.core.transformer import multi_token_prediction
-
-    if not hasattr(multi_token_prediction, "process_mtp_loss"):
-        pytest.skip("this megatron-core has no process_mtp_loss: MTP runs on the tree")
-    impl, _ = env
-    multi_token_prediction.MTPLossLoggingHelper.tracker.clear()
-    _fallback_case(impl, _mtp_model(1, False), _fallback_batch(34), "process_mtp_loss", _mtp_engine)
-
-
 def test_multi_token_prediction_layout_refusal_names_it(env):
     from ps_mcore.integrations.verl_common.megatron import megatron_batch_refusal
 
-    _tree_mtp()
     model = _mtp_model(1, False)
     model.config.num_moe_experts = 4  # only the decision is checked: the model is not run
     try:
@@ -657,6 +636,12 @@ def test_multi_token_prediction_layout_refusal_names_it(env):
     finally:
         model.config.num_moe_experts = None
     assert "multi-token prediction (MTP) training" in reason and "MoE" in reason
+    model.mtp.mtp_layer_pattern = "*"  # megatron-core 0.19's hybrid MTP layers (decision only)
+    try:
+        reason = megatron_batch_refusal(model, {"mtp_enable_train": True}, None)
+    finally:
+        model.mtp.mtp_layer_pattern = None
+    assert "mtp_hybrid_override_pattern" in reason
     assert megatron_batch_refusal(model, {"mtp_enable_train": True, "logits_processor": None}, None) is None
 
 

@@ -235,7 +235,8 @@ def engine_shell(cls, model, setting=None, use_remove_padding=True):
 def cpu_forward_backward_func():
     """Test-only stand-in for megatron's no-pipelining schedule (it allocates a CUDA
     counter): per micro-batch ``forward_step_func`` then its loss function, the loss
-    divided by the micro-batch count before backward, as megatron does."""
+    divided by the micro-batch count before backward, as megatron does (a loss function that
+    also returns its token count, under ``calculate_per_token_loss``: the loss as it is)."""
 
     def forward_backward(forward_step_func, data_iterator, model, num_microbatches, forward_only, **_):
         it = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
@@ -243,9 +244,14 @@ def cpu_forward_backward_func():
         reduced = []
         for _ in range(num_microbatches):
             output, loss_func = forward_step_func(it, chunk)
-            loss, info = loss_func(output)
+            outputs = loss_func(output)
+            loss, info = outputs[0], outputs[-1]
+            if len(outputs) == 3 and not chunk.config.calculate_per_token_loss:
+                loss = loss / outputs[1]
+            if not (len(outputs) == 3 and chunk.config.calculate_per_token_loss):
+                loss = loss / num_microbatches
             if not forward_only:
-                (loss / num_microbatches).backward()
+                loss.backward()
             reduced.append(info)
         return reduced
 

@@ -34,7 +34,7 @@ saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens
 model was not built with tree specs, and for what the tree path does not support: dynamic
 context parallelism (``local_cp_size``), VLM inputs other than a Megatron-Bridge Qwen2.5-VL's
 images (videos, mbridge's VLM models, a VLM under CP / PP / SP), MTP training outside what
-:mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
+:mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE or hybrid-pattern MTP layers), FP8 attention or
 FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
 :mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k, active
 dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unless
@@ -236,7 +236,8 @@ def _mtp_context(model, plan, input_ids: torch.Tensor, args: dict, engine, share
         return contextlib.nullcontext()
     mtp = getattr(getattr(engine, "model_config", None), "mtp", None)
     detach = bool(getattr(mtp, "detach_encoder", False))
-    return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach, shared_dropout)
+    return tree_mtp_training(_unwrap(model), plan, full_loss_mask(args, input_ids), detach, shared_dropout,
+                             args.get("mtp_loss_normalization_factor"))
 
 
 def vision_tree_inputs(model, batch, plan, psp) -> dict:

@@ -2,13 +2,22 @@
 
 verl's stock forward hands the model ``labels`` and the full-length ``loss_mask`` and its
 patched ``GPTModel._postprocess`` (``verl.models.mcore.mtp_patch``) runs megatron's MTP block,
-rolling ids, labels and mask inside each packed sequence, and adds each depth's loss
-``scale * sum(mask * CE) / sum(mask)`` to the backward through ``MTPLossAutoScaler`` (the
-output layer detached, as verl's patch does). On the tree the same postprocess runs
-without labels (plain logits) and, before it, :func:`attach_tree_mtp_loss` runs the MTP
-layers on the depth plans (:mod:`ps_mcore.multi_token`) and adds the same loss per depth:
-each original token reads its own depth-k row and label, so a shared row counts once per
-sample behind it and once per distinct continuation at a branch.
+rolling ids, labels and mask inside each packed sequence, and adds each depth's loss to the
+backward through ``MTPLossAutoScaler``. On the tree the same postprocess runs without labels
+(plain logits) and, before it, :func:`attach_tree_mtp_loss` runs the MTP layers on the depth
+plans (:mod:`ps_mcore.multi_token`) and adds the same loss per depth: each original token
+reads its own depth-k row and label, so a shared row counts once per sample behind it and
+once per distinct continuation at a branch.
+
+Which loss is "the same" depends on the installed megatron-core (:func:`megatron_mtp_loss`):
+
+* megatron-core 0.16: verl's own loss, ``scale * sum(mask * CE) / sum(mask)`` per depth, the
+  output layer detached, the mean logged with ``save_loss_to_tracker``;
+* megatron-core 0.19: verl calls megatron's ``process_mtp_loss``: the output layer is trained
+  (detached only under ``mtp_detach_heads``), MuP scales the logits, the token count is
+  clamped to 1, ``calculate_per_token_loss`` rescales each depth to the main loss's token
+  count (times verl 0.9.1's ``mtp_loss_normalization_factor``), and the logged metrics add
+  acceptance counts (argmax == label over the masked tokens).
 """
 
 from __future__ import annotations
@@ -23,18 +32,12 @@ from ps_mcore.multi_token import DepthPlan, depth_plans, rolled_mask
 from ps_mcore.planner import TreePlan
 
 
-def mtp_loss_api_refusal() -> str | None:
-    """Why the installed megatron-core's MTP loss cannot be mirrored on a tree (None: it can).
-
-    megatron-core 0.19 has ``process_mtp_loss``, which verl's MTP postprocess (0.8.0 and 0.9.1)
-    then calls instead of its own loss: the output layer is detached only under
-    ``mtp_detach_heads``, ``calculate_per_token_loss`` rescales by token counts and it logs
-    acceptance counts; the tree loss here is the one verl computes on megatron-core 0.16."""
+def megatron_mtp_loss() -> bool:
+    """True where megatron-core has ``process_mtp_loss`` (0.19), which verl's MTP postprocess
+    (0.8.0 and 0.9.1) then calls instead of its own loss."""
     from megatron.core.transformer import multi_token_prediction
 
-    if hasattr(multi_token_prediction, "process_mtp_loss"):
-        return "megatron-core's process_mtp_loss (megatron-core 0.19)"
-    return None
+    return hasattr(multi_token_prediction, "process_mtp_loss")
 
 
 def mtp_refusal(inner) -> str | None:
@@ -43,7 +46,7 @@ def mtp_refusal(inner) -> str | None:
 
     if "_postprocess" not in vars(inner):
         return "MTP training without verl's MTP postprocess patch"
-    return mtp_loss_api_refusal() or tree_mtp_refusal(inner)
+    return tree_mtp_refusal(inner)
 
 
 def full_loss_mask(args: dict, input_ids: torch.Tensor) -> torch.Tensor:
@@ -59,49 +62,94 @@ def full_loss_mask(args: dict, input_ids: torch.Tensor) -> torch.Tensor:
     return mask.values().to(torch.float32)
 
 
+def _depth_logits(model, hidden: torch.Tensor, runtime_gather_output, megatron_loss: bool) -> torch.Tensor:
+    """``[T_k, 1, V]`` logits of one depth's rows through the output layer as the stock loss
+    calls it: megatron's ``process_mtp_loss`` trains the output layer unless
+    ``mtp_detach_heads`` and applies MuP's logit scale; verl's own loss never trains it."""
+    config = model.config
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    if megatron_loss:
+        if config.mtp_detach_heads:
+            weight = (model.output_layer.weight if weight is None else weight).detach()
+        logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
+        return model._scale_logits(logits) if getattr(config, "use_mup", False) else logits
+    frozen = {name: p.detach() for name, p in model.output_layer.named_parameters()}
+    frozen.update(dict(model.output_layer.named_buffers()))
+    logits, _ = torch.func.functional_call(
+        model.output_layer, frozen, args=(hidden,),
+        kwargs={"weight": None if weight is None else weight.detach(), "runtime_gather_output": runtime_gather_output},
+    )
+    return logits
+
+
+def _log_depth(config, depth: DepthPlan, logits, mtp_loss, mask, num_tokens) -> None:
+    """The depth's metrics into megatron's MTP tracker, as the stock loss logs them: the mean
+    loss (megatron-core 0.16), or the mean loss and the acceptance counts (0.19)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    index, layers = depth.depth - 1, config.mtp_num_layers
+    if not hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker"):
+        MTPLossLoggingHelper.save_loss_to_tracker(mtp_loss.sum() / num_tokens, index, layers, avg_group=group)
+        return
+    with torch.no_grad():
+        valid = mask.bool()
+        predicted = logits[:, 0].argmax(-1)[depth.tokens.unpack_index]
+        correct = ((predicted == depth.tokens.next_token_ids) & valid).sum().float()
+        loss = mtp_loss.sum() * (num_tokens > 0).to(mtp_loss.dtype) / num_tokens.clamp(min=1)
+    MTPLossLoggingHelper.save_metrics_to_tracker(loss, correct, valid.sum().float(), index, layers, avg_group=group)
+
+
 def attach_tree_mtp_loss(
     model, hidden_states: torch.Tensor, plan: TreePlan, depths: list[DepthPlan], loss_mask: torch.Tensor,
     rotary_pos_emb=None, runtime_gather_output=None, detach_inputs: bool = False, shared_dropout: bool = False,
+    normalization_factor: float | None = None,
 ) -> torch.Tensor:
     """``hidden_states`` ``[T_pad, 1, h]`` carrying every MTP depth's loss into the backward
-    (``MTPLossAutoScaler``), each depth's mean loss logged as megatron does.
+    (``MTPLossAutoScaler``), each depth's metrics logged as the stock loss logs them.
 
     ``loss_mask`` ``[N]``: the mask of each original token (1 where its loss counts); depth k
     masks token ``(s, i)`` by the mask of the token it predicts, ``(s, i + k + 1)``.
+    ``normalization_factor``: verl 0.9.1's ``mtp_loss_normalization_factor`` (scales the loss
+    under ``calculate_per_token_loss`` on megatron's ``process_mtp_loss``).
     """
-    from megatron.core import parallel_state
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
     from ps_mcore.layer_specs.modules.mtp import tree_mtp_hidden_states  # after MindSpeed's repatch
 
     config = model.config
+    megatron_loss = megatron_mtp_loss()
+    per_token = config.calculate_per_token_loss
     outputs = tree_mtp_hidden_states(model, hidden_states, plan, depths, rotary_pos_emb, detach_inputs, shared_dropout)
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    # verl's patch: the MTP loss does not train the output layer
-    frozen = {name: p.detach() for name, p in model.output_layer.named_parameters()}
-    frozen.update(dict(model.output_layer.named_buffers()))
     scale = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    if megatron_loss and per_token and normalization_factor is not None:
+        if normalization_factor <= 0:  # verl's own check
+            raise ValueError(f"MTP loss normalization factor must be positive, got {normalization_factor}")
+        scale *= normalization_factor
+    main_tokens = loss_mask.sum()  # process_mtp_loss rescales each depth to the main loss's count
     for depth, hidden in zip(depths, outputs):
-        logits, _ = torch.func.functional_call(
-            model.output_layer, frozen, args=(hidden,),
-            kwargs={"weight": None if weight is None else weight.detach(), "runtime_gather_output": runtime_gather_output},
-        )
+        logits = _depth_logits(model, hidden, runtime_gather_output, megatron_loss)
         logprobs, _ = token_logprobs(logits[:, 0], depth.tokens)
         mask = rolled_mask(loss_mask, plan.seq_lens, depth.depth + 1) * depth.tokens.next_token_mask
         mtp_loss = -logprobs * mask
         num_tokens = mask.sum()
         if model.training:
-            MTPLossLoggingHelper.save_loss_to_tracker(
-                mtp_loss.sum() / num_tokens, depth.depth - 1, config.mtp_num_layers,
-                avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-            )
-        per_token = mtp_loss if config.calculate_per_token_loss else mtp_loss / num_tokens
-        hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * per_token)
+            _log_depth(config, depth, logits, mtp_loss, mask, num_tokens)
+        if megatron_loss:
+            safe = num_tokens.clamp(min=1)
+            weighted = mtp_loss * (main_tokens / safe) if per_token else mtp_loss / safe
+        else:
+            weighted = mtp_loss if per_token else mtp_loss / num_tokens
+        hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * weighted)
     return hidden_states
 
 
 @contextlib.contextmanager
-def tree_mtp_training(inner, plan: TreePlan, loss_mask: torch.Tensor, detach_inputs: bool, shared_dropout: bool = False):
+def tree_mtp_training(
+    inner, plan: TreePlan, loss_mask: torch.Tensor, detach_inputs: bool, shared_dropout: bool = False,
+    normalization_factor: float | None = None,
+):
     """While active, ``inner``'s ``_postprocess`` (verl's MTP patch) adds the tree MTP loss and
     returns plain logits (its own MTP needs labels, which the tree forward does not pass)."""
     depths = [d.to(plan.device) for d in depth_plans(plan, inner.config.mtp_num_layers)]
@@ -115,6 +163,7 @@ def tree_mtp_training(inner, plan: TreePlan, loss_mask: torch.Tensor, detach_inp
                 runtime_gather_output=kwargs.get("runtime_gather_output"),
                 detach_inputs=detach_inputs,
                 shared_dropout=shared_dropout,
+                normalization_factor=normalization_factor,
             )
         kwargs.update(labels=None, mtp_in_postprocess=False)
         return stock(hidden_states=hidden_states, **kwargs)

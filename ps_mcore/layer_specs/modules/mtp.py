@@ -6,10 +6,15 @@ branch, so the rows of each depth come from :func:`ps_mcore.multi_token.depth_pl
 and the layer's own parts run on them: the embedding of each depth-k row's token, its source
 row of the previous depth, ``_proj_and_transformer_layer`` (eh-projection, the tree-spec
 transformer layer on the depth's own prefix forest, final norm), recompute as the stock
-forward does it.
+forward does it. Across megatron-core versions: 0.19's ``mtp_use_repeated_layer`` runs its one
+layer at every depth, ``mtp_detach_heads`` detaches the layers' inputs as verl's
+``detach_encoder`` does, and its recompute takes the layer's arguments by name (0.16's takes
+the function and the arguments in order).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -32,7 +37,27 @@ def tree_mtp_refusal(model) -> str | None:
     mtp = getattr(model, "mtp", None)
     if mtp is None or not any(isinstance(m, TreeCoreAttention) for m in mtp.modules()):
         return "an MTP block without tree layer specs"
+    if getattr(mtp, "mtp_layer_pattern", None) is not None:
+        return "MTP layers of a hybrid layer pattern (mtp_hybrid_override_pattern)"
     return None
+
+
+def _layer_arguments(layer, **given) -> dict:
+    """``layer._proj_and_transformer_layer``'s parameters, in their order, set from ``given``
+    (None where not given: 0.19 adds ``padding_mask``, which only MoE routing reads)."""
+    names = inspect.signature(layer._proj_and_transformer_layer).parameters
+    return {name: given.get(name) for name in names}
+
+
+def _run_layer(layer, arguments: dict) -> torch.Tensor:
+    """``_proj_and_transformer_layer`` with recompute as the stock forward does it:
+    megatron-core 0.16's ``_checkpointed_forward(function, *args)`` (arguments positionally,
+    verl's patch of it takes them by name too) or 0.19's ``_checkpointed_forward(**args)``."""
+    if not (layer.config.recompute_granularity == "full" and layer.training):
+        return layer._proj_and_transformer_layer(**arguments)
+    if next(iter(inspect.signature(layer._checkpointed_forward).parameters)) == "forward_func":
+        return layer._checkpointed_forward(layer._proj_and_transformer_layer, **arguments)
+    return layer._checkpointed_forward(**arguments)
 
 
 def tree_mtp_hidden_states(
@@ -56,16 +81,20 @@ def tree_mtp_hidden_states(
             decoder's hidden states fed to depth 1, so the MTP loss does not reach the decoder
             or the embedding. (verl's patch detaches its hidden-state input only when that is a
             view: the decoder's output chunk is, a previous MTP layer's viewless output is not,
-            so depth k >= 2 still trains depth k-1.)
+            so depth k >= 2 still trains depth k-1.) megatron-core 0.19's ``mtp_detach_heads``
+            detaches the same inputs and implies it.
         shared_dropout: the micro-batch's opt-in to shared dropout masks
             (``TreePackedSeqParams.shared_dropout``), given to each depth's packed params.
 
     Returns:
         ``[T_k, 1, h]`` per depth: row q is the depth-k row ``depths[k-1].plan`` row q.
     """
+    detach_inputs = detach_inputs or bool(getattr(model.config, "mtp_detach_heads", False))
+    repeated = bool(getattr(model.mtp, "mtp_use_repeated_layer", False))
     outputs = []
     previous = hidden_states[: plan.num_tokens]
-    for layer, depth in zip(model.mtp.layers, depths):
+    for depth in depths:
+        layer = model.mtp.layers[0 if repeated else depth.depth - 1]
         rows = depth.rows
         decoder_input = model.embedding(
             input_ids=plan.input_ids[rows][None], position_ids=plan.position_ids[rows][None]
@@ -75,25 +104,14 @@ def tree_mtp_hidden_states(
             decoder_input = decoder_input.detach()
             if depth.depth == 1:
                 source = source.detach().requires_grad_()
-        # every keyword in the parameters' order: megatron's recompute passes them positionally
-        layer_kwargs = dict(
+        arguments = _layer_arguments(
+            layer,
             hidden_states=source,
             decoder_input=decoder_input,
-            attention_mask=None,
-            context=None,
-            context_mask=None,
             rotary_pos_emb=rotary_pos_emb,
-            rotary_pos_cos=None,
-            rotary_pos_sin=None,
-            attention_bias=None,
-            inference_params=None,
             packed_seq_params=TreePackedSeqParams.from_plan(depth.plan, shared_dropout=shared_dropout),
-            sequence_len_offset=None,
         )
-        if model.config.recompute_granularity == "full" and layer.training:
-            out = layer._checkpointed_forward(layer._proj_and_transformer_layer, **layer_kwargs)
-        else:
-            out = layer._proj_and_transformer_layer(**layer_kwargs)
+        out = _run_layer(layer, arguments)
         outputs.append(out)
         previous = out
     return outputs
