@@ -81,11 +81,10 @@ from ps_mcore.fsdp_bridge import (
 )
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.fsdp_bridge.lockstep import fsdp1_wrapped, fsdp2_modules, gathered_once
-from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
+from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_statistics
 from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
     batch_temperature,
-    lm_head_batch_refusal,
     nested_like,
     sequence_lengths,
     sequences,
@@ -106,6 +105,7 @@ from ps_mcore.integrations.verl_common.fused import (
     fused_forward_refusal,
 )
 from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
+from ps_mcore.integrations.verl_common.statistics import LMHeadRequest, lm_head_batch_refusal
 from ps_mcore.integrations.verl_common.vision import (
     engine_image_tokens,
     is_vision_batch,
@@ -114,7 +114,7 @@ from ps_mcore.integrations.verl_common.vision import (
     tree_vision_inputs,
     vlm_refusal,
 )
-from ps_mcore.logprobs import labelled_rows, token_logprobs
+from ps_mcore.logprobs import TokenStatistics, labelled_rows, token_statistics
 from ps_mcore.multimodal import with_tokens
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
@@ -167,8 +167,9 @@ def _positions_are_offsets(batch) -> bool:
     return torch.equal(values, expected.to(values.dtype))
 
 
-def fsdp_batch_refusal(engine, batch) -> str | None:
-    """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
+def fsdp_batch_refusal(engine, batch, loss_function=None) -> str | None:
+    """Why this micro-batch must take verl's stock path (None: the tree path runs it);
+    ``loss_function``: the step's loss (verl's distillation logits processor)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
 
@@ -188,7 +189,7 @@ def fsdp_batch_refusal(engine, batch) -> str | None:
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        reason = lm_head_batch_refusal(batch)
+        reason = lm_head_batch_refusal(batch, loss_function)
         if reason is not None:
             return reason
         if batch_flag(batch, "use_fused_kernels"):
@@ -205,6 +206,10 @@ def _fused_refusal(engine, batch) -> str | None:
         return "use_fused_kernels=True with a temperature tensor (verl's fused forward refuses it)"
     if getattr(engine, "use_ulysses_sp", False):
         return "use_fused_kernels=True with Ulysses sequence parallelism is not supported on a tree"
+    if batch_flag(batch, "calculate_sum_pi_squared"):  # verl raises for it (no full logits)
+        return "use_fused_kernels=True with calculate_sum_pi_squared (verl's fused forward refuses it)"
+    if batch_flag(batch, "distillation_use_topk"):
+        return "use_fused_kernels=True with distillation top-k (only VeOmni's fused kernels compute it)"
     return fused_forward_refusal(engine.module)
 
 
@@ -270,7 +275,7 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
-        reason = fsdp_batch_refusal(self, source)
+        reason = fsdp_batch_refusal(self, source, None if micro is None else micro.loss_function)
         images = engine_image_tokens(self) if reason is None and is_vision_batch(source) else None
         plan = plan_or_stock("FSDP", micro, setting, source, n, reason, images)
         if plan is None:
@@ -293,30 +298,26 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
     return prepare_model_inputs
 
 
-def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
-    """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``,
-    or from the fused kernel's ``[1, U]`` results per labelled row."""
-    compute_entropy = batch_flag(micro_batch, "calculate_entropy")
+def tree_lm_outputs(output, output_args: dict, micro_batch, loss_function=None) -> dict[str, torch.Tensor]:
+    """``log_probs`` (and ``entropy``, ``sum_pi_squared``, the top-k distillation outputs)
+    ``[B, j]`` jagged from the packed logits ``[1, T, V]``, or from the fused kernel's ``[1, U]``
+    results per labelled row."""
+    request = LMHeadRequest.of(micro_batch, loss_function)
     rows = output_args.get(FUSED_ROWS_KWARG)
     sp_plan = output_args[SP_PLAN_KEY]
-    if rows is not None:
-        logprobs, entropy = rows.per_token(output.log_probs[0], output.entropy[0] if compute_entropy else None)
+    temperature = output_args[TEMPERATURE_KEY]
+    if rows is not None:  # the fused path refuses the other statistics
+        stats = TokenStatistics(*rows.per_token(output.log_probs[0], output.entropy[0] if request.entropy else None))
     elif sp_plan is not None:
-        logprobs, entropy = sp_token_logprobs(output.logits[0], sp_plan, output_args[TEMPERATURE_KEY], compute_entropy)
+        stats = sp_token_statistics(output.logits[0], sp_plan, temperature, request.entropy, **request.statistics_kwargs())
     else:
-        logprobs, entropy = token_logprobs(
-            output.logits[0],
-            output_args[PLAN_KEY],
-            temperature=output_args[TEMPERATURE_KEY],
-            compute_entropy=compute_entropy,
+        stats = token_statistics(
+            output.logits[0], output_args[PLAN_KEY], temperature, request.entropy, **request.statistics_kwargs()
         )
-    result = {"log_probs": nested_like(logprobs, micro_batch["input_ids"])}
-    if entropy is not None:
-        result["entropy"] = nested_like(entropy, micro_batch["input_ids"])
-    return result
+    return request.outputs(stats, micro_batch["input_ids"])
 
 
-def tree_value_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
+def tree_value_outputs(output, output_args: dict, micro_batch, loss_function=None) -> dict[str, torch.Tensor]:
     """``values`` ``[B, j]`` jagged from a token-classification head's ``[1, T, 1]`` logits."""
     plan, sp_plan, values = output_args[PLAN_KEY], output_args[SP_PLAN_KEY], output.logits[0].squeeze(-1)
     if sp_plan is not None:
@@ -331,7 +332,7 @@ def fsdp_prepare_model_outputs(original: Callable, tree_outputs: Callable) -> Ca
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         if PLAN_KEY not in output_args:
             return original(self, output, output_args, micro_batch, logits_processor_func)
-        return tree_outputs(output, output_args, micro_batch)
+        return tree_outputs(output, output_args, micro_batch, logits_processor_func)
 
     return prepare_model_outputs
 
@@ -349,6 +350,8 @@ def fsdp_forward_step(original: Callable) -> Callable:
         def call(batch_iter):
             batch = next(batch_iter)
             micro = current_micro_batch()
+            if micro is not None:  # the distillation logits processor, for the tree path's refusal
+                micro.loss_function = loss_function
             if micro is not None and micro.schedule_step is not None:
                 result = fsdp_schedule_step(self, micro, batch, loss_function, forward_only)
             else:
@@ -382,9 +385,9 @@ def fsdp_schedule_refusal(engine, data) -> str | None:
         return "use_fused_kernels=True (verl's fused forward runs no schedule step)"
     if is_vision_batch(data):
         return "vision-language inputs"
-    reason = fsdp_batch_refusal(engine, data)
-    if reason is None and not _is_value_engine(engine):
-        reason = lm_schedule_refusal(data)
+    reason = None if _is_value_engine(engine) else lm_schedule_refusal(data)
+    if reason is None:
+        reason = fsdp_batch_refusal(engine, data)
     return reason if reason is not None else hf_schedule_refusal(engine.module)
 
 
