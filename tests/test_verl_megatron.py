@@ -377,7 +377,9 @@ def test_tree_path_serves_padded_bshd_configs(env):
 
 def test_tensor_parallel_2_matches_stock(tmp_path):
     """TP=2 under torchrun (gloo): vocab-parallel log-probs / entropy, TP-multiple padding of
-    the packed rows, ppo loss and every rank's gradients equal verl's stock path."""
+    the packed rows, ppo loss and every rank's gradients equal verl's stock path; so do
+    ``sum_pi_squared`` and top-k distillation (vocab-parallel top-k ids, teacher ids in either
+    shard) with per-sample temperatures, their loss and gradients."""
     import json
     import os
     import subprocess
@@ -395,6 +397,9 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
         np.testing.assert_allclose(rep["loss"][1], rep["loss"][0], rtol=RTOL)
         assert rep["grads"] <= 1e-5 * max(1.0, rep["grad_scale"]), rep
         assert rep["tokens"][1] < rep["tokens"][0], rep
+        assert max(rep["stats"].values()) < 1e-5 and rep["distill_tokens"][1] < rep["distill_tokens"][0], rep
+        np.testing.assert_allclose(rep["distill_loss"][1], rep["distill_loss"][0], rtol=RTOL)
+        assert rep["distill_grads"] <= 1e-5 * max(1.0, rep["distill_grad_scale"]), rep
 
 
 # ----------------------------------------------------------------------------- fallbacks

@@ -325,7 +325,8 @@ def with_statistics(data, seed: int, distillation: bool = True, k: int = TOPK):
     offsets = data["input_ids"].offsets()
     n = int(offsets[-1])
     ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:k] for _ in range(n)])
-    logps = torch.log_softmax(2.0 * torch.randn(n, VOCAB, generator=gen), -1).topk(k, -1).values
+    # a teacher's log-probs at those ids: some below the tests' clamp of -5, some above
+    logps = torch.log_softmax(2.0 * torch.randn(n, VOCAB, generator=gen), -1).gather(1, ids)
     data["teacher_ids"] = torch.nested.nested_tensor_from_jagged(ids, offsets=offsets)
     data["teacher_logprobs"] = torch.nested.nested_tensor_from_jagged(logps, offsets=offsets)
     data["token_weight"] = torch.nested.nested_tensor_from_jagged(torch.randn(n, generator=gen), offsets=offsets)
