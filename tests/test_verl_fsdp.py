@@ -346,7 +346,7 @@ def test_topk_distillation_and_sum_pi_squared_match_stock(impl, workload, temper
     data = with_statistics(_batch(workload, 21, temperature=0.8, use_remove_padding=remove_padding), seed=21)
     if temperature == "per-sample":
         data["temperature"] = sample_temperatures(data.batch_size[0], seed=21)
-    loss = distillation_loss(_actor_config(), clamp)
+    loss = distillation_loss(_actor_config(), data, clamp)
     keys = ("log_probs", "entropy", "sum_pi_squared") + DISTILLATION_KEYS
     tree = _assert_training_matches_stock(impl, make_model(seed=2), data, _setting(MODES[workload]), loss, keys=keys)
     n, t = step_tokens(tree)
@@ -375,11 +375,11 @@ def test_row_statistics_refusals_name_the_option(impl):
     log-probs and entropy only)."""
     engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), _setting("arbitrary_prefix"))
     data = with_statistics(_batch("tree", 23), seed=23)
-    assert fsdp_glue.fsdp_batch_refusal(engine, data, distillation_loss(_actor_config())) is None
+    assert fsdp_glue.fsdp_batch_refusal(engine, data, distillation_loss(_actor_config(), data)) is None
     assert "other than verl's distillation_ppo_loss" in fsdp_glue.fsdp_batch_refusal(engine, data, _ppo())
     fsdp2 = _actor_config()
     object.__setattr__(fsdp2, "strategy", "fsdp2")
-    assert "strategy 'fsdp2'" in fsdp_glue.fsdp_batch_refusal(engine, data, distillation_loss(fsdp2))
+    assert "strategy 'fsdp2'" in fsdp_glue.fsdp_batch_refusal(engine, data, distillation_loss(fsdp2, data))
     assert "calculate_sum_pi_squared" in fsdp_glue._fused_refusal(engine, data)
     data = with_statistics(_batch("tree", 23), seed=23, distillation=False)
     assert "calculate_sum_pi_squared" in fsdp_glue.fsdp_schedule_refusal(engine, data)

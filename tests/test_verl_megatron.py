@@ -235,7 +235,7 @@ def test_topk_distillation_and_sum_pi_squared_match_stock(env, workload, tempera
     if temperature == "per-sample":
         data["temperature"] = sample_temperatures(data.batch_size[0], seed=21)
     keys = ("log_probs", "entropy", "sum_pi_squared") + DISTILLATION_KEYS
-    _assert_training_matches_stock(impl, model, data, _setting(MODES[workload]), distillation_loss(_actor_config(), clamp), keys)
+    _assert_training_matches_stock(impl, model, data, _setting(MODES[workload]), distillation_loss(_actor_config(), data, clamp), keys)
 
 
 def test_sum_pi_squared_log_prob_pass_and_gradients_match_stock(env):
@@ -263,7 +263,7 @@ def test_row_statistics_refusals_name_the_option(env):
     rng = np.random.default_rng(23)
     data = with_statistics(make_batch(WORKLOADS["tree"](rng), rng), seed=23)
     args = {"logits_processor": lambda *a, **k: None}
-    assert glue.megatron_batch_refusal(model, args, data, distillation_loss(_actor_config())) is None
+    assert glue.megatron_batch_refusal(model, args, data, distillation_loss(_actor_config(), data)) is None
     assert "other than verl's distillation_ppo_loss" in glue.megatron_batch_refusal(model, args, data, _ppo())
     assert "calculate_sum_pi_squared" in lm_schedule_refusal(data)
 

@@ -334,15 +334,24 @@ def with_statistics(data, seed: int, distillation: bool = True, k: int = TOPK):
     return data
 
 
-def distillation_loss(actor_config, clamp: float | None = -5.0, k: int = TOPK):
+def distillation_loss(actor_config, data, clamp: float | None = -5.0, k: int = TOPK):
     """verl's ``distillation_ppo_loss`` (PPO plus forward-KL top-k distillation), as verl's
     workers build it when distillation is on; the engine also calls it as the logits processor.
-    ``clamp``: ``log_prob_min_clamp`` (-5 cuts some of the tiny vocab's log-probs, not all)."""
+    ``clamp``: ``log_prob_min_clamp`` (-5 cuts some of the tiny vocab's log-probs, not all).
+
+    verl's distillation term reads ``actor_config.global_batch_info`` before its PPO term sets
+    it from the micro-batch, so on a fresh config the first micro-batch is normalised by its own
+    tokens (then by the global count): the config is primed with ``data``'s global counts, as
+    after verl's first micro-batch, so runs with different micro-batches compare."""
     from functools import partial
 
     from verl.trainer.distillation.losses import distillation_ppo_loss
     from verl.workers.config import DistillationConfig, DistillationLossConfig
 
+    actor_config.global_batch_info.update(
+        dp_size=1, batch_num_tokens=int(data["loss_mask"].sum()), global_batch_size=len(data["input_ids"]),
+        loss_scale_factor=actor_config.loss_scale_factor,
+    )
     loss_config = DistillationLossConfig(loss_mode="forward_kl_topk", topk=k, use_policy_gradient=False,
                                          log_prob_min_clamp=clamp)
     return partial(distillation_ppo_loss, config=actor_config,

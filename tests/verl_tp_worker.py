@@ -45,7 +45,7 @@ def main(out_path: str) -> None:
     # per-sample temperatures
     distill_data = with_statistics(data.clone(), seed=12)
     distill_data["temperature"] = sample_temperatures(distill_data.batch_size[0], seed=12)
-    distill_fn = distillation_loss(_Actor(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01))
+    distill_fn = distillation_loss(_Actor(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01), distill_data)
     stat_keys = ("sum_pi_squared",) + DISTILLATION_KEYS
     results = {}
     for name, patched in (("stock", False), ("tree", True)):
