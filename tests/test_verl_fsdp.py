@@ -370,7 +370,7 @@ def test_sum_pi_squared_log_prob_pass_and_gradients_match_stock(impl):
 def test_row_statistics_refusals_name_the_option(impl):
     """What the tree path cannot compute falls back by name: top-k distillation behind a logits
     processor other than verl's ``distillation_ppo_loss`` or a strategy verl's top-k loss does
-    not dispatch, and both statistics under fused kernels (verl's fused forward refuses Σπ² and
+    not dispatch, and both statistics under fused kernels (verl's fused forward refuses calculate_sum_pi_squared and
     computes distillation only in VeOmni's kernels). A schedule refuses them (its calls return
     log-probs and entropy only)."""
     engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), _setting("arbitrary_prefix"))

@@ -163,16 +163,6 @@ def sp_token_statistics(
     return stats.map(combine)
 
 
-def sp_token_logprobs(
-    logits: torch.Tensor, sp_plan: SequenceParallelPlan, temperature: float | torch.Tensor = 1.0,
-    compute_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`ps_mcore.token_logprobs` from this SP rank's logits ``[c, V]``
-    (:func:`sp_token_statistics` without the other statistics)."""
-    stats = sp_token_statistics(logits, sp_plan, temperature, compute_entropy)
-    return stats.logprobs, stats.entropy
-
-
 def sp_gather_rows(x: torch.Tensor, sp_plan: SequenceParallelPlan) -> torch.Tensor:
     """``[c, ...]`` this rank's rows -> ``[T, ...]`` every row in plan order, on every rank
     (backward: this rank's rows of the gradient, times the SP size)."""

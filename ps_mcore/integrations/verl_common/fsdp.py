@@ -12,9 +12,10 @@ metrics) runs unchanged around them:
   :mod:`ps_mcore.fsdp_bridge` reads (FSDP2's input cast of verl's mixed-precision policy
   passes it through unchanged). The model's decoder is switched to that attention on first
   use (unshared calls keep its own one; the patchset's uninstall switches it back).
-* ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
-  :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature (one float, or per
-  sample: a shared row is normalised once per distinct temperature); value head (token
+* ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` / ``sum_pi_squared`` / the
+  top-k distillation outputs through :func:`ps_mcore.logprobs.token_statistics` and
+  :mod:`~ps_mcore.integrations.verl_common.statistics` with verl's temperature (one float, or
+  per sample: a shared row is normalised once per distinct temperature); value head (token
   classification, ``num_labels=1``) -> ``values``. Both as jagged tensors with
   ``input_ids``'s offsets, row t holding the value for token t+1 (log-probs) or token t
   (values), as verl's stock code returns them. The last row of every sequence predicts
@@ -31,13 +32,13 @@ replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl_common
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
-rule) and for what the tree path does not support: ``calculate_sum_pi_squared``,
-distillation top-k, position ids other than ``0..len-1``, active dropout of a training model
+rule) and for what the tree path does not support: top-k distillation behind a logits
+processor other than verl's ``distillation_ppo_loss``, position ids other than ``0..len-1``, active dropout of a training model
 (attention dropout always; residual / classifier / LoRA dropouts unless
 ``prefix_grouper.shared_dropout``), trl value-head wrappers, engine subclasses that override
 these seams (VeOmni), VLM inputs other than Qwen2-VL / Qwen2.5-VL images, and fused kernels
 without ``use_remove_padding``, behind a model's own fused forward (the VLM ones), with a
-temperature tensor or with Ulysses SP. When a whole batch is known to fall back (fused kernels
+temperature tensor, with Ulysses SP, ``calculate_sum_pi_squared`` or top-k distillation. When a whole batch is known to fall back (fused kernels
 without remove-padding), micro-batching stays verl's, so the stock forward keeps the raw-token
 budget it was sized for.
 

@@ -7,9 +7,10 @@ micro-batch the wrapper plans the nested ``input_ids`` (prompt lengths and ``uid
 :class:`~ps_mcore.layer_specs.TreePackedSeqParams`, and turns the packed output into
 verl's jagged tensors (same offsets, row t holds the value for token t+1):
 
-* LM head: ``log_probs`` and ``entropy`` through :func:`ps_mcore.logprobs.token_logprobs`
-  (temperature divides the logits first, vocab-parallel over the TP group), as verl's
-  ``logits_processor`` does. The last row of every sequence predicts nothing; verl's
+* LM head: ``log_probs``, ``entropy``, ``sum_pi_squared`` and the top-k distillation outputs
+  through :func:`ps_mcore.logprobs.token_statistics` and
+  :mod:`~ps_mcore.integrations.verl_common.statistics` (temperature divides the logits first,
+  vocab-parallel over the TP group), as verl's ``logits_processor`` does. The last row of every sequence predicts nothing; verl's
   losses never read it (``no_padding_2_padding`` slices ``[off-resp-1, off-1)``) and the
   tree path returns 0 there.
 * value head: ``values`` [N] per token.
@@ -22,7 +23,7 @@ mrope positions (:func:`vision_tree_inputs`).
 Model parallelism: TP (+SP) pads the packed rows to a multiple of TP; context parallelism
 pads them to ``2*cp*tp`` and feeds this CP rank its 2*cp chunks of the rows
 (``TreePackedSeqParams.from_plan(..., cp_size, cp_rank)``, ``cp_shard``); log-probs and
-entropy come from :func:`~ps_mcore.layer_specs.cp_token_logprobs` (each CP rank normalises
+entropy come from :func:`~ps_mcore.layer_specs.cp_token_statistics` (each CP rank normalises
 its own rows, then the ``[N]`` results are summed over CP), values from
 :func:`~ps_mcore.layer_specs.gather_cp_rows`; gradients follow verl's stock rule (each CP
 rank's loss reaches only its own rows). Pipeline stages (PP, VPP) each plan the micro-batches
@@ -36,7 +37,8 @@ context parallelism (``local_cp_size``), VLM inputs other than a Megatron-Bridge
 images (videos, mbridge's VLM models, a VLM under CP / PP / SP), MTP training outside what
 :mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE MTP layers), FP8 attention or
 FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
-:mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k, active
+:mod:`ps_mcore.layer_specs.fp8`), top-k distillation behind a logits processor other than
+verl's ``distillation_ppo_loss``, active
 dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unless
 ``prefix_grouper.shared_dropout``; attention dropout always), and in verl 0.9.1 ``pad_to_length``
 buckets, the contiguous CP layout and distillation-only passes. Per-sample temperatures run on

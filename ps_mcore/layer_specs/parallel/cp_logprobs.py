@@ -57,7 +57,8 @@ def cp_token_statistics(
     if isinstance(temperature, torch.Tensor):  # this rank's tokens' temperatures
         temperature = token_temperatures(plan, temperature)[layout.token_index.cpu()]
     if statistics.get("label_ids") is not None:  # this rank's tokens' ids
-        statistics["label_ids"] = statistics["label_ids"].index_select(0, layout.token_index.to(statistics["label_ids"].device))
+        ids = statistics["label_ids"]
+        statistics["label_ids"] = ids.index_select(0, layout.token_index.to(ids.device))
     stats = token_statistics(logits, local_token_rows(plan, layout), temperature, compute_entropy, tp_group, **statistics)
 
     def combine(x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +69,11 @@ def cp_token_statistics(
 
 
 def cp_token_logprobs(
-    logits: torch.Tensor,
-    packed_seq_params,
-    temperature: float | torch.Tensor = 1.0,
-    compute_entropy: bool = False,
-    tp_group=None,
-    cp_group=None,
+    logits: torch.Tensor, packed_seq_params, temperature: float | torch.Tensor = 1.0, compute_entropy: bool = False,
+    **groups,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`ps_mcore.token_logprobs` from this CP rank's logits (:func:`cp_token_statistics`
-    without the other statistics): ``logprobs [N]`` and ``entropy [N]`` or None."""
-    stats = cp_token_statistics(logits, packed_seq_params, temperature, compute_entropy, tp_group, cp_group)
+    without the other statistics; ``groups``: its ``tp_group`` / ``cp_group``): ``logprobs [N]``
+    and ``entropy [N]`` or None."""
+    stats = cp_token_statistics(logits, packed_seq_params, temperature, compute_entropy, **groups)
     return stats.logprobs, stats.entropy
