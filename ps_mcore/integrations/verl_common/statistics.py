@@ -37,6 +37,24 @@ def _distillation_loss_parts(loss_function):
     return keywords["config"], keywords["distillation_config"]
 
 
+@functools.lru_cache(maxsize=None)
+def _topk_loss_dispatches(strategy) -> bool:
+    """Whether the installed verl's ``compute_topk_loss`` has a top-k loss for ``strategy``
+    (0.8.0: fsdp, veomni, megatron; 0.9.1 adds fsdp2); else it raises NotImplementedError,
+    before reading its other arguments."""
+    from types import SimpleNamespace
+
+    from verl.trainer.distillation.losses import compute_topk_loss
+
+    try:
+        compute_topk_loss(SimpleNamespace(strategy=strategy), None, None, None, None)
+    except NotImplementedError:
+        return False
+    except Exception:  # it went on to the loss, which then failed on the missing arguments
+        return True
+    return True
+
+
 def topk_distillation_refusal(batch, loss_function) -> str | None:
     """Why a micro-batch's top-k distillation cannot run on the tree (None: it can, or the
     batch asks for none)."""
@@ -47,7 +65,7 @@ def topk_distillation_refusal(batch, loss_function) -> str | None:
         return ("distillation top-k with a logits processor other than verl's distillation_ppo_loss "
                 "is not supported")
     strategy = getattr(parts[0], "strategy", None)
-    if strategy not in ("fsdp", "veomni", "megatron"):  # those verl's compute_topk_loss dispatches
+    if not _topk_loss_dispatches(strategy):
         return f"distillation top-k under actor strategy {strategy!r} is not supported"
     if "teacher_ids" not in batch.keys() or "teacher_logprobs" not in batch.keys():
         return "distillation top-k without the batch's teacher_ids / teacher_logprobs"
@@ -92,7 +110,7 @@ class TopKDistillation:
             batch["teacher_logprobs"].values(),
             batch["teacher_ids"].values(),
             distillation_config.distillation_loss.log_prob_min_clamp,
-            config.strategy == "megatron",
+            config.strategy == "megatron",  # verl's Megatron loss; its FSDP one for the others
         )
 
     @property
