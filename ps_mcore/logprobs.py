@@ -1,8 +1,10 @@
-"""Per-token log-probabilities and entropy from packed LM-head logits.
+"""Per-token log-probabilities and per-row statistics (entropy, sum of squared
+probabilities, log-probs of given token ids, top-k ids) from packed LM-head logits.
 
 Every packed row is normalised once (a branch-point row predicting k different next tokens
-computes its logsumexp and entropy once) and each original token then reads one label logit,
-so no ``[N, V]`` tensor exists. Vocab-parallel shards (Megatron TP) combine through two
+computes its logsumexp, entropy and sum of squared probabilities once) and each original
+token then reads its row's statistics and its own label logits, so no ``[N, V]`` tensor
+exists. Vocab-parallel shards (Megatron TP) combine through two
 all-reduces per chunk, as Megatron's vocab-parallel cross entropy does. Backward recomputes
 the softmax chunk by chunk from the saved logits: peak extra memory is one fp32 chunk.
 """
@@ -126,48 +128,56 @@ def scored_rows(plan: "TreePlan | TokenRows", temperature: float | torch.Tensor 
 
 
 class _RowStats(torch.autograd.Function):
-    """logits ``[T, V_local]`` -> (logsumexp ``[P]``, entropy ``[P]``, label logit ``[R]``) of
+    """logits ``[T, V_local]`` -> (logsumexp ``[P]``, entropy ``[P]``, sum of squared
+    probabilities ``[P]`` (``[0]`` unless ``want_sq``), label logit ``[R]``) of
     ``logits[row] / temperature`` per scored pair, for label pairs (pair ``label_pairs[i]``,
     global vocab id ``labels[i]``). A row scored at several temperatures gets the sum of its
     pairs' gradients (summed in fp32)."""
 
     @staticmethod
-    def forward(ctx, logits, scored, label_pairs, labels, vocab_start, group):
+    def forward(ctx, logits, scored, label_pairs, labels, vocab_start, group, want_sq=False):
         v_local = logits.size(1)
         ctx.acc = acc = torch.promote_types(logits.dtype, torch.float32)
         lse = torch.empty(scored.num_pairs, dtype=acc, device=logits.device)
         ent = torch.empty_like(lse)
+        sq = torch.empty(scored.num_pairs if want_sq else 0, dtype=acc, device=logits.device)
         for a, b, pa, pb in scored.chunks(v_local):
             z = _scaled(logits, scored, a, b, pa, pb, acc)
             zmax = _all_reduce(z.max(-1).values, dist.ReduceOp.MAX, group)
             e = torch.exp(z - zmax[:, None])
-            sums = _all_reduce(torch.stack([e.sum(-1), (e * z).sum(-1)]), dist.ReduceOp.SUM, group)
+            parts = [e.sum(-1), (e * z).sum(-1)] + ([(e * e).sum(-1)] if want_sq else [])
+            sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group)
             lse[pa:pb] = zmax + torch.log(sums[0])
             ent[pa:pb] = lse[pa:pb] - sums[1] / sums[0]  # H = lse - E_p[z]
+            if want_sq:
+                sq[pa:pb] = sums[2] / sums[0] ** 2  # sum_v p_v^2
         local = labels - vocab_start
         in_shard = (local >= 0) & (local < v_local)
         label_rows = label_pairs if scored.rows is None else scored.rows[label_pairs]
         picked = logits[label_rows, local.clamp(0, v_local - 1)].to(acc)
         picked = picked / _pair_temperature(scored, label_pairs, acc)
         label_logit = _all_reduce(torch.where(in_shard, picked, 0.0), dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(logits, label_pairs, local, in_shard, lse, ent)
-        ctx.scored = scored
-        return lse, ent, label_logit
+        ctx.save_for_backward(logits, label_pairs, local, in_shard, lse, ent, sq)
+        ctx.scored, ctx.want_sq = scored, want_sq
+        return lse, ent, sq, label_logit
 
     @staticmethod
-    def backward(ctx, g_lse, g_ent, g_label):
-        logits, label_pairs, local, in_shard, lse, ent = ctx.saved_tensors
+    def backward(ctx, g_lse, g_ent, g_sq, g_label):
+        logits, label_pairs, local, in_shard, lse, ent, sq = ctx.saved_tensors
         scored, acc = ctx.scored, ctx.acc
         v_local = logits.size(1)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
         g_ent = torch.zeros_like(ent) if g_ent is None else g_ent
+        g_sq = g_sq if ctx.want_sq else None
         g_label = torch.where(in_shard, g_label, 0.0) if g_label is not None else None
         for a, b, pa, pb in scored.chunks(v_local):
             z = _scaled(logits, scored, a, b, pa, pb, acc)
             p = torch.exp(z - lse[pa:pb, None])
             # d lse / dz = p;  d H / dz = -p (z - lse + H);  d z[label] / dz = one-hot
             dz = p * (g_lse[pa:pb, None] - g_ent[pa:pb, None] * (z - lse[pa:pb, None] + ent[pa:pb, None]))
+            if g_sq is not None:  # d sum_v p_v^2 / dz = 2 p (p - sum_v p_v^2)
+                dz += 2 * g_sq[pa:pb, None] * p * (p - sq[pa:pb, None])
             if g_label is not None:
                 # Every label adds into this chunk, those outside it (or the shard) add 0 at a
                 # clamped index: no boolean-mask select, so no device sync per chunk.
@@ -178,7 +188,30 @@ class _RowStats(torch.autograd.Function):
             if scored.rows is not None:  # a row's pairs sum in fp32 before the cast
                 dz = dz.new_zeros(b - a, v_local).index_add_(0, scored.rows[pa:pb] - a, dz)
             grad[a:b] = dz.to(grad.dtype)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
+
+
+@torch.no_grad()
+def _pair_topk(logits, scored: ScoredRows, lse: torch.Tensor, k: int, vocab_start: int, group) -> torch.Tensor:
+    """``[P, k]`` global vocab ids of each pair's ``k`` largest log-probabilities (descending;
+    vocab-parallel shards: each shard's top-k, all-gathered, then the top-k of those)."""
+    v_local = logits.size(1)
+    ids = torch.empty(scored.num_pairs, k, dtype=torch.long, device=logits.device)
+    world = dist.get_world_size(group) if group is not None else 1
+    for a, b, pa, pb in scored.chunks(v_local):
+        logp = _scaled(logits, scored, a, b, pa, pb, lse.dtype) - lse[pa:pb, None]
+        values, local_ids = torch.topk(logp, k=min(k, v_local), dim=-1)
+        local_ids = local_ids + vocab_start
+        if world > 1:
+            all_values = [torch.empty_like(values) for _ in range(world)]
+            all_ids = [torch.empty_like(local_ids) for _ in range(world)]
+            dist.all_gather(all_values, values, group=group)
+            dist.all_gather(all_ids, local_ids, group=group)
+            values, local_ids = torch.cat(all_values, -1), torch.cat(all_ids, -1)
+            positions = torch.topk(values, k=k, dim=-1).indices
+            local_ids = torch.gather(local_ids, -1, positions)
+        ids[pa:pb] = local_ids
+    return ids
 
 
 def _chunk_temperature(scored: ScoredRows, pa: int, pb: int, acc) -> float | torch.Tensor:
@@ -316,14 +349,48 @@ class LocalTokenRows:
         )
 
 
-def token_logprobs(
+@dataclass(frozen=True)
+class TokenStatistics:
+    """Per original token, statistics of its predictive distribution (``logits[row] /
+    temperature`` of the packed row it reads); the fields not asked for are None.
+
+    Shapes: ``N`` original tokens, ``K`` ids per token.
+
+    Attributes:
+        logprobs: ``[N]`` log-probability of the token's successor (0 at each sequence's last
+            token, which predicts nothing).
+        entropy: ``[N]`` entropy.
+        sum_pi_squared: ``[N]`` ``sum_v p(v)^2``.
+        label_logprobs: ``[N, K]`` log-probability of each of the ids asked for
+            (``label_ids[n, k]``).
+        topk_ids: ``[N, K]`` the ids of the ``K`` most probable tokens, descending (no grad).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
+    label_logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+
+    def map(self, fn) -> "TokenStatistics":
+        """``fn`` applied to every field present (each is indexed by token along dim 0)."""
+        fields = (self.logprobs, self.entropy, self.sum_pi_squared, self.label_logprobs, self.topk_ids)
+        return TokenStatistics(*(None if x is None else fn(x) for x in fields))
+
+
+def token_statistics(
     logits: torch.Tensor,
     plan: TreePlan | TokenRows,
     temperature: float | torch.Tensor = 1.0,
     compute_entropy: bool = False,
     tp_group=None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probability of each original token's successor, from packed logits.
+    *,
+    compute_sum_pi_squared: bool = False,
+    label_ids: torch.Tensor | None = None,
+    topk: int = 0,
+) -> TokenStatistics:
+    """Log-probability of each original token's successor and statistics of its predictive
+    distribution, from packed logits: every (row, temperature) pair is normalised once.
 
     Args:
         logits: ``[T, V_local]`` packed LM-head output (a vocab-parallel shard under TP; rows
@@ -332,12 +399,15 @@ def token_logprobs(
         temperature: logits are divided by it first (as verl does): one float, or a tensor
             ``[B]`` per sample (batch order) or ``[N]`` per token. A shared row is normalised
             once per distinct temperature among the samples that hold it.
-        compute_entropy: also return the entropy of each token's predictive distribution.
+        compute_entropy: also the entropy of each token's predictive distribution.
         tp_group: the tensor-parallel group holding the vocab shards (None: full vocab here).
+        compute_sum_pi_squared: also ``sum_v p(v)^2`` per token.
+        label_ids: ``[N, K]`` global vocab ids per token whose log-probabilities to return
+            (e.g. a teacher's top-k ids for distillation); differentiable like ``logprobs``.
+        topk: also the ids of each token's ``topk`` most probable tokens (0: no).
 
     Returns:
-        ``logprobs [N]`` (float32, or float64 for float64 logits) with ``logprobs[n] = log p(token n+1 | tokens <= n)`` in its
-        sequence (0 at each sequence's last token), and ``entropy [N]`` or None.
+        :class:`TokenStatistics`; float32 (float64 for float64 logits).
     """
     if logits.dim() != 2 or logits.size(0) < plan.num_tokens:
         raise ValueError(
@@ -352,12 +422,57 @@ def token_logprobs(
             f"token id {plan.max_token_id} is outside the vocab of the logits (V={vocab}); "
             "pass the full (or TP-sharded) LM-head output"
         )
+    if topk > vocab:
+        raise ValueError(f"topk={topk} is larger than the vocab of the logits (V={vocab})")
     plan = plan.to(logits.device)
     scored = scored_rows(plan, temperature).to(logits.device)  # pairs built on the plan's host copy
     logits = logits[: plan.num_tokens]
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
     vocab_start = rank * logits.size(1)
-    pairs = scored.token_pair
-    lse, ent, label_logit = _RowStats.apply(logits, scored, pairs, plan.next_token_ids, vocab_start, tp_group)
-    logprobs = torch.where(plan.next_token_mask, label_logit - lse[pairs], 0.0)
-    return logprobs, (ent[pairs] if compute_entropy else None)
+    pairs, labels = scored.token_pair, plan.next_token_ids
+    label_pairs = pairs
+    if label_ids is not None:
+        label_ids = _checked_label_ids(label_ids, pairs.numel(), vocab).to(logits.device)
+        k = label_ids.size(1)
+        labels = torch.cat([labels, label_ids.reshape(-1)])
+        label_pairs = torch.cat([pairs, pairs.repeat_interleave(k)])
+    lse, ent, sq, label_logit = _RowStats.apply(
+        logits, scored, label_pairs, labels, vocab_start, tp_group, compute_sum_pi_squared
+    )
+    n = pairs.numel()
+    token_lse = lse[pairs]
+    logprobs = torch.where(plan.next_token_mask, label_logit[:n] - token_lse, 0.0)
+    return TokenStatistics(
+        logprobs,
+        entropy=ent[pairs] if compute_entropy else None,
+        sum_pi_squared=sq[pairs] if compute_sum_pi_squared else None,
+        label_logprobs=None if label_ids is None else label_logit[n:].view(n, -1) - token_lse[:, None],
+        topk_ids=None if topk <= 0 else _pair_topk(logits, scored, lse.detach(), topk, vocab_start, tp_group)[pairs],
+    )
+
+
+def _checked_label_ids(label_ids: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
+    if label_ids.dim() != 2 or label_ids.size(0) != n:
+        raise ValueError(f"label_ids must be [N={n}, K] per token, got {tuple(label_ids.shape)}")
+    if label_ids.numel() and (int(label_ids.min()) < 0 or int(label_ids.max()) >= vocab):
+        raise ValueError(f"label_ids must be token ids in [0, {vocab}), got ids in "
+                         f"[{int(label_ids.min())}, {int(label_ids.max())}]")
+    return label_ids.long()
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    plan: TreePlan | TokenRows,
+    temperature: float | torch.Tensor = 1.0,
+    compute_entropy: bool = False,
+    tp_group=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each original token's successor, from packed logits
+    (:func:`token_statistics` without the other statistics).
+
+    Returns:
+        ``logprobs [N]`` (float32, or float64 for float64 logits) with ``logprobs[n] = log p(token n+1 | tokens <= n)`` in its
+        sequence (0 at each sequence's last token), and ``entropy [N]`` or None.
+    """
+    stats = token_statistics(logits, plan, temperature, compute_entropy, tp_group)
+    return stats.logprobs, stats.entropy

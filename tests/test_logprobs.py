@@ -166,3 +166,78 @@ def test_labelled_rows_scored_one_label_per_row_equal_token_logprobs(name, seqs)
     ((w[0] * lp).sum() + (w[1] * ent).sum()).backward()
     ((w[0] * ref_lp).sum() + (w[1] * ref_ent).sum()).backward()
     torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-10, atol=1e-10)
+
+
+def _statistics_reference(plan, logits, seqs, temps, ids, k):
+    """Per sequence, on its own unpacked rows ``x / t``: ``sum_v p^2``, the log-probs at
+    ``ids`` (``[N, K]``, batch order) and the ``k`` largest log-probs' ids."""
+    rows = torch.split(plan.unpack(logits), [len(s) for s in seqs])
+    logp = torch.cat([torch.log_softmax(x / t, dim=-1) for x, t in zip(rows, temps)])
+    return (logp.exp() ** 2).sum(-1), logp.gather(1, ids), logp.topk(k, dim=-1).indices
+
+
+@pytest.mark.parametrize("temperature", ["one", "per-sample"])
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("name, seqs", _cases(), ids=[c[0] for c in _cases()])
+def test_row_statistics_match_per_sequence_softmax(monkeypatch, name, seqs, dtype, temperature):
+    """``token_statistics``' sum of squared probabilities, log-probs at given ids (each token
+    its own ids, so tokens of a shared row read different ones) and top-k ids equal the
+    per-sequence softmax, with one temperature or per-sample ones (a shared row normalised once
+    per distinct temperature); gradients of a per-sample weighted loss on every output too.
+    Chunks of 2 rows, so a row's pairs meet chunk boundaries."""
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 2 * VOCAB)
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    rng = np.random.default_rng(len(name))
+    given = torch.tensor(_sample_temperatures(len(seqs), rng)) if temperature == "per-sample" else 0.7  # float32, as verl's
+    temps = given.tolist() if temperature == "per-sample" else [0.7] * len(seqs)
+    gen = torch.Generator().manual_seed(len(name) + 3)
+    tol, grad_tol = TOLERANCES[dtype]
+    n, k = plan.num_input_tokens, 4
+    ids = torch.randint(0, VOCAB, (n, k), generator=gen)
+    logits = (3.0 * torch.randn(plan.num_tokens, VOCAB, generator=gen, dtype=dtype)).requires_grad_()
+    ref_logits = logits.detach().clone().requires_grad_()
+    stats = logprobs.token_statistics(
+        logits, plan, given, compute_entropy=True, compute_sum_pi_squared=True, label_ids=ids, topk=k
+    )
+    ref_sq, ref_at_ids, ref_topk = _statistics_reference(plan, ref_logits, seqs, temps, ids, k)
+    ref_lp, ref_ent = _reference(plan, ref_logits, seqs, temps)
+    assert stats.sum_pi_squared.dtype == stats.label_logprobs.dtype == dtype
+    torch.testing.assert_close(stats.sum_pi_squared, ref_sq, rtol=tol, atol=tol)
+    torch.testing.assert_close(stats.label_logprobs, ref_at_ids, rtol=tol, atol=tol)
+    assert torch.equal(stats.topk_ids, ref_topk)
+    torch.testing.assert_close(stats.logprobs, ref_lp, rtol=tol, atol=tol)
+    torch.testing.assert_close(stats.entropy, ref_ent, rtol=tol, atol=tol)
+    w = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(3)] + [torch.randn(n, k, generator=gen, dtype=dtype)]
+
+    def loss(lp, ent, sq, at_ids):
+        return (w[0] * lp).sum() + (w[1] * ent).sum() + (w[2] * sq).sum() + (w[3] * at_ids).sum()
+
+    loss(stats.logprobs, stats.entropy, stats.sum_pi_squared, stats.label_logprobs).backward()
+    loss(ref_lp, ref_ent, ref_sq, ref_at_ids).backward()
+    scale = float(ref_logits.grad.abs().max())
+    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=grad_tol, atol=grad_tol * scale)
+
+
+def test_sum_pi_squared_gradient_alone_matches():
+    """Only ``sum_pi_squared`` carries a gradient (the other outputs' gradients are None)."""
+    seqs = nasty_forests(1)["tree"]
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    logits = torch.randn(plan.num_tokens, VOCAB, dtype=torch.float64, requires_grad=True)
+    ref_logits = logits.detach().clone().requires_grad_()
+    sq = logprobs.token_statistics(logits, plan, 1.3, compute_sum_pi_squared=True).sum_pi_squared
+    ref = torch.softmax(plan.unpack(ref_logits) / 1.3, -1).pow(2).sum(-1)
+    w = torch.randn(plan.num_input_tokens, dtype=torch.float64)
+    (w * sq).sum().backward()
+    (w * ref).sum().backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_statistics_refuse_ids_outside_the_vocab_and_a_topk_past_it():
+    plan = plan_prefix_tree([[1, 2, 3], [1, 2, 4], [5]], min_prefix_len=1)
+    logits = torch.randn(plan.num_tokens, 8)
+    with pytest.raises(ValueError, match=r"label_ids must be token ids in \[0, 8\)"):
+        logprobs.token_statistics(logits, plan, label_ids=torch.full((7, 2), 8))
+    with pytest.raises(ValueError, match=r"label_ids must be \[N=7, K\] per token"):
+        logprobs.token_statistics(logits, plan, label_ids=torch.zeros(6, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="topk=9 is larger than the vocab"):
+        logprobs.token_statistics(logits, plan, topk=9)

@@ -29,8 +29,8 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("fresh_warnings")  # each test sees its own one-time warnings
 
 from verl_batches import (  # noqa: E402
-    RTOL, VOCAB, WORKLOADS, add_value_targets, assert_grads, assert_outputs, long_units, make_batch,
-    sample_temperatures, step_tokens,
+    DISTILLATION_KEYS, RTOL, VOCAB, WORKLOADS, add_value_targets, assert_grads, assert_outputs, distillation_loss,
+    long_units, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, with_statistics,
 )
 from verl_helpers import fsdp_patchset  # noqa: E402
 
@@ -143,12 +143,16 @@ def _bit_identical(a, b, g_a=(), g_b=()):
     assert all(torch.equal(x, y) for x, y in zip(g_a, g_b))
 
 
-def _ppo(loss_agg_mode="token-mean"):
+def _actor_config(loss_agg_mode="token-mean"):
     from verl.workers.config import FSDPActorConfig
+
+    return FSDPActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, loss_agg_mode=loss_agg_mode)
+
+
+def _ppo(loss_agg_mode="token-mean"):
     from verl.workers.utils.losses import ppo_loss
 
-    cfg = FSDPActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, loss_agg_mode=loss_agg_mode)
-    return partial(ppo_loss, config=cfg)
+    return partial(ppo_loss, config=_actor_config(loss_agg_mode))
 
 
 
@@ -325,6 +329,63 @@ def test_per_sample_temperature_matches_stock(impl, workload, remove_padding):
     tree = _assert_training_matches_stock(impl, make_model(), data, _setting(MODES[workload]), _ppo())
     n, t = step_tokens(tree)
     assert t < n  # the tree path ran
+
+
+@pytest.mark.parametrize(
+    "workload, temperature, clamp, remove_padding",
+    [("grpo", "one", -5.0, True), ("stepwise", "per-sample", -5.0, False), ("tree", "one", None, True),
+     ("tree", "per-sample", -5.0, True)],
+)
+def test_topk_distillation_and_sum_pi_squared_match_stock(impl, workload, temperature, clamp, remove_padding):
+    """``calculate_sum_pi_squared`` and top-k distillation (verl's ``distillation_ppo_loss``:
+    forward KL on the teacher's top-k ids, each sample's own) run on the tree: every row
+    statistic once per (row, temperature) pair, each token its own teacher ids. Outputs, the
+    distillation + PPO loss and every gradient equal verl's stock logits processor."""
+    data = with_statistics(_batch(workload, 21, temperature=0.8, use_remove_padding=remove_padding), seed=21)
+    if temperature == "per-sample":
+        data["temperature"] = sample_temperatures(data.batch_size[0], seed=21)
+    loss = distillation_loss(_actor_config(), data, clamp)
+    keys = ("log_probs", "entropy", "sum_pi_squared") + DISTILLATION_KEYS
+    tree = _assert_training_matches_stock(impl, make_model(seed=2), data, _setting(MODES[workload]), loss, keys=keys)
+    n, t = step_tokens(tree)
+    assert t < n  # the tree path ran
+
+
+def test_sum_pi_squared_log_prob_pass_and_gradients_match_stock(impl):
+    """A log-prob pass with ``calculate_sum_pi_squared`` (what verl's trainer asks for the
+    optimal-baseline estimators) and a loss with a gradient through it, per-sample temperatures:
+    equal to stock."""
+    data = with_statistics(_batch("tree", 22), seed=22, distillation=False)
+    data["temperature"] = sample_temperatures(data.batch_size[0], seed=22)
+    model, setting = make_model(seed=3), _setting("arbitrary_prefix")
+    stock, _ = _run(impl, model, data, setting, False)
+    tree, _ = _run(impl, model, data, setting, True)
+    assert_outputs(stock, tree, ("log_probs", "entropy", "sum_pi_squared"))
+    assert step_tokens(tree)[1] < step_tokens(tree)[0]
+    _assert_training_matches_stock(impl, model, data, setting, sum_pi_squared_loss(_ppo()), keys=("sum_pi_squared",))
+
+
+def test_row_statistics_refusals_name_the_option(impl):
+    """What the tree path cannot compute falls back by name: top-k distillation behind a logits
+    processor other than verl's ``distillation_ppo_loss`` or a strategy the installed verl's top-k
+    loss does not dispatch, and both statistics under fused kernels (verl's fused forward refuses calculate_sum_pi_squared and
+    computes distillation only in VeOmni's kernels). A schedule refuses them (its calls return
+    log-probs and entropy only)."""
+    engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), _setting("arbitrary_prefix"))
+    data = with_statistics(_batch("tree", 23), seed=23)
+    assert fsdp_glue.fsdp_batch_refusal(engine, data, distillation_loss(_actor_config(), data)) is None
+    assert "other than verl's distillation_ppo_loss" in fsdp_glue.fsdp_batch_refusal(engine, data, _ppo())
+    other = _actor_config()
+    object.__setattr__(other, "strategy", "other")  # verl 0.8.0 also refuses fsdp2 there, 0.9.1 not
+    assert "strategy 'other'" in fsdp_glue.fsdp_batch_refusal(engine, data, distillation_loss(other, data))
+    assert "calculate_sum_pi_squared" in fsdp_glue._fused_refusal(engine, data)
+    data = with_statistics(_batch("tree", 23), seed=23, distillation=False)
+    assert "calculate_sum_pi_squared" in fsdp_glue.fsdp_schedule_refusal(engine, data)
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor(data, calculate_sum_pi_squared=False, distillation_use_topk=True)
+    assert "distillation_use_topk" in fsdp_glue.fsdp_schedule_refusal(engine, data)
+    assert "distillation top-k" in fsdp_glue._fused_refusal(engine, data)
 
 
 def _dropout_model(seed: int = 0) -> torch.nn.Module:

@@ -23,8 +23,9 @@ pytest.importorskip("megatron.core")
 
 from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
 from verl_batches import (  # noqa: E402
-    RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func, engine_shell,
-    make_batch, sample_temperatures, step_tokens, tiny_critic,
+    DISTILLATION_KEYS, RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func,
+    distillation_loss, engine_shell, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, tiny_critic,
+    with_statistics,
 )
 from verl_helpers import megatron_patchset  # noqa: E402
 
@@ -84,12 +85,16 @@ def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=
 
 
 
-def _ppo(loss_agg_mode="token-mean"):
+def _actor_config(loss_agg_mode="token-mean"):
     from verl.workers.config import McoreActorConfig
+
+    return McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, loss_agg_mode=loss_agg_mode)
+
+
+def _ppo(loss_agg_mode="token-mean"):
     from verl.workers.utils.losses import ppo_loss
 
-    cfg = McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, loss_agg_mode=loss_agg_mode)
-    return partial(ppo_loss, config=cfg)
+    return partial(ppo_loss, config=_actor_config(loss_agg_mode))
 
 
 
@@ -204,6 +209,65 @@ def test_per_sample_temperature_matches_stock(env, workload):
     assert_grads(g_stock, g_tree)
 
 
+def _assert_training_matches_stock(impl, model, data, setting, loss_fn, keys):
+    """A training step, stock vs patched: loss, every gradient and the outputs ``keys``; the
+    tree path ran."""
+    stock, g_stock = _run(impl, model, data, setting, False, loss_fn)
+    tree, g_tree = _run(impl, model, data, setting, True, loss_fn)
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    assert_grads(g_stock, g_tree)
+    assert_outputs(stock, tree, keys)
+    n, t = step_tokens(tree)
+    assert t < n  # the tree path ran
+
+
+@pytest.mark.parametrize(
+    "workload, temperature, clamp", [("grpo", "one", -5.0), ("stepwise", "per-sample", None), ("tree", "per-sample", -5.0)]
+)
+def test_topk_distillation_and_sum_pi_squared_match_stock(env, workload, temperature, clamp):
+    """``calculate_sum_pi_squared`` and top-k distillation (verl's ``distillation_ppo_loss`` as
+    the logits processor: vocab-parallel forward KL on the teacher's top-k ids, each sample's
+    own) run on the tree, every row statistic once per (row, temperature) pair. Outputs, the
+    distillation + PPO loss and every gradient equal verl's stock logits processor."""
+    impl, model = env
+    rng = np.random.default_rng(21)
+    data = with_statistics(make_batch(WORKLOADS[workload](rng), rng, temperature=0.8), seed=21)
+    if temperature == "per-sample":
+        data["temperature"] = sample_temperatures(data.batch_size[0], seed=21)
+    keys = ("log_probs", "entropy", "sum_pi_squared") + DISTILLATION_KEYS
+    _assert_training_matches_stock(impl, model, data, _setting(MODES[workload]), distillation_loss(_actor_config(), data, clamp), keys)
+
+
+def test_sum_pi_squared_log_prob_pass_and_gradients_match_stock(env):
+    """A log-prob pass with ``calculate_sum_pi_squared`` and a loss with a gradient through it,
+    per-sample temperatures: equal to stock."""
+    impl, model = env
+    rng = np.random.default_rng(22)
+    data = with_statistics(make_batch(WORKLOADS["tree"](rng), rng), seed=22, distillation=False)
+    data["temperature"] = sample_temperatures(data.batch_size[0], seed=22)
+    setting = _setting("arbitrary_prefix")
+    stock, _ = _run(impl, model, data, setting, False)
+    tree, _ = _run(impl, model, data, setting, True)
+    assert_outputs(stock, tree, ("log_probs", "entropy", "sum_pi_squared"))
+    _assert_training_matches_stock(impl, model, data, setting, sum_pi_squared_loss(_ppo()), ("sum_pi_squared",))
+
+
+def test_row_statistics_refusals_name_the_option(env):
+    """Top-k distillation behind a logits processor other than verl's ``distillation_ppo_loss``
+    takes verl's stock forward by name; a schedule refuses both statistics (its calls return
+    log-probs and entropy only)."""
+    from ps_mcore.integrations.verl_common import megatron as glue
+    from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal
+
+    impl, model = env
+    rng = np.random.default_rng(23)
+    data = with_statistics(make_batch(WORKLOADS["tree"](rng), rng), seed=23)
+    args = {"logits_processor": lambda *a, **k: None}
+    assert glue.megatron_batch_refusal(model, args, data, distillation_loss(_actor_config(), data)) is None
+    assert "other than verl's distillation_ppo_loss" in glue.megatron_batch_refusal(model, args, data, _ppo())
+    assert "calculate_sum_pi_squared" in lm_schedule_refusal(data)
+
+
 def test_critic_values_and_value_loss_match_stock(env):
     impl, _ = env
     from verl.workers.config import McoreCriticConfig
@@ -313,7 +377,9 @@ def test_tree_path_serves_padded_bshd_configs(env):
 
 def test_tensor_parallel_2_matches_stock(tmp_path):
     """TP=2 under torchrun (gloo): vocab-parallel log-probs / entropy, TP-multiple padding of
-    the packed rows, ppo loss and every rank's gradients equal verl's stock path."""
+    the packed rows, ppo loss and every rank's gradients equal verl's stock path; so do
+    ``sum_pi_squared`` and top-k distillation (vocab-parallel top-k ids, teacher ids in either
+    shard) with per-sample temperatures, their loss and gradients."""
     import json
     import os
     import subprocess
@@ -331,6 +397,9 @@ def test_tensor_parallel_2_matches_stock(tmp_path):
         np.testing.assert_allclose(rep["loss"][1], rep["loss"][0], rtol=RTOL)
         assert rep["grads"] <= 1e-5 * max(1.0, rep["grad_scale"]), rep
         assert rep["tokens"][1] < rep["tokens"][0], rep
+        assert max(rep["stats"].values()) < 1e-5 and rep["distill_tokens"][1] < rep["distill_tokens"][0], rep
+        np.testing.assert_allclose(rep["distill_loss"][1], rep["distill_loss"][0], rtol=RTOL)
+        assert rep["distill_grads"] <= 1e-5 * max(1.0, rep["distill_grad_scale"]), rep
 
 
 # ----------------------------------------------------------------------------- fallbacks

@@ -4,8 +4,9 @@ One subprocess per layout runs ``tests/verl_parallel_worker.py``: verl's real
 ``forward_backward_batch`` / ``forward_step`` / THD preprocessing and megatron's real
 ``get_forward_backward_func`` schedules (no-pipelining; interleaved 1F1B for PP=2 x VPP=2) on
 tiny tree-spec GPTModels, gloo on CPU (NCCL variants below, skipped without enough GPUs).
-Per rank: log-probs, entropy, values, the PPO / value losses and every gradient (summed over CP
-and, for SP norms, TP, as megatron's DDP does) equal verl's stock path on the unshared batch;
+Per rank: log-probs, entropy, values, ``sum_pi_squared`` and the top-k distillation outputs,
+the PPO / value / distillation losses and every gradient (summed over CP and, for SP norms, TP,
+as megatron's DDP does) equal verl's stock path on the unshared batch;
 ``ENABLE_PREFIX_SHARING=0`` equals stock bit for bit; the plan check raises when one rank's
 micro-batch differs. Under CP the stock path runs the tree-spec model on verl's per-sequence
 CP chunks (``TreeCoreAttention`` serves ordinary THD under CP), so it is an independent layout.
@@ -71,6 +72,13 @@ def _check(layout: str, reports: list[dict]) -> None:
             assert actor["micro_batches"] >= 2, rep
             if lay["vpp"]:
                 assert actor["micro_batches"] % lay["pp"] == 0, rep
+    for rep in reports:  # sum_pi_squared and top-k distillation
+        stats = rep["statistics"]
+        assert stats["num_grads"] > 0 and stats["grad_missing"] == 0 and stats["grad_rel"] <= GRAD_RTOL, (layout, rep)
+        if stats["last_stage"]:
+            assert max(stats["outputs"].values()) < OUT_ATOL, (layout, stats)
+            np.testing.assert_allclose(stats["loss"][1], stats["loss"][0], rtol=RTOL)
+            assert stats["tokens"][1] < stats["tokens"][0], stats
     # rank 0 planned another micro-batch: it and every rank sharing a TP x PP or CP group with
     # it raise (all groups' all-reduces run first, so none is left waiting)
     raised = {r["rank"] for r in reports if "ranks of the group hold different plans" in r["plan_mismatch"]}

@@ -41,6 +41,10 @@ def _check(reports: list[dict]) -> None:
         assert critic["values"] < ATOL, rep
         np.testing.assert_allclose(critic["loss"][1], critic["loss"][0], rtol=RTOL)
         assert critic["grad_rel"] <= RTOL, rep
+        stats = rep["statistics"]  # sum_pi_squared and top-k distillation
+        assert max(stats["outputs"].values()) < ATOL and stats["grad_rel"] <= RTOL, rep
+        np.testing.assert_allclose(stats["loss"][1], stats["loss"][0], rtol=RTOL)
+        assert 0 < stats["tokens"][1] < stats["tokens"][0], rep
     # every SP rank returns the same gathered outputs
     assert len({json.dumps(r["actor"]["loss"]) for r in reports}) == 1
 

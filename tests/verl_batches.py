@@ -330,3 +330,65 @@ def add_value_targets(data, seed: int = 8) -> None:
     gen = torch.Generator().manual_seed(seed)  # independent of test order
     data["values"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
     data["returns"] = torch.randn(data["responses"].shape, generator=gen) * data["response_mask"]
+
+
+# ----------------------------------------------------------------------------- row statistics
+
+TOPK = 4
+DISTILLATION_KEYS = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
+
+
+def with_statistics(data, seed: int, distillation: bool = True, k: int = TOPK):
+    """``data`` asking for ``sum_pi_squared`` and (``distillation``) top-k distillation: a
+    teacher's top-k ids and log-probs per token (``teacher_ids`` / ``teacher_logprobs``
+    ``[B, j, k]``, each sample its own, so tokens of a shared row read different ones), and a
+    random weight per token (``token_weight``) for :func:`sum_pi_squared_loss`."""
+    from verl.utils import tensordict_utils as tu
+
+    gen = torch.Generator().manual_seed(seed)
+    offsets = data["input_ids"].offsets()
+    n = int(offsets[-1])
+    ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:k] for _ in range(n)])
+    # a teacher's log-probs at those ids: some below the tests' clamp of -5, some above
+    logps = torch.log_softmax(2.0 * torch.randn(n, VOCAB, generator=gen), -1).gather(1, ids)
+    data["teacher_ids"] = torch.nested.nested_tensor_from_jagged(ids, offsets=offsets)
+    data["teacher_logprobs"] = torch.nested.nested_tensor_from_jagged(logps, offsets=offsets)
+    data["token_weight"] = torch.nested.nested_tensor_from_jagged(torch.randn(n, generator=gen), offsets=offsets)
+    tu.assign_non_tensor(data, calculate_sum_pi_squared=True, distillation_use_topk=distillation)
+    return data
+
+
+def distillation_loss(actor_config, data, clamp: float | None = -5.0, k: int = TOPK):
+    """verl's ``distillation_ppo_loss`` (PPO plus forward-KL top-k distillation), as verl's
+    workers build it when distillation is on; the engine also calls it as the logits processor.
+    ``clamp``: ``log_prob_min_clamp`` (-5 cuts some of the tiny vocab's log-probs, not all).
+
+    verl's distillation term reads ``actor_config.global_batch_info`` before its PPO term sets
+    it from the micro-batch, so on a fresh config the first micro-batch is normalised by its own
+    tokens (then by the global count): the config is primed with ``data``'s global counts, as
+    after verl's first micro-batch, so runs with different micro-batches compare."""
+    from functools import partial
+
+    from verl.trainer.distillation.losses import distillation_ppo_loss
+    from verl.workers.config import DistillationConfig, DistillationLossConfig
+
+    actor_config.global_batch_info.update(
+        dp_size=1, batch_num_tokens=int(data["loss_mask"].sum()), global_batch_size=len(data["input_ids"]),
+        loss_scale_factor=actor_config.loss_scale_factor,
+    )
+    loss_config = DistillationLossConfig(loss_mode="forward_kl_topk", topk=k, use_policy_gradient=False,
+                                         log_prob_min_clamp=clamp)
+    return partial(distillation_ppo_loss, config=actor_config,
+                   distillation_config=DistillationConfig(enabled=False, distillation_loss=loss_config))
+
+
+def sum_pi_squared_loss(loss_fn):
+    """``loss_fn`` plus a per-token weighted sum of ``sum_pi_squared`` (weights
+    ``token_weight``), so its gradient is checked too (verl's own losses read it without one)."""
+
+    def loss(model_output, data, dp_group=None):
+        value, metrics = loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+        sq = model_output["sum_pi_squared"].values()
+        return value + (sq * data["token_weight"].values().to(sq.device)).sum(), metrics
+
+    return loss

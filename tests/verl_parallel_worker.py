@@ -7,7 +7,7 @@ Layouts: CP=2, CP=4, TP=2 + SP, PP=2 x VPP=2 (megatron's interleaved 1F1B), CP=2
 The stock run is verl's stock forward on the unshared batch (under CP the tree-spec model runs
 verl's per-sequence CP chunks); the patched run shares prefixes. Per rank: log-probs, entropy,
 the PPO loss and every local gradient of an actor (per-sample temperatures under CP); values, the value loss and every gradient
-of a critic; and ``ENABLE_PREFIX_SHARING=0`` against stock, bit for bit.
+of a critic; ``sum_pi_squared`` and top-k distillation outputs, loss and gradients; and ``ENABLE_PREFIX_SHARING=0`` against stock, bit for bit.
 
 Builders: ``direct`` (megatron's GPTModel with the local tree spec, random weights) or, with
 verl 0.9.1 and Megatron-Bridge, ``bridge``: verl's own engine build (``_build_tf_config`` +
@@ -273,6 +273,33 @@ def actor_report(layout: str) -> dict:
     return rep
 
 
+def statistics_report(layout: str) -> dict:
+    """``calculate_sum_pi_squared`` and top-k distillation (verl's ``distillation_ppo_loss`` as
+    the logits processor), per-sample temperatures: outputs, loss and every gradient."""
+    from verl.workers.config import McoreActorConfig
+    from verl.workers.engine.megatron import transformer_impl as impl
+    from verl_batches import DISTILLATION_KEYS, distillation_loss, sample_temperatures, tree_setting, with_statistics
+
+    from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
+
+    chunks = build_chunks(layout, "qwen2", seed=12)
+    data = with_statistics(make_data(layout, 6), seed=6)
+    data["temperature"] = sample_temperatures(data.batch_size[0], seed=6)
+    loss_fn = distillation_loss(McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01), data)
+    cls = impl.MegatronEngineWithLMHead
+    stock, g_stock = run_engine(cls, chunks, data, tree_setting(), loss_fn, patched=False)
+    tree, g_tree = run_engine(cls, chunks, data, tree_setting(), loss_fn, patched=True)
+    rep = _grad_report(g_stock, g_tree)
+    keys = ("sum_pi_squared",) + DISTILLATION_KEYS
+    s, t = _outputs(stock, keys), _outputs(tree, keys)
+    rep["last_stage"] = bool(s)
+    if s:
+        rep.update(outputs={k: _max_diff(s[k].values(), t[k].values()) for k in keys},
+                   loss=[float(np.sum(stock["loss"])), float(np.sum(tree["loss"]))],
+                   tokens=[sum(tree["metrics"][TOKENS_IN]), sum(tree["metrics"][TOKENS_PACKED])])
+    return {"statistics": rep}
+
+
 def critic_report(layout: str) -> dict:
     from verl.workers.config import McoreCriticConfig
     from verl.workers.engine.megatron import transformer_impl as impl
@@ -341,6 +368,7 @@ def main(layout: str, out_path: str, device: str = "cpu", builder: str = "direct
     report = {"rank": dist.get_rank()}
     report.update(actor_report(layout))
     report.update(critic_report(layout))
+    report.update(statistics_report(layout))
     report.update(plan_mismatch_report(layout))
     write_reports(report, out_path)
     from ps_mcore import setup

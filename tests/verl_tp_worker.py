@@ -23,7 +23,11 @@ def main(out_path: str) -> None:
     from verl.workers.config import McoreActorConfig
     from verl.workers.engine.megatron import transformer_impl as impl
     from verl.workers.utils.losses import ppo_loss
-    from verl_batches import WORKLOADS, cpu_forward_backward_func, engine_shell, make_batch
+    from verl.workers.config import McoreActorConfig as _Actor
+    from verl_batches import (
+        DISTILLATION_KEYS, WORKLOADS, cpu_forward_backward_func, distillation_loss, engine_shell, make_batch,
+        sample_temperatures, with_statistics,
+    )
 
     from ps_mcore import setup
     from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec
@@ -37,6 +41,12 @@ def main(out_path: str) -> None:
     data = make_batch(WORKLOADS["tree"](rng) + WORKLOADS["grpo"](rng, prompts=1), rng, temperature=0.8)
     setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3, min_saved_fraction=0.0))
     loss_fn = partial(ppo_loss, config=McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01))
+    # sum_pi_squared and top-k distillation (vocab-parallel top-k ids and teacher-id log-probs),
+    # per-sample temperatures
+    distill_data = with_statistics(data.clone(), seed=12)
+    distill_data["temperature"] = sample_temperatures(distill_data.batch_size[0], seed=12)
+    distill_fn = distillation_loss(_Actor(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01), distill_data)
+    stat_keys = ("sum_pi_squared",) + DISTILLATION_KEYS
     results = {}
     for name, patched in (("stock", False), ("tree", True)):
         setup.install() if patched else setup.uninstall()
@@ -44,7 +54,13 @@ def main(out_path: str) -> None:
         infer = engine.forward_backward_batch(data.clone(), loss_function=None, forward_only=True)
         model.zero_grad(set_to_none=True)
         train = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=False)
+        model.zero_grad(set_to_none=True)
+        distill = engine.forward_backward_batch(distill_data.clone(), loss_function=distill_fn, forward_only=False)
         results[name] = {
+            "stats": {k: distill["model_output"][k].values().detach().double() for k in stat_keys},
+            "distill_loss": distill["loss"],
+            "distill_tokens": [sum(distill["metrics"]["prefix_sharing/tokens_in"]), sum(distill["metrics"]["prefix_sharing/tokens_packed"])] if patched else None,
+            "distill_grads": [p.grad.clone() for p in model.parameters()],
             "log_probs": infer["model_output"]["log_probs"],
             "entropy": infer["model_output"]["entropy"].values().detach(),
             "loss": train["loss"],
@@ -62,6 +78,11 @@ def main(out_path: str) -> None:
         "loss": [results["stock"]["loss"], results["tree"]["loss"]],
         "grads": max(float((a - b).abs().max()) for a, b in zip(results["stock"]["grads"], results["tree"]["grads"])),
         "grad_scale": max(float(a.abs().max()) for a in results["stock"]["grads"]),
+        "stats": {k: float((results["stock"]["stats"][k] - results["tree"]["stats"][k]).abs().max()) for k in stat_keys},
+        "distill_loss": [results["stock"]["distill_loss"], results["tree"]["distill_loss"]],
+        "distill_grads": max(float((a - b).abs().max()) for a, b in zip(results["stock"]["distill_grads"], results["tree"]["distill_grads"])),
+        "distill_tokens": results["tree"]["distill_tokens"],
+        "distill_grad_scale": max(float(a.abs().max()) for a in results["stock"]["distill_grads"]),
         "tokens": [sum(results["tree"]["metrics"]["prefix_sharing/tokens_in"]), sum(results["tree"]["metrics"]["prefix_sharing/tokens_packed"])],
     }
     write_reports(report, out_path)

@@ -121,6 +121,33 @@ def actor_report(device, per_sample: bool) -> dict:
     }
 
 
+def statistics_report(device) -> dict:
+    """``calculate_sum_pi_squared`` and top-k distillation (verl's ``distillation_ppo_loss`` as
+    the logits processor: teacher ids sliced over the SP ranks in stock), per-sample
+    temperatures: outputs, loss and every gradient."""
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.engine.fsdp import transformer_impl as impl
+    from verl_batches import (
+        DISTILLATION_KEYS, distillation_loss, sample_temperatures, step_tokens, tree_setting, with_statistics,
+    )
+
+    model = stock_ulysses_model(seed=6, value=False, device=device)
+    data = with_statistics(_data(6), seed=6)
+    data["temperature"] = sample_temperatures(data.batch_size[0], seed=6)
+    loss_fn = distillation_loss(FSDPActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01), data)
+    cls = impl.FSDPEngineWithLMHead
+    stock, g_stock = _run(cls, model, data, tree_setting(), loss_fn, patched=False)
+    tree, g_tree = _run(cls, model, data, tree_setting(), loss_fn, patched=True)
+    keys = ("sum_pi_squared",) + DISTILLATION_KEYS
+    s, t = stock["model_output"], tree["model_output"]
+    return {
+        "outputs": {k: _max_diff(s[k], t[k]) for k in keys},
+        "loss": [float(np.sum(stock["loss"])), float(np.sum(tree["loss"]))],
+        "grad_rel": _grad_rel(g_stock, g_tree),
+        "tokens": list(step_tokens(tree)),
+    }
+
+
 def critic_report(device) -> dict:
     from verl.workers.config import FSDPCriticConfig
     from verl.workers.engine.fsdp import transformer_impl as impl
@@ -158,6 +185,7 @@ def main(out_path: str, device: str = "cpu") -> None:
         "actor": actor_report(dev, per_sample=False),
         "actor_per_sample_temperature": actor_report(dev, per_sample=True),
         "critic": critic_report(dev),
+        "statistics": statistics_report(dev),
     }
     write_reports(report, out_path)
     from ps_mcore import setup

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ps_mcore.logprobs import LocalTokenRows, token_logprobs, token_temperatures
+from ps_mcore.logprobs import LocalTokenRows, TokenStatistics, token_statistics, token_temperatures
 from ps_mcore.planner import TreePlan
 
 
@@ -140,22 +140,27 @@ def sequence_parallel_plan(plan: TreePlan, group) -> SequenceParallelPlan:
     return SequenceParallelPlan(plan, group, dist.get_world_size(group), dist.get_rank(group))
 
 
-def sp_token_logprobs(
+def sp_token_statistics(
     logits: torch.Tensor, sp_plan: SequenceParallelPlan, temperature: float | torch.Tensor = 1.0,
-    compute_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`ps_mcore.token_logprobs` from this SP rank's logits ``[c, V]``: each rank scores
-    the tokens whose row is local; returns ``[N]`` log-probs (and entropy) on every rank."""
+    compute_entropy: bool = False, **statistics,
+) -> TokenStatistics:
+    """:func:`ps_mcore.logprobs.token_statistics` from this SP rank's logits ``[c, V]``: each
+    rank scores the tokens whose row is local; returns every statistic per original token
+    (``[N]`` / ``[N, K]``; ``label_ids`` given ``[N, K]`` for the whole plan) on every rank."""
     plan, local = sp_plan.plan, sp_plan.token_rows
     if isinstance(temperature, torch.Tensor):
         temperature = token_temperatures(plan, temperature)[local.token_index.cpu()]
-    lp, ent = token_logprobs(logits, local, temperature, compute_entropy)
+    if statistics.get("label_ids") is not None:  # this rank's tokens' ids
+        ids = statistics["label_ids"]
+        statistics["label_ids"] = ids.index_select(0, local.token_index.to(ids.device))
+    stats = token_statistics(logits, local, temperature, compute_entropy, **statistics)
 
     def combine(x: torch.Tensor) -> torch.Tensor:
-        full = x.new_zeros(plan.num_input_tokens).index_copy(0, local.token_index.to(x.device), x)
+        full = x.new_zeros((plan.num_input_tokens,) + tuple(x.shape[1:]))
+        full = full.index_copy(0, local.token_index.to(x.device), x)
         return _SumScaled.apply(full, sp_plan.group, float(sp_plan.size))
 
-    return combine(lp), (combine(ent) if compute_entropy else None)
+    return stats.map(combine)
 
 
 def sp_gather_rows(x: torch.Tensor, sp_plan: SequenceParallelPlan) -> torch.Tensor:

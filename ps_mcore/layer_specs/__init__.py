@@ -54,7 +54,7 @@ from ps_mcore.layer_specs.modules.self_attention import TreeSelfAttention
 from ps_mcore.layer_specs.packed_params import TreePackedSeqParams
 from ps_mcore.layer_specs.parallel.context_parallel import gather_cp_rows
 from ps_mcore.layer_specs.parallel.cp_layout import CPLayout, cp_chunk_rows
-from ps_mcore.layer_specs.parallel.cp_logprobs import cp_token_logprobs
+from ps_mcore.layer_specs.parallel.cp_logprobs import cp_token_logprobs, cp_token_statistics
 from ps_mcore.layer_specs.parallel.pipeline import assert_same_plan, plan_fingerprint
 from ps_mcore.layer_specs.vision import vision_language_tree_forward, vision_language_tree_refusal
 from ps_mcore.logprobs import token_logprobs
@@ -68,6 +68,7 @@ __all__ = [
     "assert_same_plan",
     "cp_chunk_rows",
     "cp_token_logprobs",
+    "cp_token_statistics",
     "gather_cp_rows",
     "get_gpt_decoder_block_tree_spec",
     "get_gpt_layer_local_tree_spec",

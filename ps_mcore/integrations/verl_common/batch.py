@@ -193,14 +193,3 @@ def batch_temperature(temp) -> float | torch.Tensor:
     if values.numel() == 0 or bool(torch.all(values == values[0])):
         return float(values[0]) if values.numel() else 1.0
     return values
-
-
-def lm_head_batch_refusal(batch) -> str | None:
-    """Why an LM micro-batch's log-prob request cannot take the tree path (None: it can)."""
-    if batch_flag(batch, "calculate_sum_pi_squared"):
-        return "calculate_sum_pi_squared is not supported"
-    if batch_flag(batch, "distillation_use_topk"):
-        return "distillation top-k logits are not supported"
-    if batch_flag(batch, "distillation_only"):  # verl 0.9.1
-        return "distillation-only passes are not supported"
-    return None

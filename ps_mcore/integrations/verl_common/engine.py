@@ -38,6 +38,7 @@ class MicroBatchContext:
     tokens: tuple[int, int] | None = None  # (N, T) once the forward decided
     plan: TreePlan | None = None  # made while sizing micro-batches, when the micro-batcher ran
     schedule_step: int | None = None  # the cross-micro-batch schedule step this batch runs
+    loss_function: Any = None  # the step's loss (verl's logits processor for distillation)
 
     def record(self, n: int, t: int) -> None:
         self.tokens = (int(n), int(t))

@@ -12,9 +12,10 @@ metrics) runs unchanged around them:
   :mod:`ps_mcore.fsdp_bridge` reads (FSDP2's input cast of verl's mixed-precision policy
   passes it through unchanged). The model's decoder is switched to that attention on first
   use (unshared calls keep its own one; the patchset's uninstall switches it back).
-* ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` through
-  :func:`ps_mcore.logprobs.token_logprobs` with verl's temperature (one float, or per
-  sample: a shared row is normalised once per distinct temperature); value head (token
+* ``prepare_model_outputs``: LM head -> ``log_probs`` / ``entropy`` / ``sum_pi_squared`` / the
+  top-k distillation outputs through :func:`ps_mcore.logprobs.token_statistics` and
+  :mod:`~ps_mcore.integrations.verl_common.statistics` with verl's temperature (one float, or
+  per sample: a shared row is normalised once per distinct temperature); value head (token
   classification, ``num_labels=1``) -> ``values``. Both as jagged tensors with
   ``input_ids``'s offsets, row t holding the value for token t+1 (log-probs) or token t
   (values), as verl's stock code returns them. The last row of every sequence predicts
@@ -31,13 +32,13 @@ replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl_common
 
 Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
 saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
-rule) and for what the tree path does not support: ``calculate_sum_pi_squared``,
-distillation top-k, position ids other than ``0..len-1``, active dropout of a training model
+rule) and for what the tree path does not support: top-k distillation behind a logits
+processor other than verl's ``distillation_ppo_loss``, position ids other than ``0..len-1``, active dropout of a training model
 (attention dropout always; residual / classifier / LoRA dropouts unless
 ``prefix_grouper.shared_dropout``), trl value-head wrappers, engine subclasses that override
 these seams (VeOmni), VLM inputs other than Qwen2-VL / Qwen2.5-VL images, and fused kernels
 without ``use_remove_padding``, behind a model's own fused forward (the VLM ones), with a
-temperature tensor or with Ulysses SP. When a whole batch is known to fall back (fused kernels
+temperature tensor, with Ulysses SP, ``calculate_sum_pi_squared`` or top-k distillation. When a whole batch is known to fall back (fused kernels
 without remove-padding), micro-batching stays verl's, so the stock forward keeps the raw-token
 budget it was sized for.
 
@@ -81,11 +82,10 @@ from ps_mcore.fsdp_bridge import (
 )
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.fsdp_bridge.lockstep import fsdp1_wrapped, fsdp2_modules, gathered_once, is_gathered
-from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_logprobs
+from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_statistics
 from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
     batch_temperature,
-    lm_head_batch_refusal,
     nested_like,
     sequence_lengths,
     sequences,
@@ -106,6 +106,7 @@ from ps_mcore.integrations.verl_common.fused import (
     fused_forward_refusal,
 )
 from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
+from ps_mcore.integrations.verl_common.statistics import LMHeadRequest, lm_head_batch_refusal
 from ps_mcore.integrations.verl_common.vision import (
     engine_image_tokens,
     is_vision_batch,
@@ -114,7 +115,7 @@ from ps_mcore.integrations.verl_common.vision import (
     tree_vision_inputs,
     vlm_refusal,
 )
-from ps_mcore.logprobs import labelled_rows, token_logprobs
+from ps_mcore.logprobs import TokenStatistics, labelled_rows, token_statistics
 from ps_mcore.multimodal import with_tokens
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
@@ -167,8 +168,9 @@ def _positions_are_offsets(batch) -> bool:
     return torch.equal(values, expected.to(values.dtype))
 
 
-def fsdp_batch_refusal(engine, batch) -> str | None:
-    """Why this micro-batch must take verl's stock path (None: the tree path runs it)."""
+def fsdp_batch_refusal(engine, batch, loss_function=None) -> str | None:
+    """Why this micro-batch must take verl's stock path (None: the tree path runs it);
+    ``loss_function``: the step's loss (verl's distillation logits processor)."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
 
@@ -188,7 +190,7 @@ def fsdp_batch_refusal(engine, batch) -> str | None:
     if not _positions_are_offsets(batch):
         return "position_ids other than 0..len-1 per sequence are not supported"
     if not _is_value_engine(engine):
-        reason = lm_head_batch_refusal(batch)
+        reason = lm_head_batch_refusal(batch, loss_function)
         if reason is not None:
             return reason
         if batch_flag(batch, "use_fused_kernels"):
@@ -205,6 +207,10 @@ def _fused_refusal(engine, batch) -> str | None:
         return "use_fused_kernels=True with a temperature tensor (verl's fused forward refuses it)"
     if getattr(engine, "use_ulysses_sp", False):
         return "use_fused_kernels=True with Ulysses sequence parallelism is not supported on a tree"
+    if batch_flag(batch, "calculate_sum_pi_squared"):  # verl raises for it (no full logits)
+        return "use_fused_kernels=True with calculate_sum_pi_squared (verl's fused forward refuses it)"
+    if batch_flag(batch, "distillation_use_topk"):
+        return "use_fused_kernels=True with distillation top-k (only VeOmni's fused kernels compute it)"
     return fused_forward_refusal(engine.module)
 
 
@@ -270,7 +276,7 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
         n = int(sequence_lengths(source).sum())
-        reason = fsdp_batch_refusal(self, source)
+        reason = fsdp_batch_refusal(self, source, None if micro is None else micro.loss_function)
         images = engine_image_tokens(self) if reason is None and is_vision_batch(source) else None
         plan = plan_or_stock("FSDP", micro, setting, source, n, reason, images)
         if plan is None:
@@ -293,30 +299,26 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
     return prepare_model_inputs
 
 
-def tree_lm_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
-    """``log_probs`` (and ``entropy``) ``[B, j]`` jagged from the packed logits ``[1, T, V]``,
-    or from the fused kernel's ``[1, U]`` results per labelled row."""
-    compute_entropy = batch_flag(micro_batch, "calculate_entropy")
+def tree_lm_outputs(output, output_args: dict, micro_batch, loss_function=None) -> dict[str, torch.Tensor]:
+    """``log_probs`` (and ``entropy``, ``sum_pi_squared``, the top-k distillation outputs)
+    ``[B, j]`` jagged from the packed logits ``[1, T, V]``, or from the fused kernel's ``[1, U]``
+    results per labelled row."""
+    request = LMHeadRequest.of(micro_batch, loss_function)
     rows = output_args.get(FUSED_ROWS_KWARG)
     sp_plan = output_args[SP_PLAN_KEY]
-    if rows is not None:
-        logprobs, entropy = rows.per_token(output.log_probs[0], output.entropy[0] if compute_entropy else None)
+    temperature = output_args[TEMPERATURE_KEY]
+    if rows is not None:  # the fused path refuses the other statistics
+        stats = TokenStatistics(*rows.per_token(output.log_probs[0], output.entropy[0] if request.entropy else None))
     elif sp_plan is not None:
-        logprobs, entropy = sp_token_logprobs(output.logits[0], sp_plan, output_args[TEMPERATURE_KEY], compute_entropy)
+        stats = sp_token_statistics(output.logits[0], sp_plan, temperature, request.entropy, **request.statistics_kwargs())
     else:
-        logprobs, entropy = token_logprobs(
-            output.logits[0],
-            output_args[PLAN_KEY],
-            temperature=output_args[TEMPERATURE_KEY],
-            compute_entropy=compute_entropy,
+        stats = token_statistics(
+            output.logits[0], output_args[PLAN_KEY], temperature, request.entropy, **request.statistics_kwargs()
         )
-    result = {"log_probs": nested_like(logprobs, micro_batch["input_ids"])}
-    if entropy is not None:
-        result["entropy"] = nested_like(entropy, micro_batch["input_ids"])
-    return result
+    return request.outputs(stats, micro_batch["input_ids"])
 
 
-def tree_value_outputs(output, output_args: dict, micro_batch) -> dict[str, torch.Tensor]:
+def tree_value_outputs(output, output_args: dict, micro_batch, loss_function=None) -> dict[str, torch.Tensor]:
     """``values`` ``[B, j]`` jagged from a token-classification head's ``[1, T, 1]`` logits."""
     plan, sp_plan, values = output_args[PLAN_KEY], output_args[SP_PLAN_KEY], output.logits[0].squeeze(-1)
     if sp_plan is not None:
@@ -331,7 +333,7 @@ def fsdp_prepare_model_outputs(original: Callable, tree_outputs: Callable) -> Ca
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         if PLAN_KEY not in output_args:
             return original(self, output, output_args, micro_batch, logits_processor_func)
-        return tree_outputs(output, output_args, micro_batch)
+        return tree_outputs(output, output_args, micro_batch, logits_processor_func)
 
     return prepare_model_outputs
 
@@ -349,6 +351,8 @@ def fsdp_forward_step(original: Callable) -> Callable:
         def call(batch_iter):
             batch = next(batch_iter)
             micro = current_micro_batch()
+            if micro is not None:  # the distillation logits processor, for the tree path's refusal
+                micro.loss_function = loss_function
             if micro is not None and micro.schedule_step is not None:
                 result = fsdp_schedule_step(self, micro, batch, loss_function, forward_only)
             else:
@@ -377,9 +381,9 @@ def fsdp_schedule_refusal(engine, data) -> str | None:
         return "use_fused_kernels=True (verl's fused forward runs no schedule step)"
     if is_vision_batch(data):
         return "vision-language inputs"
-    reason = fsdp_batch_refusal(engine, data)
-    if reason is None and not _is_value_engine(engine):
-        reason = lm_schedule_refusal(data)
+    reason = None if _is_value_engine(engine) else lm_schedule_refusal(data)
+    if reason is None:
+        reason = fsdp_batch_refusal(engine, data)
     return reason if reason is not None else hf_schedule_refusal(engine.module)
 
 

@@ -7,9 +7,10 @@ micro-batch the wrapper plans the nested ``input_ids`` (prompt lengths and ``uid
 :class:`~ps_mcore.layer_specs.TreePackedSeqParams`, and turns the packed output into
 verl's jagged tensors (same offsets, row t holds the value for token t+1):
 
-* LM head: ``log_probs`` and ``entropy`` through :func:`ps_mcore.logprobs.token_logprobs`
-  (temperature divides the logits first, vocab-parallel over the TP group), as verl's
-  ``logits_processor`` does. The last row of every sequence predicts nothing; verl's
+* LM head: ``log_probs``, ``entropy``, ``sum_pi_squared`` and the top-k distillation outputs
+  through :func:`ps_mcore.logprobs.token_statistics` and
+  :mod:`~ps_mcore.integrations.verl_common.statistics` (temperature divides the logits first,
+  vocab-parallel over the TP group), as verl's ``logits_processor`` does. The last row of every sequence predicts nothing; verl's
   losses never read it (``no_padding_2_padding`` slices ``[off-resp-1, off-1)``) and the
   tree path returns 0 there.
 * value head: ``values`` [N] per token.
@@ -22,7 +23,7 @@ mrope positions (:func:`vision_tree_inputs`).
 Model parallelism: TP (+SP) pads the packed rows to a multiple of TP; context parallelism
 pads them to ``2*cp*tp`` and feeds this CP rank its 2*cp chunks of the rows
 (``TreePackedSeqParams.from_plan(..., cp_size, cp_rank)``, ``cp_shard``); log-probs and
-entropy come from :func:`~ps_mcore.layer_specs.cp_token_logprobs` (each CP rank normalises
+entropy come from :func:`~ps_mcore.layer_specs.cp_token_statistics` (each CP rank normalises
 its own rows, then the ``[N]`` results are summed over CP), values from
 :func:`~ps_mcore.layer_specs.gather_cp_rows`; gradients follow verl's stock rule (each CP
 rank's loss reaches only its own rows). Pipeline stages (PP, VPP) each plan the micro-batches
@@ -36,7 +37,8 @@ context parallelism (``local_cp_size``), VLM inputs other than a Megatron-Bridge
 images (videos, mbridge's VLM models, a VLM under CP / PP / SP), MTP training outside what
 :mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE or hybrid-pattern MTP layers), FP8 attention or
 FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
-:mod:`ps_mcore.layer_specs.fp8`), ``calculate_sum_pi_squared``, distillation top-k, active
+:mod:`ps_mcore.layer_specs.fp8`), top-k distillation behind a logits processor other than
+verl's ``distillation_ppo_loss``, active
 dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unless
 ``prefix_grouper.shared_dropout``; attention dropout always), and in verl 0.9.1 ``pad_to_length``
 buckets, the contiguous CP layout and distillation-only passes. Per-sample temperatures run on
@@ -66,7 +68,6 @@ from ps_mcore.integrations.verl_common.batch import (
     ImageTokens,
     batch_flag,
     batch_temperature,
-    lm_head_batch_refusal,
     nested_like,
     plan_batch,
     sample_images,
@@ -85,6 +86,7 @@ from ps_mcore.integrations.verl_common.engine import (
 from ps_mcore.integrations.verl_common.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
 from ps_mcore.integrations.verl_common.vision import images_refusal, multi_modal_inputs_refusal, packed_images
 from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
+from ps_mcore.integrations.verl_common.statistics import LMHeadRequest, lm_head_batch_refusal
 from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
 from ps_mcore.mindspeed.state import reset_attention_mask_active
 from ps_mcore.multimodal import row_values, with_tokens
@@ -149,8 +151,9 @@ def vision_batch_refusal(model, batch) -> str | None:
     return multi_modal_inputs_refusal(batch) or images_refusal(batch, image_tokens_of(model))
 
 
-def megatron_batch_refusal(model, args: dict, batch) -> str | None:
-    """Why this micro-batch must take verl's stock forward (None: the tree path runs it)."""
+def megatron_batch_refusal(model, args: dict, batch, loss_function=None) -> str | None:
+    """Why this micro-batch must take verl's stock forward (None: the tree path runs it);
+    ``loss_function``: the step's loss (verl's distillation logits processor)."""
     reason = mindspeed_refusal()
     if reason is not None:
         return reason
@@ -181,7 +184,7 @@ def megatron_batch_refusal(model, args: dict, batch) -> str | None:
     if refusal is not None:  # the tree router would raise inside the model
         return f"MoE with {refusal} cannot be exact on a prefix tree"
     if not args.get("value_model") and args.get("logits_processor") is not None:
-        refusal = lm_head_batch_refusal(batch)
+        refusal = lm_head_batch_refusal(batch, loss_function)
         if refusal is not None:
             return refusal
     return _dropout_refusal(model, args)
@@ -287,7 +290,7 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, en
     head), this CP rank's rows; returned tensors are jagged ``[B, j]`` with ``input_ids``'s
     offsets, complete on every CP rank.
     """
-    from ps_mcore.layer_specs import cp_token_logprobs, gather_cp_rows  # after MindSpeed's repatch
+    from ps_mcore.layer_specs import cp_token_statistics, gather_cp_rows  # after MindSpeed's repatch
 
     device = input_ids.values().device if input_ids.is_nested else input_ids.device
     plan = plan.to(device)
@@ -307,17 +310,16 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, en
     if args.get("value_model") or args.get("logits_processor") is None:
         rows = gather_cp_rows(local, psp)[: plan.num_tokens]  # [T, ...] plan order
         return nested_like(plan.unpack(rows[:, 0] if args.get("value_model") else rows), input_ids)
-    logprobs, entropy = cp_token_logprobs(
+    request = LMHeadRequest.of(batch, None if micro is None else micro.loss_function)
+    stats = cp_token_statistics(
         local,
         psp,
         temperature=batch_temperature(batch["temperature"]),  # one float, or [B] per sample
-        compute_entropy=batch_flag(batch, "calculate_entropy"),
+        compute_entropy=request.entropy,
         tp_group=_tp_group(),
+        **request.statistics_kwargs(),
     )
-    result = {"log_probs": nested_like(logprobs, input_ids)}
-    if entropy is not None:
-        result["entropy"] = nested_like(entropy, input_ids)
-    return result
+    return request.outputs(stats, input_ids)
 
 
 def megatron_schedule_refusal(engine, model, data) -> str | None:
@@ -421,7 +423,7 @@ def tree_engine_forward(stock: Callable) -> Callable:
         if micro.schedule_step is not None:
             return megatron_schedule_step(model, micro, input_ids, args)
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
-        reason = megatron_batch_refusal(model, args, micro.batch)
+        reason = megatron_batch_refusal(model, args, micro.batch, micro.loss_function)
         images = image_tokens_of(model) if reason is None and _is_vision(model, args) else None
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason, images)
         if plan is None:
@@ -528,6 +530,9 @@ def megatron_forward_step(original: Callable) -> Callable:
 
     def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
         def call(it):
+            micro = current_micro_batch()
+            if micro is not None:  # the distillation logits processor, for the tree forward
+                micro.loss_function = logits_processor_func
             return original(self, it, model, logits_processor_func, postprocess_micro_batch_func)
 
         return run_step_with_context(self, batch_iter, call)

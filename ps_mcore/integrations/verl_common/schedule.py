@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from ps_mcore.integrations.patching import warn_once
-from ps_mcore.integrations.verl_common.batch import batch_temperature, lm_head_batch_refusal, nested_like, plan_sequences
+from ps_mcore.integrations.verl_common.batch import batch_flag, batch_temperature, nested_like, plan_sequences
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
+from ps_mcore.integrations.verl_common.statistics import lm_head_batch_refusal
 from ps_mcore.integrations.verl_common.microbatch import _local_count, _sync_count, _Units, partition_units
 from ps_mcore.minibatch import MiniBatchPlan, schedule_tree
 from ps_mcore.schedule import RunCall, ScheduleRunner
@@ -159,6 +160,9 @@ def lm_schedule_refusal(data) -> str | None:
     (every engine), or None."""
     if isinstance(schedule_temperature(data), torch.Tensor):
         return "per-sample temperatures (a schedule's calls score every row at one temperature)"
+    for flag in ("calculate_sum_pi_squared", "distillation_use_topk"):
+        if batch_flag(data, flag):
+            return f"{flag} (a schedule's calls return log-probs and entropy only)"
     return lm_head_batch_refusal(data)
 
 
