@@ -805,3 +805,38 @@ def test_schedule_on_two_data_parallel_ranks_with_fsdp2(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_schedule_on_two_data_parallel_ranks_with_fsdp2_nccl(tmp_path):
     _check_dp(_dp_reports(tmp_path, "cuda"))
+
+
+def test_batch_layout_refusals_name_the_cause(impl):
+    """What the tree path cannot read keeps verl's stock forward, by name: an engine subclass
+    that redefines the model input/output methods the glue patches (it expects verl's own
+    layout), a padded batch layout, position ids that do not count from 0 in every sequence, and
+    fused kernels with a temperature tensor (verl's fused forward refuses that itself)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode
+
+    setting = _setting("arbitrary_prefix")
+    engine = make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting)
+    data = _batch("tree", 24)
+    assert fsdp_glue.fsdp_batch_refusal(engine, data) is None
+
+    class OwnInputs(impl.FSDPEngineWithLMHead):
+        def prepare_model_inputs(self, *args, **kwargs):
+            return super().prepare_model_inputs(*args, **kwargs)
+
+    own = make_engine(impl, OwnInputs, make_model(), setting)
+    assert "OwnInputs overrides" in fsdp_glue.fsdp_batch_refusal(own, data)
+
+    padded = _batch("tree", 24)
+    tu.assign_non_tensor(padded, pad_mode=DatasetPadMode.LEFT_RIGHT)
+    assert "no-padding batch layout" in fsdp_glue.fsdp_batch_refusal(engine, padded)
+
+    shifted = _batch("tree", 24)
+    pos = shifted["position_ids"]
+    shifted["position_ids"] = torch.nested.nested_tensor_from_jagged(pos.values() + 1, pos.offsets())
+    assert "0..len-1" in fsdp_glue.fsdp_batch_refusal(engine, shifted)
+
+    fused = _batch("tree", 24)
+    fused["temperature"] = sample_temperatures(fused.batch_size[0], seed=24)
+    tu.assign_non_tensor(fused, use_fused_kernels=True)
+    assert "temperature tensor" in fsdp_glue.fsdp_batch_refusal(engine, fused)
