@@ -93,13 +93,21 @@ class SequenceParallelPlan:
         c = self.rows_per_rank
         return self.rank * c, (self.rank + 1) * c
 
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, ...]`` in plan order -> ``[c, ...]`` this rank's rows (padding zeros)."""
+    def padded(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``x`` with ``T`` (or already ``T_pad``) rows along ``dim`` -> ``T_pad`` rows (zeros
+        appended): the rows the ranks split."""
+        pad = self.size * self.rows_per_rank - x.size(dim)
+        if not pad:
+            return x
+        shape = list(x.shape)
+        shape[dim] = pad
+        return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+    def local(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``[T, ...]`` (or ``T_pad`` rows) in plan order along ``dim`` -> ``[c, ...]`` this
+        rank's rows (padding zeros)."""
         lo, hi = self.row_range
-        pad = self.size * self.rows_per_rank - x.size(0)
-        if pad:
-            x = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
-        return x[lo:hi]
+        return self.padded(x, dim).narrow(dim, lo, hi - lo)
 
     @functools.cached_property
     def token_rows(self) -> LocalTokenRows:

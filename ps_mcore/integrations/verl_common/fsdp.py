@@ -45,7 +45,9 @@ budget it was sized for.
 Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``): the packed tree rows
 are split over the SP ranks and the ``"prefix_tree"`` attention runs an all-to-all around
 tree attention (:mod:`ps_mcore.fsdp_bridge.sequence_parallel`); log-probs, entropy and values
-come back complete on every SP rank with verl's gradient scaling.
+come back complete on every SP rank with verl's gradient scaling. A vision-language model gets
+all packed rows and images on every SP rank and its text model takes the rank's rows after
+the embedding, as verl's VLM path does (:mod:`~ps_mcore.integrations.verl_common.vision`).
 
 Cross-micro-batch schedules (``prefix_grouper.cross_microbatch``): sharing units larger than
 the token budget are planned as one forest whose steps are the first micro-batches
@@ -111,6 +113,7 @@ from ps_mcore.integrations.verl_common.vision import (
     engine_image_tokens,
     is_vision_batch,
     record_hf_attention_forwards,
+    route_sp_input_slicing,
     route_tree_attention,
     tree_vision_inputs,
     vlm_refusal,
@@ -236,19 +239,22 @@ def _switch_attention(module: torch.nn.Module, patcher) -> None:
 
 
 def tree_model_inputs(
-    micro_batch, plan, temperature: float | torch.Tensor, fused: bool = False, sp_group=None
+    micro_batch, plan, temperature: float | torch.Tensor, fused: bool = False, sp_group=None,
+    slice_after_embedding: bool = False,
 ) -> tuple[dict, dict]:
     """(model inputs, output args) for one forward over ``plan``'s packed forest; ``fused``:
     for verl's fused forward (its kernel runs on the plan's labelled rows); ``sp_group``: the
-    Ulysses group whose ranks split the packed rows.
+    Ulysses group whose ranks split the packed rows; ``slice_after_embedding``: every SP rank
+    gets all rows and the model slices after its embedding (vision-language models, as verl).
 
-    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]`` (``[1, ceil(T / sp)]`` under SP).
+    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]`` (``[1, ceil(T / sp)]`` under SP,
+    ``[1, T_pad]`` when sliced after the embedding).
     """
     plan = plan.to(micro_batch["input_ids"].device)
     sp_plan = None
     if sp_group is not None and dist.get_world_size(sp_group) > 1:
         sp_plan = sequence_parallel_plan(plan, sp_group)
-    rows = (lambda x: x) if sp_plan is None else sp_plan.local
+    rows = (lambda x: x) if sp_plan is None else sp_plan.padded if slice_after_embedding else sp_plan.local
     model_inputs = {
         "input_ids": rows(plan.input_ids)[None],
         "attention_mask": None,
@@ -289,11 +295,15 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         if fused:
             enable_tree_fused_forward(self.module, patcher)
         sp_group = getattr(self, "ulysses_parallel_group", None) if getattr(self, "use_ulysses_sp", False) else None
+        vision_model = engine_image_tokens(self) is not None
         inputs, output_args = tree_model_inputs(
-            micro_batch, plan, batch_temperature(source["temperature"]), fused, sp_group
+            micro_batch, plan, batch_temperature(source["temperature"]), fused, sp_group, vision_model
         )
+        sp_plan = output_args[SP_PLAN_KEY]
+        if sp_plan is not None and vision_model:
+            route_sp_input_slicing(self.module, patcher)
         if images is not None:
-            inputs.update(tree_vision_inputs(source, plan, images, inputs["input_ids"].device))
+            inputs.update(tree_vision_inputs(source, plan, images, inputs["input_ids"].device, sp_plan))
         return inputs, output_args
 
     return prepare_model_inputs
