@@ -1,6 +1,6 @@
 """verl's FSDP engine (0.8.0 and 0.9.1) under DeepSpeed-Ulysses sequence parallelism: the tree path (packed
 tree rows split over the SP ranks, all-to-all around tree attention) against verl's own
-Ulysses path on the unshared batch, on a 2-process world (``tests/verl_ulysses_worker.py``).
+Ulysses path on the unshared batch (verl's fused kernels included), on a 2-process world (``tests/verl_ulysses_worker.py``).
 
 CPU (gloo): gloo has no all_to_all; a test-only shim emulates it with all_gather
 (``tests/ulysses_shims.py``), for verl's stock all-to-all and ours alike. NCCL: the same world
@@ -29,7 +29,7 @@ RTOL, ATOL = 1e-5, 1e-5
 def _check(reports: list[dict]) -> None:
     assert len(reports) == SP
     for rep in reports:
-        for key in ("actor", "actor_per_sample_temperature"):
+        for key in ("actor", "actor_per_sample_temperature", "actor_fused"):
             actor = rep[key]
             assert actor["offsets_equal"], rep
             assert actor["log_probs"] < ATOL and actor["entropy"] < ATOL, (key, rep)
