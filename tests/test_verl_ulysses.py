@@ -1,6 +1,6 @@
 """verl's FSDP engine (0.8.0 and 0.9.1) under DeepSpeed-Ulysses sequence parallelism: the tree path (packed
 tree rows split over the SP ranks, all-to-all around tree attention) against verl's own
-Ulysses path on the unshared batch, on a 2-process world (``tests/verl_ulysses_worker.py``).
+Ulysses path on the unshared batch (verl's fused kernels included), on a 2-process world (``tests/verl_ulysses_worker.py``).
 
 Vision-language (section ``vlm`` of the worker): a tiny Qwen2.5-VL under Ulysses, the tree
 against verl's Ulysses VLM path (every rank embeds all rows and images, slices after the
@@ -33,7 +33,7 @@ RTOL, ATOL = 1e-5, 1e-5
 def _check(reports: list[dict]) -> None:
     assert len(reports) == SP
     for rep in reports:
-        for key in ("actor", "actor_per_sample_temperature"):
+        for key in ("actor", "actor_per_sample_temperature", "actor_fused"):
             actor = rep[key]
             assert actor["offsets_equal"], rep
             assert actor["log_probs"] < ATOL and actor["entropy"] < ATOL, (key, rep)

@@ -5,10 +5,10 @@ tiny random Qwen2: 4 query / 2 kv heads), patched vs stock, on gloo (CPU) or NCC
 Stock: verl's own Ulysses path (rows padded and sliced per rank, verl's all-to-all around
 ``_flash_attention_forward``, log-probs gathered with its gradient scaling). Patched: the
 packed tree rows split over the SP ranks (``ps_mcore.fsdp_bridge.sequence_parallel``). Per
-rank: actor log-probs and entropy (one float temperature and per-sample temperatures), the
-PPO loss and every gradient summed over the SP group (what FSDP's reduction sees), critic
-values, value loss and gradients. Test-only shims: ``tests/ulysses_shims.py`` (gloo has no
-all_to_all; no flash-attn kernel on CPU or on the GPU machine).
+rank: actor log-probs and entropy (one float temperature, per-sample temperatures, and verl's
+fused kernels with one float temperature), the PPO loss and every gradient summed over the SP
+group (what FSDP's reduction sees), critic values, value loss and gradients. Test-only shims:
+``tests/ulysses_shims.py`` (gloo has no all_to_all; no flash-attn kernel on CPU or on the GPU machine).
 
 Section ``vlm``: a tiny Qwen2.5-VL (``tests/test_verl_vlm.py``'s builder) under Ulysses, stock
 vs tree, on batches with images, without images and with different images under one prompt:
@@ -24,6 +24,7 @@ rank 0 writes every rank's JSON report to OUT.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import partial
 
@@ -34,16 +35,33 @@ from gloo_world import init_torchrun_world
 import verl_batches  # noqa: F401  (before verl: verl 0.9.1 without a GPU gets the CPU platform)
 
 
-def stock_ulysses_model(seed: int, value: bool, device: torch.device):
+def stock_ulysses_model(seed: int, value: bool, device: torch.device, fused: bool = False):
     """A tiny Qwen2 as verl's FSDP engine builds it for Ulysses: flash_attention_2 (the
-    kernel shimmed), ``apply_monkey_patch(ulysses_sp_size=...)``."""
+    kernel shimmed), ``apply_monkey_patch(ulysses_sp_size=...)``; ``fused``: with verl's fused
+    forward (torch backend), which replaces the model class's ``forward`` (see
+    :func:`restored_class_forward`)."""
     from test_verl_fsdp import make_model
     from verl.models.transformers.monkey_patch import apply_monkey_patch
 
     model = make_model(seed=seed, value=value).to(device)
     model.config._attn_implementation_internal = "flash_attention_2"
-    apply_monkey_patch(model, ulysses_sp_size=dist.get_world_size(), use_remove_padding=True)
+    fused_kwargs = dict(use_fused_kernels=True, fused_kernels_backend="torch") if fused else {}
+    apply_monkey_patch(model, ulysses_sp_size=dist.get_world_size(), use_remove_padding=True, **fused_kwargs)
     return model
+
+
+@contextlib.contextmanager
+def restored_class_forward(cls):
+    """Give ``cls`` its own ``forward`` back on leaving (after uninstalling the patchset, whose
+    tree wrapper of verl's fused forward would otherwise be restored later)."""
+    from ps_mcore import setup
+
+    forward = cls.__dict__["forward"]
+    try:
+        yield
+    finally:
+        setup.uninstall()
+        cls.forward = forward
 
 
 def _engine(cls, model, setting):
@@ -118,14 +136,14 @@ def _data(seed, **meta):
     return make_batch(samples, rng, **{"temperature": 0.8, "max_token_len_per_gpu": 30, **meta})
 
 
-def actor_report(device, per_sample: bool) -> dict:
+def actor_report(device, per_sample: bool, fused: bool = False) -> dict:
     from verl.workers.config import FSDPActorConfig
     from verl.workers.engine.fsdp import transformer_impl as impl
     from verl.workers.utils.losses import ppo_loss
     from verl_batches import sample_temperatures, seq_last_mask, step_tokens, tree_setting
 
-    model = stock_ulysses_model(seed=4, value=False, device=device)
-    data = _data(5)
+    model = stock_ulysses_model(seed=4, value=False, device=device, fused=fused)
+    data = _data(5, use_fused_kernels=fused)
     if per_sample:
         data["temperature"] = sample_temperatures(data.batch_size[0], seed=5)
     setting = tree_setting()
@@ -150,6 +168,15 @@ def actor_report(device, per_sample: bool) -> dict:
         "micro_batches": len(tree_i["metrics"]["prefix_sharing/tokens_in"]) if "prefix_sharing/tokens_in" in
         tree_i["metrics"] else 0,
     }
+
+
+def fused_actor_report(device) -> dict:
+    """:func:`actor_report` with verl's fused kernels (one float temperature: verl's fused
+    forward refuses a temperature tensor)."""
+    from transformers import Qwen2ForCausalLM
+
+    with restored_class_forward(Qwen2ForCausalLM):
+        return actor_report(device, per_sample=False, fused=True)
 
 
 def statistics_report(device) -> dict:
@@ -275,6 +302,7 @@ def main(out_path: str, device: str = "cpu", section: str = "text") -> None:
             "rank": dist.get_rank(),
             "actor": actor_report(dev, per_sample=False),
             "actor_per_sample_temperature": actor_report(dev, per_sample=True),
+            "actor_fused": fused_actor_report(dev),
             "critic": critic_report(dev),
             "statistics": statistics_report(dev),
         }

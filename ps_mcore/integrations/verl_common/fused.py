@@ -10,6 +10,9 @@ On a tree, the decoder runs the ``T`` packed rows and the same kernel runs on th
 (row, next-token label) pairs (:func:`ps_mcore.logprobs.labelled_rows`): every row inside a
 node once, the last row of a node with k children k times (its hidden state gathered, so the
 backward scatter-adds into the shared row). Each original token then reads its own pair.
+Under Ulysses SP each rank runs the kernel on the pairs whose row it holds
+(:class:`~ps_mcore.fsdp_bridge.sequence_parallel.LocalPairs`); the glue gathers the ``[U]``
+results over the SP group with verl's gradient scaling.
 
 The model class's forward is wrapped (:func:`tree_fused_forward`, on first use, undone with
 the patchset) so that a call carrying :data:`FUSED_ROWS_KWARG` takes this path; every other
@@ -23,9 +26,10 @@ from typing import Callable
 import torch
 
 from ps_mcore.fsdp_bridge import unwrap_model
+from ps_mcore.fsdp_bridge.sequence_parallel import LocalPairs
 from ps_mcore.logprobs import LabelledRows
 
-FUSED_ROWS_KWARG = "ps_mcore_fused_rows"  # model kwarg: the LabelledRows of a tree call
+FUSED_ROWS_KWARG = "ps_mcore_fused_rows"  # model kwarg: the LabelledRows (LocalPairs under SP) of a tree call
 _TREE_FUSED = "_ps_mcore_tree_fused"  # marks the wrapped class forward
 
 
@@ -85,12 +89,13 @@ def tree_fused_forward(original: Callable, kernel: Callable) -> Callable:
     reaches the ``"prefix_tree"`` attention), then ``kernel`` on the labelled rows.
 
     Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``; returns ``log_probs`` / ``entropy``
-    ``[1, U]``, one per labelled row (:class:`~ps_mcore.logprobs.LabelledRows`).
+    ``[1, U]``, one per labelled row (:class:`~ps_mcore.logprobs.LabelledRows`). Under Ulysses
+    SP: ``[1, c]`` this rank's rows and ``[1, u]`` its pairs (:class:`LocalPairs`).
     """
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 
     def forward(self, *args, **kwargs):
-        rows: LabelledRows | None = kwargs.pop(FUSED_ROWS_KWARG, None)
+        rows: LabelledRows | LocalPairs | None = kwargs.pop(FUSED_ROWS_KWARG, None)
         if rows is None:
             return original(self, *args, **kwargs)
         temperature = kwargs.pop("temperature", 1.0)
