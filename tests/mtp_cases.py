@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-
 from megatron_shims import build_gpt, causal_mask, layer_spec_args, tiny_config
 
 
@@ -22,7 +21,10 @@ def build_models(depths: int, detach: bool, tied: bool, block_spec=lambda spec, 
     """(stock, tree, config): megatron's local spec and the tree spec (each through
     ``block_spec(spec, cfg)``, e.g. the SP norms), both with megatron's MTP block and verl's MTP
     patches (postprocess, recompute, ``detach_encoder``), in training mode; weights as built."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
     from verl.utils.megatron_utils import patch_engine_mtp
 
     from ps_mcore.layer_specs import get_gpt_layer_local_tree_spec

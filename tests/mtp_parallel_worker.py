@@ -16,8 +16,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-from megatron_shims import SPTorchNorm, enable_cpu_recompute, finalize_grads, init_cpu_megatron, shard_, sp_block_spec, unshard
+from megatron_shims import (
+    SPTorchNorm,
+    enable_cpu_recompute,
+    finalize_grads,
+    init_cpu_megatron,
+    shard_,
+    sp_block_spec,
+    unshard,
+)
 from mtp_cases import build_models, run_stock, run_tree, step
 
 SEQUENCE_PARALLEL = {"tp2": False, "tp2sp": True}

@@ -124,12 +124,13 @@ def test_tree_mtp_matches_stock_under_tensor_parallelism(layout, tmp_path):
     results = torch.load(tmp_path / "out.pt", weights_only=False)
     assert len(results) == len(cases)
     for case, result in zip(cases, results):
-        stock, tree, _ = build_models(case["depths"], case["detach"], case["tied"])
+        single_rank, _, _ = build_models(case["depths"], case["detach"], case["tied"])
         with torch.no_grad():
-            for name, p in stock.named_parameters():
+            for name, p in single_rank.named_parameters():
                 p.copy_(case["state"][name])
         MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
-        single = step(stock, lambda: run_stock(stock, case["seqs"], case["masks"], case["weights"]))
+        batch = (case["seqs"], case["masks"], case["weights"])
+        single = step(single_rank, lambda model=single_rank, batch=batch: run_stock(model, *batch))
         for name, (loss, grads, logged) in (("tree", result["tree"]), ("stock TP=1", single)):
             ref_loss, ref_grads, ref_logged = result["stock"]
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=name)

@@ -34,8 +34,9 @@ def tree_mtp_refusal(model) -> str | None:
     """Why ``model``'s MTP block cannot run on a tree (None: it can)."""
     config = model.config
     if mpu.get_context_parallel_world_size() > 1:
-        return ("MTP with context parallelism (each depth's rows form their own prefix forest, which "
-                "would need its own zigzag CP split and K/V exchange per depth)")
+        return ("MTP with context parallelism (stock MTP divides each depth's loss by each CP rank's own "
+                "token count, set by how the unshared sequences split over the CP ranks; the tree's depth "
+                "rows are laid out whole on every rank)")
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         return ("MTP with pipeline parallelism (not verified on a tree: the MTP block on the last "
                 "stage and its copy of the word embedding)")
@@ -139,7 +140,7 @@ class _SequenceParallelRows:
     rank: int
 
     @classmethod
-    def of(cls, config) -> "_SequenceParallelRows":
+    def of(cls, config) -> _SequenceParallelRows:
         if not config.sequence_parallel:
             return cls(1, 0)
         return cls(mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank())
