@@ -11,18 +11,17 @@ gathers the TP shards; rank 0 writes (loss, grads, MTP tracker) of both models p
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
 import torch.distributed as dist
 from megatron_shims import (
-    SPTorchNorm,
     enable_cpu_recompute,
     finalize_grads,
     init_cpu_megatron,
     shard_,
     sp_block_spec,
+    sp_mtp_block_spec,
     unshard,
 )
 from mtp_cases import build_models, run_stock, run_tree, step
@@ -31,16 +30,10 @@ SEQUENCE_PARALLEL = {"tp2": False, "tp2sp": True}
 
 
 def sp_specs(spec, config):
-    """The decoder's layer spec as an SP block spec, or the MTP block spec with its norms
-    (enorm, hnorm, final) swapped to :class:`SPTorchNorm` (megatron's torch norm refuses SP)."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if not hasattr(spec, "layer_specs") or not hasattr(spec.layer_specs[0].submodules, "enorm"):
-        return sp_block_spec(spec, config.num_layers)
-    names = ("enorm", "hnorm", "layer_norm")
-    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, **{
-        n: SPTorchNorm for n in names if getattr(layer.submodules, n) is WrappedTorchNorm})) for layer in spec.layer_specs]
-    return dataclasses.replace(spec, layer_specs=layers)
+    """The decoder's layer spec as an SP block spec; the MTP block spec with SP norms."""
+    if hasattr(spec, "layer_specs") and hasattr(spec.layer_specs[0].submodules, "enorm"):
+        return sp_mtp_block_spec(spec)
+    return sp_block_spec(spec, config.num_layers)
 
 
 def run_case(case: dict, sequence_parallel: bool) -> dict:
