@@ -21,7 +21,9 @@ import torch
 pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
 
-from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
+from megatron_shims import (  # noqa: E402
+    build_gpt, cpu_linear_cross_entropy, init_cpu_megatron, layer_spec_args, randomize_, tiny_config,
+)
 from verl_batches import (  # noqa: E402
     DISTILLATION_KEYS, RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func,
     distillation_loss, engine_shell, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, tiny_critic,
@@ -841,20 +843,12 @@ def test_model_build_with_windows_and_sinks(env, monkeypatch, fresh_warnings, wi
 def fused_env(env, monkeypatch):
     """The env model with verl's fused GPTModel forward (``patch_fused_forward``, as the engine
     does for ``use_fused_kernels``); its kernel, Triton's ``linear_cross_entropy`` (CUDA), is
-    verl's torch kernel ``FusedLinearForPPO`` here, same signature, TP group of one. Yields
+    verl's torch kernel ``FusedLinearForPPO`` here (``cpu_linear_cross_entropy``). Yields
     (impl, model, rows the kernel saw per call)."""
     from verl.models.mcore import model_forward_fused
-    from verl.utils.experimental.torch_functional import FusedLinearForPPO
 
     calls = []
-
-    def torch_linear_cross_entropy(hidden, weight, labels, temperature, reduction, group):
-        assert reduction == "none" and torch.distributed.get_world_size(group) == 1
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        calls.append(hidden.shape[0])
-        return FusedLinearForPPO()(hidden, weight, labels.reshape(-1), temperature)
-
-    monkeypatch.setattr(model_forward_fused, "linear_cross_entropy", torch_linear_cross_entropy)
+    monkeypatch.setattr(model_forward_fused, "linear_cross_entropy", partial(cpu_linear_cross_entropy, rows_seen=calls))
     impl, model = env
     model_forward_fused.patch_fused_forward(model)
     yield impl, model, calls
@@ -893,21 +887,17 @@ def test_fused_kernels_match_stock(fused_env, workload, loss_agg_mode):
 
 
 def test_fused_kernels_refusals_name_the_feature(fused_env, monkeypatch):
-    """What the fused tree path does not run takes verl's stock fused forward, named: tensor,
-    context and pipeline parallelism, a vision-language model, a forward other than verl's
-    fused GPTModel one."""
+    """What the fused tree path does not run takes verl's stock fused forward, named: context
+    parallelism, a vision-language model, a forward other than verl's fused GPTModel one."""
     from megatron.core import parallel_state as mpu
 
     from ps_mcore.integrations.verl_common.megatron import megatron_fused_refusal
 
     _, model, _ = fused_env
     assert megatron_fused_refusal(model, {}) is None
-    for getter, word in [("get_context_parallel_world_size", "context parallelism"),
-                         ("get_pipeline_model_parallel_world_size", "pipeline parallelism"),
-                         ("get_tensor_model_parallel_world_size", "tensor parallelism")]:
-        with monkeypatch.context() as m:
-            m.setattr(mpu, getter, lambda: 2)
-            assert word in megatron_fused_refusal(model, {})
+    with monkeypatch.context() as m:  # through the engine: tests/test_verl_megatron_parallel.py (CP=2)
+        m.setattr(mpu, "get_context_parallel_world_size", lambda: 2)
+        assert "context parallelism" in megatron_fused_refusal(model, {})
     assert "vision-language" in megatron_fused_refusal(model, {"multi_modal_inputs": {"pixel_values": torch.zeros(1)}})
     patched = {name: model.__dict__.pop(name) for name in ("forward", "_verl_fused_forward_mode") if name in model.__dict__}
     try:

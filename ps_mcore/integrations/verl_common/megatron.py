@@ -44,9 +44,10 @@ dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unl
 buckets, the contiguous CP layout and distillation-only passes. Per-sample temperatures run on
 the tree (a shared row is normalised once per distinct temperature among its samples). Fused
 kernels (``use_fused_kernels``) run on the tree too: verl's fused GPTModel forward on the
-packed rows with its kernel on the plan's labelled rows (:func:`run_tree_fused_forward`); with
-context or pipeline parallelism or a vision-language model they take verl's stock fused
-forward (:func:`megatron_fused_refusal`). Under static CP the tree-spec model also runs
+packed rows with its kernel on the plan's labelled rows (:func:`run_tree_fused_forward`;
+under TP every TP rank runs the vocab-parallel kernel on the same labelled rows, under PP the
+last stage does); with context parallelism or a vision-language model they take verl's stock
+fused forward (:func:`megatron_fused_refusal`). Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
 
 ``ps_mcore.layer_specs`` is imported where it is used, when an engine builds or runs its
@@ -340,10 +341,6 @@ def megatron_fused_refusal(model, args: dict) -> str | None:
 
     if mpu.get_context_parallel_world_size() > 1:
         return "use_fused_kernels=True with context parallelism (the kernel would see one CP rank's share of the tree rows)"
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
-        return "use_fused_kernels=True with pipeline parallelism is not verified on a tree"
-    if mpu.get_tensor_model_parallel_world_size() > 1:
-        return "use_fused_kernels=True with tensor parallelism is not verified on a tree"
     if _is_vision(model, args):
         return "use_fused_kernels=True with a vision-language model (its fused forward packs the images itself)"
     if verl_fused_call_kwargs(model, 1.0) is None:
