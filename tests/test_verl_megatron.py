@@ -888,7 +888,8 @@ def test_fused_kernels_match_stock(fused_env, workload, loss_agg_mode):
 
 def test_fused_kernels_refusals_name_the_feature(fused_env, monkeypatch):
     """What the fused tree path does not run takes verl's stock fused forward, named: context
-    parallelism, a vision-language model, a forward other than verl's fused GPTModel one."""
+    parallelism, a vision-language model, MTP layers (verl turns fused kernels off with MTP),
+    a forward other than verl's fused GPTModel one."""
     from megatron.core import parallel_state as mpu
 
     from ps_mcore.integrations.verl_common.megatron import megatron_fused_refusal
@@ -899,6 +900,9 @@ def test_fused_kernels_refusals_name_the_feature(fused_env, monkeypatch):
         m.setattr(mpu, "get_context_parallel_world_size", lambda: 2)
         assert "context parallelism" in megatron_fused_refusal(model, {})
     assert "vision-language" in megatron_fused_refusal(model, {"multi_modal_inputs": {"pixel_values": torch.zeros(1)}})
+    with monkeypatch.context() as m:
+        m.setattr(model.config, "mtp_num_layers", 1)
+        assert "MTP layers" in megatron_fused_refusal(model, {})
     patched = {name: model.__dict__.pop(name) for name in ("forward", "_verl_fused_forward_mode") if name in model.__dict__}
     try:
         assert "not verl's fused GPTModel forward" in megatron_fused_refusal(model, {})

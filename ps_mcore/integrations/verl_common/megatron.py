@@ -343,6 +343,8 @@ def megatron_fused_refusal(model, args: dict) -> str | None:
         return "use_fused_kernels=True with context parallelism (the kernel would see one CP rank's share of the tree rows)"
     if _is_vision(model, args):
         return "use_fused_kernels=True with a vision-language model (its fused forward packs the images itself)"
+    if getattr(_unwrap(model).config, "mtp_num_layers", None):  # verl turns fused kernels off with MTP
+        return "use_fused_kernels=True with MTP layers (their loss needs the labels of every row)"
     if verl_fused_call_kwargs(model, 1.0) is None:
         return (f"use_fused_kernels=True with {type(_unwrap(model)).__name__}, whose forward is not verl's "
                 "fused GPTModel forward (patch_fused_forward)")
