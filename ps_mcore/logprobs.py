@@ -242,12 +242,15 @@ class LabelledRows:
         labels: ``[U]`` label of each pair (a row whose tokens all end their sequence gets 0).
         token_pair: ``[N]`` the pair each original token reads.
         next_token_mask: ``[N]`` False at each sequence's last token (it predicts nothing).
+        row_offsets: ``[T + 1]`` on the host: the pairs of rows ``[a, b)`` are
+            ``[row_offsets[a], row_offsets[b])`` (what a rank holding those rows scores).
     """
 
     rows: torch.Tensor
     labels: torch.Tensor
     token_pair: torch.Tensor
     next_token_mask: torch.Tensor
+    row_offsets: torch.Tensor
 
     @property
     def num_pairs(self) -> int:
@@ -255,7 +258,7 @@ class LabelledRows:
 
     def to(self, device) -> "LabelledRows":
         fields = (self.rows, self.labels, self.token_pair, self.next_token_mask)
-        return LabelledRows(*(x.to(device, non_blocking=True) for x in fields))
+        return LabelledRows(*(x.to(device, non_blocking=True) for x in fields), self.row_offsets)
 
     def per_token(self, logprobs: torch.Tensor, entropy: torch.Tensor | None = None):
         """``[U]`` per-pair results -> ``[N]`` per token: log-probs (0 at each sequence's
@@ -276,11 +279,13 @@ def labelled_rows(plan: TreePlan) -> LabelledRows:
     labels = np.where(mask, labels, row_label[rows])
     width = int(labels.max(initial=0)) + 1
     pairs, token_pair = np.unique(rows * width + labels, return_inverse=True)
+    row_offsets = np.searchsorted(pairs // width, np.arange(plan.num_tokens + 1))
     return LabelledRows(
         torch.from_numpy(pairs // width),
         torch.from_numpy(pairs % width),
         torch.from_numpy(token_pair.reshape(-1)),
         host.next_token_mask.cpu(),
+        torch.from_numpy(row_offsets),
     ).to(plan.device)
 
 

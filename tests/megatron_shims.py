@@ -271,6 +271,19 @@ def sp_block_spec(layer_spec, num_layers: int):
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=SPTorchNorm)
 
 
+def sp_mtp_block_spec(mtp_spec):
+    """megatron's MTP block spec with its torch norms (enorm, hnorm, final) replaced by
+    :class:`SPTorchNorm` (its transformer layer: build the spec from :func:`sp_block_spec`'s)."""
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    names = ("enorm", "hnorm", "layer_norm")
+    layers = [dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, **{
+        n: SPTorchNorm for n in names if getattr(layer.submodules, n) is WrappedTorchNorm})) for layer in mtp_spec.layer_specs]
+    return dataclasses.replace(mtp_spec, layer_specs=layers)
+
+
 def finalize_grads(model, config, tp_group=None, cp_group=None) -> None:
     """Megatron's finalize_model_grads rules without a DDP wrapper: every grad is summed over
     CP (each CP rank saw its own rows); SP norm weights and qk-layernorm weights (replicated,

@@ -799,3 +799,28 @@ def test_cross_micro_batch_schedule_matches_per_sequence(name, checkpointing):
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ref_ent.double(), rtol=1e-5, atol=1e-5)
     assert_grads_close(grads, ref_grads, **GRAD_TOL)
+
+
+@pytest.mark.parametrize("forest", NASTY)
+@pytest.mark.parametrize("sp", [2, 3, 4])
+def test_sequence_parallel_ranks_split_the_labelled_pairs(forest, sp):
+    """Under Ulysses SP each rank runs verl's fused kernel on the (row, label) pairs of the rows
+    it holds (``SequenceParallelPlan.local_pairs``): over the ranks, those pairs are every
+    pair once, in order, with rows local to the rank's chunk (ranks holding only padding rows
+    get none)."""
+    from ps_mcore.fsdp_bridge.sequence_parallel import SequenceParallelPlan
+    from ps_mcore.logprobs import labelled_rows
+
+    plan = plan_prefix_tree(_nasty(forest), min_prefix_len=1)
+    pairs = labelled_rows(plan)
+    rows, labels, start = [], [], 0
+    for rank in range(sp):
+        sp_plan = SequenceParallelPlan(plan, None, sp, rank)
+        local = sp_plan.local_pairs(pairs)
+        lo, hi = sp_plan.row_range
+        assert local.start == start and local.num_pairs == pairs.num_pairs
+        assert ((local.rows >= 0) & (local.rows < hi - lo)).all()
+        rows.append(local.rows + lo)
+        labels.append(local.labels)
+        start += local.rows.numel()
+    assert torch.equal(torch.cat(rows), pairs.rows) and torch.equal(torch.cat(labels), pairs.labels)

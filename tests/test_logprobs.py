@@ -154,6 +154,11 @@ def test_labelled_rows_scored_one_label_per_row_equal_token_logprobs(name, seqs)
     only_last = set(range(plan.num_tokens)) - read
     assert rows.num_pairs == len(pairs) + len(only_last)
     assert set(zip(rows.rows.tolist(), rows.labels.tolist())) >= pairs
+    # row_offsets: row r's pairs (what an SP rank holding rows [a, b) scores)
+    offsets = rows.row_offsets.tolist()
+    assert len(offsets) == plan.num_tokens + 1 and offsets[0] == 0 and offsets[-1] == rows.num_pairs
+    for r in range(plan.num_tokens):
+        assert rows.rows[offsets[r]:offsets[r + 1]].tolist() == [r] * (offsets[r + 1] - offsets[r])
     gen = torch.Generator().manual_seed(len(name))
     logits = (3.0 * torch.randn(plan.num_tokens, VOCAB, generator=gen, dtype=torch.float64)).requires_grad_()
     ref_logits = logits.detach().clone().requires_grad_()

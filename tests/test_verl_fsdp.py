@@ -455,9 +455,9 @@ def _partitions(impl, engine, data):
     "flags", [dict(use_fused_kernels=True, use_remove_padding=False), dict(use_fused_kernels=True), {}]
 )
 def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
-    """Fused kernels without remove-padding: every micro-batch runs verl's stock forward, so
-    micro-batching stays verl's (raw-token budget); otherwise (Ulysses SP and fused kernels
-    included) it is the prefix-aware one."""
+    """Fused kernels without remove-padding on verl 0.8.0: every micro-batch runs verl's stock
+    forward, so micro-batching stays verl's (raw-token budget); otherwise (verl 0.9.1, Ulysses
+    SP and fused kernels included) it is the prefix-aware one."""
     rng = np.random.default_rng(10)
     samples = WORKLOADS["grpo"](rng, prompts=3, group=2)
     samples = [samples[i] for i in rng.permutation(len(samples))]
@@ -467,7 +467,7 @@ def test_whole_batch_fallback_keeps_verl_micro_batches(impl, flags):
     stock = _partitions(impl, make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting), data)
     setup.install([PATCHSET])
     patched = _partitions(impl, make_engine(impl, impl.FSDPEngineWithLMHead, make_model(), setting), data)
-    whole_batch_stock = flags.get("use_remove_padding") is False
+    whole_batch_stock = flags.get("use_remove_padding") is False and fsdp_glue.fused_output_is_response_padded()
     assert (patched == stock) is whole_batch_stock
     uids = list(data["uid"])
     assert whole_batch_stock or all(len({uids[i] for i in part}) == 1 for part in patched)
@@ -531,9 +531,24 @@ def test_fused_kernels_run_verl_fused_forward_on_labelled_rows(impl, fused_model
     assert step_tokens(tree) == (plan.num_input_tokens, plan.num_tokens)
 
 
+def test_fused_kernels_without_remove_padding_match_stock(impl, fused_model):
+    """verl 0.9.1's fused forward without remove-padding (the padded ``[B, S]`` batch, its
+    results packed back per token): the tree path, log-probs, entropy, the PPO loss and every
+    gradient equal to it."""
+    if fsdp_glue.fused_output_is_response_padded():
+        pytest.skip("verl 0.8.0 returns a response-padded layout here (its fallback test covers it)")
+    data = _batch("tree", 18, use_fused_kernels=True, use_remove_padding=False, temperature=0.7)
+    tree = _assert_training_matches_stock(impl, fused_model(), data, _setting("arbitrary_prefix"), _ppo())
+    n, t = step_tokens(tree)
+    assert t < n  # the tree path ran
+
+
 def test_fallback_fused_kernels_without_remove_padding(impl, fused_model):
-    """verl's fused forward without remove-padding returns ``[B, response_length]`` (its own
-    PPO loss cannot read that layout in verl 0.8.0): forward only, stock bit for bit."""
+    """verl 0.8.0's fused forward without remove-padding returns ``[B, response_length]``
+    columns of the padded batch, padding rows included (its own PPO loss cannot read that
+    layout): forward only, stock bit for bit."""
+    if not fsdp_glue.fused_output_is_response_padded():
+        pytest.skip("this verl packs its fused output per token (the tree path runs it)")
     model, setting = fused_model(), _setting("prompt_only")
     data = _batch("grpo", 15, use_fused_kernels=True, use_remove_padding=False, **FIXED_MBS)
     stock, _ = _run(impl, model, data, setting, False)

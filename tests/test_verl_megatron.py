@@ -719,6 +719,26 @@ def test_multi_token_prediction_layout_refusal_names_it(env):
     assert megatron_batch_refusal(model, {"mtp_enable_train": True, "logits_processor": None}, None) is None
 
 
+@pytest.mark.parametrize("sizes, words", [
+    (dict(context=2), "context parallelism"),
+    (dict(pipeline=2), "pipeline parallelism"),
+    (dict(tensor=2), None),  # TP (and SP) runs on the tree: tests/test_tree_mtp.py's TP worlds
+])
+def test_multi_token_prediction_model_parallel_refusal(env, sizes, words, monkeypatch):
+    """Which model-parallel layouts MTP training refuses on a tree (the decision only, the
+    layout's world sizes faked)."""
+    from megatron.core import parallel_state as mpu
+
+    from ps_mcore.integrations.verl_common.mtp import mtp_refusal
+
+    model = _mtp_model(1, False)
+    for kind, size in sizes.items():
+        monkeypatch.setattr(mpu, f"get_{kind}_model_parallel_world_size" if kind != "context"
+                            else "get_context_parallel_world_size", lambda size=size: size)
+    reason = mtp_refusal(model)
+    assert reason is None if words is None else words in reason
+
+
 class _VisionLanguageStandIn(torch.nn.Module):
     """What verl's VLM forward hands a Megatron vision-language model (mbridge's Qwen2.5-VL):
     padded ``input_ids [B, S]`` with a bool ``attention_mask``, THD ``packed_seq_params`` and

@@ -8,9 +8,11 @@ Per rank: log-probs, entropy, values, ``sum_pi_squared`` and the top-k distillat
 the PPO / value / distillation losses and every gradient (summed over CP and, for SP norms, TP,
 as megatron's DDP does) equal verl's stock path on the unshared batch;
 ``ENABLE_PREFIX_SHARING=0`` equals stock bit for bit; the plan check raises when one rank's
-micro-batch differs. ``use_fused_kernels`` (verl's fused GPTModel forward, a CPU stand-in for
-its Triton kernel, vocab-parallel under TP, in both runs): on the tree under TP + SP and PP
-(the kernel sees fewer rows than the tokens), verl's stock fused forward under CP. Under CP the stock path runs the tree-spec model on verl's per-sequence
+micro-batch differs. Under TP=2 + SP, MTP training (2 layers) too: the PPO loss, the logged MTP
+losses and every gradient equal verl's stock MTP. ``use_fused_kernels`` (verl's fused GPTModel
+forward, a CPU stand-in for its Triton kernel, vocab-parallel under TP, in both runs): on the
+tree under TP + SP and PP (the kernel sees fewer rows than the tokens), verl's stock fused
+forward under CP. Under CP the stock path runs the tree-spec model on verl's per-sequence
 CP chunks (``TreeCoreAttention`` serves ordinary THD under CP), so it is an independent layout.
 
 With verl 0.9.1 and Megatron-Bridge (Python 3.12 stage) the TP=2 + SP, CP=2 and PP=2 x VPP=2
@@ -51,7 +53,7 @@ def _run(layout: str, tmp_path: Path, device: str, *builder: str) -> list[dict]:
     return reports
 
 
-def _check(layout: str, reports: list[dict]) -> None:
+def _check(layout: str, reports: list[dict], direct_builder: bool = True) -> None:
     lay = LAYOUTS[layout]
     lasts = [r for r in reports if r["actor"]["last_stage"]]
     assert len(lasts) == world_size(layout) // lay["pp"]  # every rank of the last stage reports
@@ -99,6 +101,17 @@ def _check(layout: str, reports: list[dict]) -> None:
     raised = {r["rank"] for r in reports if "ranks of the group hold different plans" in r["plan_mismatch"]}
     peers = {0} | {r for r in range(world_size(layout)) if _shares_a_group(layout, 0, r)}
     assert raised == peers, (layout, raised, [r["plan_mismatch"][:60] for r in reports])
+    mtp_under_tp = direct_builder and lay["tp"] > 1 and lay["cp"] == 1 and lay["pp"] == 1
+    assert all(("mtp" in rep) == mtp_under_tp for rep in reports)
+    if mtp_under_tp:  # MTP training under TP (no CP / PP)
+        for mtp in (rep["mtp"] for rep in reports):
+            assert mtp["num_grads"] > 0 and mtp["grad_missing"] == 0 and mtp["grad_rel"] <= GRAD_RTOL, (layout, mtp)
+            np.testing.assert_allclose(mtp["loss"][1], mtp["loss"][0], rtol=RTOL)
+            assert mtp["mtp_keys"][0] == mtp["mtp_keys"][1], mtp
+            np.testing.assert_allclose(mtp["mtp_losses"][1], mtp["mtp_losses"][0], rtol=RTOL)
+            assert mtp["tokens"][1] < mtp["tokens"][0] and mtp["mtp_grads"], mtp  # shared; MTP layers trained
+        # verl logs the MTP losses on the model-parallel source rank
+        assert len(reports[0]["mtp"]["mtp_keys"][0]) == 2, reports[0]["mtp"]
     # every CP / TP rank of the last stage returns the same full outputs
     assert len({json.dumps(r["actor"]["loss"]) for r in lasts}) == 1
 
@@ -152,4 +165,4 @@ def test_verl_engine_bridge_builder_layout_matches_stock(layout, tmp_path):
         path.mkdir()
         write_hf_checkpoint(kind, path, seed=seed, layers=layers)
         paths.append(path)
-    _check(layout, _run(layout, tmp_path, "cpu", "bridge", *paths))
+    _check(layout, _run(layout, tmp_path, "cpu", "bridge", *paths), direct_builder=False)

@@ -1,6 +1,10 @@
 """verl's FSDP engine (0.8.0 and 0.9.1) under DeepSpeed-Ulysses sequence parallelism: the tree path (packed
 tree rows split over the SP ranks, all-to-all around tree attention) against verl's own
-Ulysses path on the unshared batch, on a 2-process world (``tests/verl_ulysses_worker.py``).
+Ulysses path on the unshared batch (verl's fused kernels included), on a 2-process world (``tests/verl_ulysses_worker.py``).
+
+Vision-language (section ``vlm`` of the worker): a tiny Qwen2.5-VL under Ulysses, the tree
+against verl's Ulysses VLM path (every rank embeds all rows and images, slices after the
+embedding) on batches with images, without images and with different images under one prompt.
 
 CPU (gloo): gloo has no all_to_all; a test-only shim emulates it with all_gather
 (``tests/ulysses_shims.py``), for verl's stock all-to-all and ours alike. NCCL: the same world
@@ -29,7 +33,7 @@ RTOL, ATOL = 1e-5, 1e-5
 def _check(reports: list[dict]) -> None:
     assert len(reports) == SP
     for rep in reports:
-        for key in ("actor", "actor_per_sample_temperature"):
+        for key in ("actor", "actor_per_sample_temperature", "actor_fused"):
             actor = rep[key]
             assert actor["offsets_equal"], rep
             assert actor["log_probs"] < ATOL and actor["entropy"] < ATOL, (key, rep)
@@ -49,9 +53,30 @@ def _check(reports: list[dict]) -> None:
     assert len({json.dumps(r["actor"]["loss"]) for r in reports}) == 1
 
 
-def _run(tmp_path: Path, device: str) -> list[dict]:
+def _check_vlm(reports: list[dict]) -> None:
+    assert len(reports) == SP
+    for rep in reports:
+        vlm = rep["vlm"]
+        for layout, images in (("images", (6, 2)), ("text-only", (0, 0)), ("different-images", (4, 2))):
+            r = vlm[layout]
+            assert r["offsets_equal"] and r["same_grads_present"], (layout, r)
+            assert r["log_probs"] < ATOL and r["entropy"] < ATOL, (layout, r)
+            np.testing.assert_allclose(r["loss"][1], r["loss"][0], rtol=RTOL)
+            assert r["grad_rel"] <= RTOL, (layout, r)
+            n, t = r["tokens"]
+            assert 0 < t < n, (layout, r)  # the tree ran, the shared prompt once
+            # per rank: every image of the micro-batch (stock), each distinct image once (tree)
+            assert tuple(r["images_encoded"]) == images, (layout, r)
+            assert (r["visual_grads"] > 0) == (layout != "text-only"), (layout, r)
+        alone = vlm["images_without_verl_slicing"]
+        np.testing.assert_allclose(alone["loss"][1], alone["loss"][0], rtol=RTOL)
+        assert alone["grad_rel"] <= RTOL, alone
+    assert len({json.dumps(r["vlm"]["images"]["loss"]) for r in reports}) == 1
+
+
+def _run(tmp_path: Path, device: str, section: str = "text") -> list[dict]:
     out = tmp_path / "ulysses.json"
-    run_torchrun(WORKER, SP, out, device, timeout=900)
+    run_torchrun(WORKER, SP, out, device, section, timeout=900)
     return json.loads(out.read_text())
 
 
@@ -64,3 +89,14 @@ def test_ulysses_sp2_matches_stock_ulysses(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < SP, reason=f"needs {SP} GPUs")
 def test_ulysses_sp2_matches_stock_ulysses_nccl(tmp_path):
     _check(_run(tmp_path, "cuda"))
+
+
+@pytest.mark.slow
+def test_ulysses_sp2_vision_language_matches_stock_ulysses(tmp_path):
+    _check_vlm(_run(tmp_path, "cpu", "vlm"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < SP, reason=f"needs {SP} GPUs")
+def test_ulysses_sp2_vision_language_matches_stock_ulysses_nccl(tmp_path):
+    _check_vlm(_run(tmp_path, "cuda", "vlm"))

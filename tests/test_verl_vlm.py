@@ -188,3 +188,26 @@ def test_attention_forward_replaced_after_install_still_runs_the_tree(impl, monk
     assert_outputs(stock, tree)
     setup.uninstall()
     assert hf.Qwen2VLAttention.forward is flash_only_forward  # the routing wrapper is undone
+
+
+def test_vision_refusals_name_the_cause(impl, monkeypatch):  # noqa: F811
+    """Under Ulysses SP a Qwen2-VL image batch runs on the tree (``tests/test_verl_ulysses.py``
+    checks it against verl's Ulysses run); videos and other vision-language families keep
+    verl's stock forward, by name."""
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+    from test_verl_fsdp import make_engine
+
+    from ps_mcore.integrations.verl_common.vision import vlm_refusal
+
+    model = make_vlm("qwen2_vl")
+    data = vlm_batch(model, np.random.default_rng(0), "images")
+    engine = make_engine(impl, impl.FSDPEngineWithLMHead, model, _setting("prompt_only"))
+    monkeypatch.setattr(engine, "use_ulysses_sp", True, raising=False)
+    assert vlm_refusal(engine, data) is None
+    inputs = [dict(x.data if hasattr(x, "data") else x) for x in data["multi_modal_inputs"]]
+    inputs[0]["pixel_values_videos"] = inputs[0]["pixel_values"]
+    videos = data.clone()
+    videos["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(x) for x in inputs])
+    assert "(videos)" in vlm_refusal(engine, videos)
+    monkeypatch.setattr(model.config, "model_type", "qwen3_vl")
+    assert "vision-language inputs on qwen3_vl" in vlm_refusal(engine, data)

@@ -7,9 +7,10 @@ Layouts: CP=2, CP=4, TP=2 + SP, PP=2 x VPP=2 (megatron's interleaved 1F1B), CP=2
 The stock run is verl's stock forward on the unshared batch (under CP the tree-spec model runs
 verl's per-sequence CP chunks); the patched run shares prefixes. Per rank: log-probs, entropy,
 the PPO loss and every local gradient of an actor (per-sample temperatures under CP); values, the value loss and every gradient
-of a critic; ``sum_pi_squared`` and top-k distillation outputs, loss and gradients; with the
-direct builder ``use_fused_kernels`` (verl's fused GPTModel forward, a CPU stand-in for its
-kernel: on the tree under TP + SP and PP, verl's stock fused forward under CP); and
+of a critic; ``sum_pi_squared`` and top-k distillation outputs, loss and gradients; under TP
+without CP or PP, MTP training's loss, logged MTP losses and gradients; with the direct builder
+``use_fused_kernels`` (verl's fused GPTModel forward, a CPU stand-in for its kernel: on the
+tree under TP + SP and PP, verl's stock fused forward under CP); and
 ``ENABLE_PREFIX_SHARING=0`` against stock, bit for bit.
 
 Builders: ``direct`` (megatron's GPTModel with the local tree spec, random weights) or, with
@@ -27,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -114,9 +116,10 @@ def bridge_chunks(layout: str, kind: str, value_head: bool) -> list:
     return [chunk.to(DEVICE) for chunk in engine.module]
 
 
-def build_chunks(layout: str, kind: str, seed: int, value_head: bool = False) -> list:
+def build_chunks(layout: str, kind: str, seed: int, value_head: bool = False, mtp_layers: int = 0) -> list:
     """This rank's model chunks (one per virtual stage) with tree specs, randomized alike on
-    every rank of the same shard (or from Megatron-Bridge: :func:`bridge_chunks`)."""
+    every rank of the same shard (or from Megatron-Bridge: :func:`bridge_chunks`);
+    ``mtp_layers``: megatron's MTP block (no pipeline) with verl's MTP patches."""
     if BRIDGE_CHECKPOINTS:
         return bridge_chunks(layout, kind, value_head)
     from megatron.core import parallel_state as ps
@@ -136,11 +139,22 @@ def build_chunks(layout: str, kind: str, seed: int, value_head: bool = False) ->
             # previous and next stage are one peer, and the batched p2p path posts send_prev
             # before send_next on every rank, crossing the interleaved schedule's messages
             extra["batch_p2p_comm"] = False
+    if mtp_layers:
+        extra["mtp_num_layers"] = mtp_layers
     cfg = tiny_config(kind, **extra)
     cfg.tree_attention_backend = "chunked"  # exact fp32 math on any device
     spec = get_gpt_layer_local_tree_spec(**layer_spec_args(cfg))
     if lay["sp"]:
         spec = sp_block_spec(spec, cfg.num_layers)
+    if mtp_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        from megatron_shims import sp_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
+        extra_model = {"mtp_block_spec": sp_mtp_block_spec(mtp) if lay["sp"] else mtp}
+    else:
+        extra_model = {}
     chunks = []
     for vp in range(lay["vpp"] or 1):
         kw = {}
@@ -149,8 +163,12 @@ def build_chunks(layout: str, kind: str, seed: int, value_head: bool = False) ->
             kw = dict(pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                       post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                       vp_stage=vp_stage)
-        model = build_gpt(cfg, spec, **kw)
+        model = build_gpt(cfg, spec, **kw, **extra_model)
         randomize_(model, seed=seed + 7 * vp + 131 * ps.get_pipeline_model_parallel_rank())
+        if mtp_layers:
+            from verl.utils.megatron_utils import patch_engine_mtp
+
+            patch_engine_mtp(model, SimpleNamespace(mtp=SimpleNamespace(detach_encoder=False)))
         if value_head and model.post_process:
             model.output_layer = ValueHead(cfg.hidden_size, cfg.sequence_parallel)
         chunks.append(model.to(DEVICE))
@@ -168,8 +186,10 @@ def make_data(layout: str, seed: int, **meta):
     return data
 
 
-def run_engine(cls, chunks, data, setting, loss_fn, patched, env_value=None, use_fused_kernels=False):
-    """One ``forward_backward_batch``; returns (output, this rank's grads)."""
+def run_engine(cls, chunks, data, setting, loss_fn, patched, env_value=None, mtp: bool = False,
+               use_fused_kernels: bool = False):
+    """One ``forward_backward_batch`` (``mtp``: verl's MTP training on; ``use_fused_kernels``: the
+    engine setting verl 0.9.1 checks the batch flag against); returns (output, this rank's grads)."""
     from verl_batches import engine_shell
     from verl_helpers import megatron_patchset
 
@@ -185,7 +205,9 @@ def run_engine(cls, chunks, data, setting, loss_fn, patched, env_value=None, use
     try:
         engine = engine_shell(cls, chunks[0], setting)
         engine.module = chunks
-        engine.engine_config.use_fused_kernels = use_fused_kernels  # verl 0.9.1 checks the batch flag against it
+        engine.engine_config.use_fused_kernels = use_fused_kernels
+        if mtp:
+            engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True, detach_encoder=False)
         for m in chunks:
             m.zero_grad(set_to_none=True)
         out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
@@ -378,6 +400,41 @@ def critic_report(layout: str) -> dict:
     return {"critic": rep}
 
 
+def mtp_report(layout: str) -> dict:
+    """MTP training (2 layers) under TP without CP or PP: the PPO loss, the logged MTP losses
+    and every gradient, tree vs verl's stock MTP on the unshared batch (fixed micro-batches:
+    the logged MTP loss is a mean of per-micro-batch means)."""
+    lay = LAYOUTS[layout]
+    if lay["tp"] == 1 or lay["cp"] > 1 or lay["pp"] > 1 or BRIDGE_CHECKPOINTS:  # Bridge's models: no MTP block
+        return {}
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from verl.workers.config import McoreActorConfig
+    from verl.workers.engine.megatron import transformer_impl as impl
+    from verl.workers.utils.losses import ppo_loss
+    from verl_batches import tree_setting
+
+    from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
+
+    MTPLossLoggingHelper.tracker.clear()
+    chunks = build_chunks(layout, "qwen2", seed=13, mtp_layers=2)
+    data = make_data(layout, 9, use_dynamic_bsz=False, micro_batch_size_per_gpu=6)
+    loss_fn = partial(ppo_loss, config=McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2))
+    runs = [run_engine(impl.MegatronEngineWithLMHead, chunks, data, tree_setting(), loss_fn, patched, mtp=True)
+            for patched in (False, True)]
+    (stock, g_stock), (tree, g_tree) = runs
+    rep = _grad_report(g_stock, g_tree)
+    keys = sorted(k for k in stock["metrics"] if k.startswith("mtp_losses/"))
+    rep.update(
+        loss=[float(np.sum(stock["loss"])), float(np.sum(tree["loss"]))],
+        mtp_keys=[keys, sorted(k for k in tree["metrics"] if k.startswith("mtp_losses/"))],
+        mtp_losses=[[float(np.sum(run["metrics"][k])) for k in keys] for run in (stock, tree)],
+        tokens=[sum(tree["metrics"][TOKENS_IN]), sum(tree["metrics"][TOKENS_PACKED])],
+        mtp_grads=all(float(p.grad.abs().max()) > 0 for m in chunks for n, p in m.named_parameters()
+                      if n.startswith("mtp.")),
+    )
+    return {"mtp": rep}
+
+
 def plan_mismatch_report(layout: str) -> dict:
     """A rank whose micro-batch differs: the plan check raises before the schedule."""
     from megatron.core import parallel_state as ps
@@ -421,6 +478,7 @@ def main(layout: str, out_path: str, device: str = "cpu", builder: str = "direct
     report.update(critic_report(layout))
     report.update(statistics_report(layout))
     report.update(plan_mismatch_report(layout))
+    report.update(mtp_report(layout))
     if builder == "direct":
         report.update(fused_report(layout))
     write_reports(report, out_path)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ps_mcore.logprobs import LocalTokenRows, TokenStatistics, token_statistics, token_temperatures
+from ps_mcore.logprobs import LabelledRows, LocalTokenRows, TokenStatistics, token_statistics, token_temperatures
 from ps_mcore.planner import TreePlan
 
 
@@ -93,13 +93,21 @@ class SequenceParallelPlan:
         c = self.rows_per_rank
         return self.rank * c, (self.rank + 1) * c
 
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, ...]`` in plan order -> ``[c, ...]`` this rank's rows (padding zeros)."""
+    def padded(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``x`` with ``T`` (or already ``T_pad``) rows along ``dim`` -> ``T_pad`` rows (zeros
+        appended): the rows the ranks split."""
+        pad = self.size * self.rows_per_rank - x.size(dim)
+        if not pad:
+            return x
+        shape = list(x.shape)
+        shape[dim] = pad
+        return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+    def local(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``[T, ...]`` (or ``T_pad`` rows) in plan order along ``dim`` -> ``[c, ...]`` this
+        rank's rows (padding zeros)."""
         lo, hi = self.row_range
-        pad = self.size * self.rows_per_rank - x.size(0)
-        if pad:
-            x = torch.cat([x, x.new_zeros((pad,) + tuple(x.shape[1:]))])
-        return x[lo:hi]
+        return self.padded(x, dim).narrow(dim, lo, hi - lo)
 
     @functools.cached_property
     def token_rows(self) -> LocalTokenRows:
@@ -110,6 +118,12 @@ class SequenceParallelPlan:
         token_index = torch.from_numpy(index)
         local = LocalTokenRows.select(self.plan.host, token_index, torch.from_numpy(rows[index] - lo), hi - lo)
         return local.to(self.plan.device)
+
+    def local_pairs(self, pairs: LabelledRows) -> "LocalPairs":
+        """The pairs of ``pairs`` (the whole plan's) whose row is on this rank (no device sync)."""
+        lo, hi = (min(r, self.plan.num_tokens) for r in self.row_range)
+        start, stop = int(pairs.row_offsets[lo]), int(pairs.row_offsets[hi])
+        return LocalPairs(pairs.rows[start:stop] - lo, pairs.labels[start:stop], start, pairs.num_pairs)
 
     def attend(self, attention: Callable, module, query, key, value, attention_mask, **kwargs):
         """Run ``attention`` (the tree attention function, HF signature; ``kwargs`` carry the
@@ -135,6 +149,23 @@ class SequenceParallelPlan:
         return AllToAll.apply(out, 1, 2, self.group), None  # [1, c, H, D]
 
 
+@dataclass(frozen=True, eq=False)
+class LocalPairs:
+    """One SP rank's share of a plan's :class:`~ps_mcore.logprobs.LabelledRows`: pairs
+    ``[start, start + u)`` of the ``U``, those whose packed row is on this rank.
+
+    Attributes:
+        rows: ``[u]`` each pair's row among this rank's ``c`` rows.
+        labels: ``[u]`` each pair's label.
+        start: the first pair's index among the ``U``; num_pairs: ``U``.
+    """
+
+    rows: torch.Tensor
+    labels: torch.Tensor
+    start: int
+    num_pairs: int
+
+
 def sequence_parallel_plan(plan: TreePlan, group) -> SequenceParallelPlan:
     """``plan`` split over the SP ``group`` (this process's rank in it)."""
     return SequenceParallelPlan(plan, group, dist.get_world_size(group), dist.get_rank(group))
@@ -154,19 +185,26 @@ def sp_token_statistics(
         ids = statistics["label_ids"]
         statistics["label_ids"] = ids.index_select(0, local.token_index.to(ids.device))
     stats = token_statistics(logits, local, temperature, compute_entropy, **statistics)
+    return stats.map(lambda x: _combine(x, local.token_index.to(x.device), plan.num_input_tokens, sp_plan))
 
-    def combine(x: torch.Tensor) -> torch.Tensor:
-        full = x.new_zeros((plan.num_input_tokens,) + tuple(x.shape[1:]))
-        full = full.index_copy(0, local.token_index.to(x.device), x)
-        return _SumScaled.apply(full, sp_plan.group, float(sp_plan.size))
 
-    return stats.map(combine)
+def _combine(x: torch.Tensor, index: torch.Tensor, total: int, sp_plan: SequenceParallelPlan) -> torch.Tensor:
+    """``[n, ...]`` this rank's entries ``index`` of ``total`` (disjoint over the SP ranks)
+    -> ``[total, ...]`` on every rank (backward: this rank's entries, times the SP size)."""
+    full = x.new_zeros((total,) + tuple(x.shape[1:])).index_copy(0, index, x)
+    return _SumScaled.apply(full, sp_plan.group, float(sp_plan.size))
 
 
 def sp_gather_rows(x: torch.Tensor, sp_plan: SequenceParallelPlan) -> torch.Tensor:
     """``[c, ...]`` this rank's rows -> ``[T, ...]`` every row in plan order, on every rank
     (backward: this rank's rows of the gradient, times the SP size)."""
     lo, hi = sp_plan.row_range
-    full = torch.zeros((sp_plan.size * (hi - lo),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    full = full.index_copy(0, torch.arange(lo, hi, device=x.device), x)
-    return _SumScaled.apply(full, sp_plan.group, float(sp_plan.size))[: sp_plan.plan.num_tokens]
+    full = _combine(x, torch.arange(lo, hi, device=x.device), sp_plan.size * (hi - lo), sp_plan)
+    return full[: sp_plan.plan.num_tokens]
+
+
+def sp_gather_pairs(x: torch.Tensor, local: LocalPairs, sp_plan: SequenceParallelPlan) -> torch.Tensor:
+    """``[u]`` per pair of this rank (:meth:`SequenceParallelPlan.local_pairs`) -> ``[U]``
+    every pair, on every rank (backward: this rank's pairs, times the SP size)."""
+    index = torch.arange(local.start, local.start + x.size(0), device=x.device)
+    return _combine(x, index, local.num_pairs, sp_plan)

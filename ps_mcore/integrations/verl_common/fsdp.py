@@ -24,6 +24,7 @@ metrics) runs unchanged around them:
 * ``use_fused_kernels``: verl's fused forward (torch or Triton backend) runs the decoder on
   the tree and its kernel on the plan's distinct (row, next-token) pairs
   (:mod:`ps_mcore.integrations.verl_common.fused`); log-probs and entropy come from the kernel.
+  Under Ulysses SP each rank runs the kernel on the pairs whose row it holds.
 
 ``use_remove_padding`` only changes how verl's stock path lays the batch out (one packed row
 vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns the same
@@ -37,15 +38,19 @@ processor other than verl's ``distillation_ppo_loss``, position ids other than `
 (attention dropout always; residual / classifier / LoRA dropouts unless
 ``prefix_grouper.shared_dropout``), trl value-head wrappers, engine subclasses that override
 these seams (VeOmni), VLM inputs other than Qwen2-VL / Qwen2.5-VL images, and fused kernels
-without ``use_remove_padding``, behind a model's own fused forward (the VLM ones), with a
-temperature tensor, with Ulysses SP, ``calculate_sum_pi_squared`` or top-k distillation. When a whole batch is known to fall back (fused kernels
-without remove-padding), micro-batching stays verl's, so the stock forward keeps the raw-token
-budget it was sized for.
+without ``use_remove_padding`` on verl 0.8.0 (its fused output is response-padded), behind a
+model's own fused forward (the VLM ones), with a temperature tensor,
+``calculate_sum_pi_squared`` or top-k distillation. When a whole batch is known to fall back
+(fused kernels without remove-padding on verl 0.8.0), micro-batching stays verl's, so the
+stock forward keeps the raw-token budget it was sized for.
 
 Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``): the packed tree rows
 are split over the SP ranks and the ``"prefix_tree"`` attention runs an all-to-all around
 tree attention (:mod:`ps_mcore.fsdp_bridge.sequence_parallel`); log-probs, entropy and values
-come back complete on every SP rank with verl's gradient scaling.
+(fused kernels too) come back complete on every SP rank with verl's gradient scaling. A
+vision-language model gets all packed rows and images on every SP rank and its text model takes
+the rank's rows after the embedding, as verl's VLM path does
+(:mod:`~ps_mcore.integrations.verl_common.vision`).
 
 Cross-micro-batch schedules (``prefix_grouper.cross_microbatch``): sharing units larger than
 the token budget are planned as one forest whose steps are the first micro-batches
@@ -82,7 +87,13 @@ from ps_mcore.fsdp_bridge import (
 )
 from ps_mcore.fsdp_bridge.hf_attention import ATTN_NAME, base_implementation
 from ps_mcore.fsdp_bridge.lockstep import fsdp1_wrapped, fsdp2_modules, gathered_once, is_gathered
-from ps_mcore.fsdp_bridge.sequence_parallel import sequence_parallel_plan, sp_gather_rows, sp_token_statistics
+from ps_mcore.fsdp_bridge.sequence_parallel import (
+    sequence_parallel_plan,
+    sp_gather_pairs,
+    sp_gather_rows,
+    sp_token_statistics,
+)
+from ps_mcore.integrations.env import distribution_version
 from ps_mcore.integrations.verl_common.batch import (
     batch_flag,
     batch_temperature,
@@ -104,7 +115,6 @@ from ps_mcore.integrations.verl_common.fused import (
     FUSED_ROWS_KWARG,
     enable_tree_fused_forward,
     fused_forward_refusal,
-    labelled_statistics,
 )
 from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
 from ps_mcore.integrations.verl_common.statistics import LMHeadRequest, lm_head_batch_refusal
@@ -112,11 +122,12 @@ from ps_mcore.integrations.verl_common.vision import (
     engine_image_tokens,
     is_vision_batch,
     record_hf_attention_forwards,
+    route_sp_input_slicing,
     route_tree_attention,
     tree_vision_inputs,
     vlm_refusal,
 )
-from ps_mcore.logprobs import labelled_rows, token_statistics
+from ps_mcore.logprobs import TokenStatistics, labelled_rows, token_statistics
 from ps_mcore.multimodal import with_tokens
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
@@ -124,6 +135,7 @@ PLAN_KEY = "ps_mcore_tree_plan"
 TEMPERATURE_KEY = "ps_mcore_temperature"
 _SEAMS = ("forward_step", "prepare_model_inputs", "prepare_model_outputs")
 SP_PLAN_KEY = "ps_mcore_sp_plan"
+SP_PAIRS_KEY = "ps_mcore_sp_pairs"  # the fused kernel's pairs of this call (this SP rank's share)
 
 
 def _impl():
@@ -138,12 +150,21 @@ def _impl():
 def batch_flags_refusal(batch) -> str | None:
     """Why every micro-batch of ``batch`` takes verl's stock path, judged from the batch's
     own flags (so micro-batching can stay stock too); None if nothing rules it out."""
-    if batch_flag(batch, "use_fused_kernels") and not batch_flag(batch, "use_remove_padding", True):
+    if (batch_flag(batch, "use_fused_kernels") and not batch_flag(batch, "use_remove_padding", True)
+            and fused_output_is_response_padded()):
         return (
-            "use_fused_kernels=True with use_remove_padding=False (verl's fused forward returns a "
-            "response-padded layout there; set use_remove_padding=True to share)"
+            "use_fused_kernels=True with use_remove_padding=False on verl 0.8.0 (its fused forward returns "
+            "the last max_response_length columns of the right-padded batch, padding rows included, "
+            "which a tree does not compute; set use_remove_padding=True to share)"
         )
     return None
+
+
+def fused_output_is_response_padded() -> bool:
+    """verl 0.8.0's fused forward without remove-padding returns ``[B, max_response_length]``
+    columns of the padded batch; verl 0.9.1's returns the per-token jagged layout (the tree's)."""
+    version = distribution_version("verl")
+    return version is not None and version.startswith("0.8.")
 
 
 def _is_value_engine(engine) -> bool:
@@ -206,8 +227,6 @@ def _fused_refusal(engine, batch) -> str | None:
     """Why verl's fused forward cannot run this LM micro-batch on the tree (None: it can)."""
     if isinstance(batch["temperature"], torch.Tensor):
         return "use_fused_kernels=True with a temperature tensor (verl's fused forward refuses it)"
-    if getattr(engine, "use_ulysses_sp", False):
-        return "use_fused_kernels=True with Ulysses sequence parallelism is not supported on a tree"
     if batch_flag(batch, "calculate_sum_pi_squared"):  # verl raises for it (no full logits)
         return "use_fused_kernels=True with calculate_sum_pi_squared (verl's fused forward refuses it)"
     if batch_flag(batch, "distillation_use_topk"):
@@ -237,19 +256,22 @@ def _switch_attention(module: torch.nn.Module, patcher) -> None:
 
 
 def tree_model_inputs(
-    micro_batch, plan, temperature: float | torch.Tensor, fused: bool = False, sp_group=None
+    micro_batch, plan, temperature: float | torch.Tensor, fused: bool = False, sp_group=None,
+    slice_after_embedding: bool = False,
 ) -> tuple[dict, dict]:
     """(model inputs, output args) for one forward over ``plan``'s packed forest; ``fused``:
     for verl's fused forward (its kernel runs on the plan's labelled rows); ``sp_group``: the
-    Ulysses group whose ranks split the packed rows.
+    Ulysses group whose ranks split the packed rows; ``slice_after_embedding``: every SP rank
+    gets all rows and the model slices after its embedding (vision-language models, as verl).
 
-    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]`` (``[1, ceil(T / sp)]`` under SP).
+    Shapes: ``input_ids`` / ``position_ids`` ``[1, T]`` (``[1, ceil(T / sp)]`` under SP,
+    ``[1, T_pad]`` when sliced after the embedding).
     """
     plan = plan.to(micro_batch["input_ids"].device)
     sp_plan = None
     if sp_group is not None and dist.get_world_size(sp_group) > 1:
         sp_plan = sequence_parallel_plan(plan, sp_group)
-    rows = (lambda x: x) if sp_plan is None else sp_plan.local
+    rows = (lambda x: x) if sp_plan is None else sp_plan.padded if slice_after_embedding else sp_plan.local
     model_inputs = {
         "input_ids": rows(plan.input_ids)[None],
         "attention_mask": None,
@@ -258,9 +280,11 @@ def tree_model_inputs(
     }
     output_args = {PLAN_KEY: plan, TEMPERATURE_KEY: temperature, SP_PLAN_KEY: sp_plan}
     if fused:
-        rows = labelled_rows(plan)
-        model_inputs.update({FUSED_ROWS_KWARG: rows, "temperature": temperature, "return_dict": True})
-        output_args[FUSED_ROWS_KWARG] = rows
+        pairs = labelled_rows(plan)
+        local = pairs if sp_plan is None else sp_plan.local_pairs(pairs)
+        model_inputs.update({FUSED_ROWS_KWARG: local, "temperature": temperature, "return_dict": True})
+        output_args[FUSED_ROWS_KWARG] = pairs
+        output_args[SP_PAIRS_KEY] = local
     return model_inputs, output_args
 
 
@@ -290,11 +314,15 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         if fused:
             enable_tree_fused_forward(self.module, patcher)
         sp_group = getattr(self, "ulysses_parallel_group", None) if getattr(self, "use_ulysses_sp", False) else None
+        vision_model = engine_image_tokens(self) is not None
         inputs, output_args = tree_model_inputs(
-            micro_batch, plan, batch_temperature(source["temperature"]), fused, sp_group
+            micro_batch, plan, batch_temperature(source["temperature"]), fused, sp_group, vision_model
         )
+        sp_plan = output_args[SP_PLAN_KEY]
+        if sp_plan is not None and vision_model:
+            route_sp_input_slicing(self.module, patcher)
         if images is not None:
-            inputs.update(tree_vision_inputs(source, plan, images, inputs["input_ids"].device))
+            inputs.update(tree_vision_inputs(source, plan, images, inputs["input_ids"].device, sp_plan))
         return inputs, output_args
 
     return prepare_model_inputs
@@ -309,7 +337,10 @@ def tree_lm_outputs(output, output_args: dict, micro_batch, loss_function=None) 
     sp_plan = output_args[SP_PLAN_KEY]
     temperature = output_args[TEMPERATURE_KEY]
     if rows is not None:  # the fused path refuses the other statistics
-        stats = labelled_statistics(rows, output.log_probs, output.entropy if request.entropy else None)
+        per_pair = [output.log_probs[0]] + ([output.entropy[0]] if request.entropy else [])
+        if sp_plan is not None:
+            per_pair = [sp_gather_pairs(x, output_args[SP_PAIRS_KEY], sp_plan) for x in per_pair]
+        stats = TokenStatistics(*rows.per_token(*per_pair))
     elif sp_plan is not None:
         stats = sp_token_statistics(output.logits[0], sp_plan, temperature, request.entropy, **request.statistics_kwargs())
     else:

@@ -10,6 +10,9 @@ On a tree, the decoder runs the ``T`` packed rows and the same kernel runs on th
 (row, next-token label) pairs (:func:`ps_mcore.logprobs.labelled_rows`): every row inside a
 node once, the last row of a node with k children k times (its hidden state gathered, so the
 backward scatter-adds into the shared row). Each original token then reads its own pair.
+Under Ulysses SP each rank runs the kernel on the pairs whose row it holds
+(:class:`~ps_mcore.fsdp_bridge.sequence_parallel.LocalPairs`); the glue gathers the ``[U]``
+results over the SP group with verl's gradient scaling.
 
 FSDP engine: the model class's forward is wrapped (:func:`tree_fused_forward`, on first use,
 undone with the patchset) so that a call carrying :data:`FUSED_ROWS_KWARG` takes this path;
@@ -25,9 +28,10 @@ from typing import Callable
 import torch
 
 from ps_mcore.fsdp_bridge import unwrap_model
+from ps_mcore.fsdp_bridge.sequence_parallel import LocalPairs
 from ps_mcore.logprobs import LabelledRows, TokenStatistics
 
-FUSED_ROWS_KWARG = "ps_mcore_fused_rows"  # model kwarg: the LabelledRows of a tree call
+FUSED_ROWS_KWARG = "ps_mcore_fused_rows"  # model kwarg: the LabelledRows (LocalPairs under SP) of a tree call
 _TREE_FUSED = "_ps_mcore_tree_fused"  # marks the wrapped class forward
 
 
@@ -45,7 +49,7 @@ def triton_fused_kernel(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     return linear_cross_entropy(hidden, weight, labels, float(temperature), "none")
 
 
-def on_labelled_rows(kernel: Callable, rows: LabelledRows) -> Callable:
+def on_labelled_rows(kernel: Callable, rows: LabelledRows | LocalPairs) -> Callable:
     """``kernel`` (``(hidden, weight, labels, temperature, *rest) -> (log_probs, entropy)``)
     run on the labelled rows of the packed hidden states instead of on every row with one
     label each: ``hidden [..., D]`` (``[1, T, D]`` or ``[T_pad, 1, D]``, rows in packed
@@ -107,12 +111,13 @@ def tree_fused_forward(original: Callable, kernel: Callable) -> Callable:
     reaches the ``"prefix_tree"`` attention), then ``kernel`` on the labelled rows.
 
     Shapes: ``input_ids`` / ``position_ids`` ``[1, T]``; returns ``log_probs`` / ``entropy``
-    ``[1, U]``, one per labelled row (:class:`~ps_mcore.logprobs.LabelledRows`).
+    ``[1, U]``, one per labelled row (:class:`~ps_mcore.logprobs.LabelledRows`). Under Ulysses
+    SP: ``[1, c]`` this rank's rows and ``[1, u]`` its pairs (:class:`LocalPairs`).
     """
     from verl.models.transformers.dense_common import CausalLMOutputForPPO
 
     def forward(self, *args, **kwargs):
-        rows: LabelledRows | None = kwargs.pop(FUSED_ROWS_KWARG, None)
+        rows: LabelledRows | LocalPairs | None = kwargs.pop(FUSED_ROWS_KWARG, None)
         if rows is None:
             return original(self, *args, **kwargs)
         temperature = kwargs.pop("temperature", 1.0)

@@ -62,8 +62,19 @@ def full_loss_mask(args: dict, input_ids: torch.Tensor) -> torch.Tensor:
     return mask.values().to(torch.float32)
 
 
+def vocab_shards(model, runtime_gather_output):
+    """The TP group whose ranks hold vocab shards of ``model.output_layer``'s logits (None: each
+    rank's logits cover the whole vocab)."""
+    from megatron.core import parallel_state
+
+    gather = model.output_layer.gather_output if runtime_gather_output is None else runtime_gather_output
+    if gather or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
 def _depth_logits(model, hidden: torch.Tensor, runtime_gather_output, megatron_loss: bool) -> torch.Tensor:
-    """``[T_k, 1, V]`` logits of one depth's rows through the output layer as the stock loss
+    """``[T_k, 1, V]`` logits (a vocab shard under TP, all rows under sequence parallelism) of one depth's rows through the output layer as the stock loss
     calls it: megatron's ``process_mtp_loss`` trains the output layer unless
     ``mtp_detach_heads`` and applies MuP's logit scale; verl's own loss never trains it."""
     config = model.config
@@ -82,7 +93,7 @@ def _depth_logits(model, hidden: torch.Tensor, runtime_gather_output, megatron_l
     return logits
 
 
-def _log_depth(config, depth: DepthPlan, logits, mtp_loss, mask, num_tokens) -> None:
+def _log_depth(config, depth: DepthPlan, logits, mtp_loss, mask, num_tokens, tp_group) -> None:
     """The depth's metrics into megatron's MTP tracker, as the stock loss logs them: the mean
     loss (megatron-core 0.16), or the mean loss and the acceptance counts (0.19)."""
     from megatron.core import parallel_state
@@ -95,10 +106,20 @@ def _log_depth(config, depth: DepthPlan, logits, mtp_loss, mask, num_tokens) -> 
         return
     with torch.no_grad():
         valid = mask.bool()
-        predicted = logits[:, 0].argmax(-1)[depth.tokens.unpack_index]
+        predicted = _argmax(logits[: depth.num_rows, 0], tp_group)[depth.tokens.unpack_index]
         correct = ((predicted == depth.tokens.next_token_ids) & valid).sum().float()
         loss = mtp_loss.sum() * (num_tokens > 0).to(mtp_loss.dtype) / num_tokens.clamp(min=1)
     MTPLossLoggingHelper.save_metrics_to_tracker(loss, correct, valid.sum().float(), index, layers, avg_group=group)
+
+
+def _argmax(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """``[T]`` argmax over the vocab of ``[T, V_local]`` logits, as megatron-core 0.19 counts
+    accepted tokens (its vocab-parallel argmax where the ranks hold vocab shards)."""
+    if tp_group is None:
+        return logits.argmax(-1)
+    from megatron.core.transformer.multi_token_prediction import _vocab_parallel_argmax
+
+    return _vocab_parallel_argmax(logits, tp_group, torch.distributed.get_world_size(tp_group))
 
 
 def attach_tree_mtp_loss(
@@ -128,14 +149,15 @@ def attach_tree_mtp_loss(
             raise ValueError(f"MTP loss normalization factor must be positive, got {normalization_factor}")
         scale *= normalization_factor
     main_tokens = loss_mask.sum()  # process_mtp_loss rescales each depth to the main loss's count
+    tp_group = vocab_shards(model, runtime_gather_output)
     for depth, hidden in zip(depths, outputs):
         logits = _depth_logits(model, hidden, runtime_gather_output, megatron_loss)
-        logprobs, _ = token_logprobs(logits[:, 0], depth.tokens)
+        logprobs, _ = token_logprobs(logits[:, 0], depth.tokens, tp_group=tp_group)
         mask = rolled_mask(loss_mask, plan.seq_lens, depth.depth + 1) * depth.tokens.next_token_mask
         mtp_loss = -logprobs * mask
         num_tokens = mask.sum()
         if model.training:
-            _log_depth(config, depth, logits, mtp_loss, mask, num_tokens)
+            _log_depth(config, depth, logits, mtp_loss, mask, num_tokens, tp_group)
         if megatron_loss:
             safe = num_tokens.clamp(min=1)
             weighted = mtp_loss * (main_tokens / safe) if per_token else mtp_loss / safe

@@ -17,27 +17,41 @@ sample's images and scatters the features into the image placeholders. On the tr
   Qwen2-VL attention classes with its own flash-attention forward; for a tree call the class's
   Hugging Face forward (recorded when the patchset is installed) runs instead, which
   dispatches to the tree attention.
+
+Under Ulysses SP the tree follows verl's VLM layout: every SP rank gets all packed rows
+(padded to a multiple of SP) and all images of the packed rows, so each rank runs the vision
+tower once per distinct image and the placeholder scatter on all rows; the text model then
+takes this rank's contiguous chunk of the embeddings and positions
+(:func:`route_sp_input_slicing`, the slice verl's ``patch_vlm_for_ulysses_input_slicing``
+makes), and the decoder runs as on a text model under SP
+(:mod:`ps_mcore.fsdp_bridge.sequence_parallel`). The vision tower's gradient on each rank comes
+from its own chunk's rows; summed over the SP ranks it is the whole gradient, as in verl.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable
 
 import torch
 
 from ps_mcore.fsdp_bridge import unwrap_model
+from ps_mcore.fsdp_bridge.sequence_parallel import SequenceParallelPlan
 from ps_mcore.integrations.verl_common.batch import ImageTokens, sample_images, sequences, sharing_sequences
 from ps_mcore.multimodal import packed_image_order, row_values
 
-# model_type -> (transformers module, text attention class)
-VLM_ATTENTION = {
-    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLAttention"),
-    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLAttention"),
+# model_type -> (transformers module, text attention class, text model class)
+VLM_CLASSES = {
+    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLAttention", "Qwen2VLTextModel"),
+    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLAttention", "Qwen2_5_VLTextModel"),
 }
 _KNOWN_INPUTS = {"pixel_values", "image_grid_thw"}
 _HF_FORWARD: dict[type, Callable] = {}  # Hugging Face's own attention forward, per class
 _TREE_ROUTED = "_ps_mcore_tree_routed"
+_SP_SLICED = "_ps_mcore_sp_sliced"
+# set while verl's Ulysses VLM input-slicing wrapper runs the text model: it slices only when unset
+_VERL_SLICE_FLAG = "_needs_initial_slice"
 
 
 def _config(module):
@@ -47,7 +61,7 @@ def _config(module):
 def image_tokens_of(module) -> ImageTokens | None:
     """The image placeholder layout of a supported vision-language model (None otherwise)."""
     config = _config(module)
-    if getattr(config, "model_type", None) not in VLM_ATTENTION:
+    if getattr(config, "model_type", None) not in VLM_CLASSES:
         return None
     return ImageTokens(int(config.image_token_id), int(config.vision_config.spatial_merge_size))
 
@@ -61,10 +75,10 @@ def is_vision_batch(batch) -> bool:
     return "multi_modal_inputs" in batch.keys() or batch["position_ids"].dim() == 3
 
 
-def _attention_class(model_type: str) -> type | None:
-    module_name, name = VLM_ATTENTION[model_type]
-    module = sys.modules.get(module_name)
-    return None if module is None else getattr(module, name, None)
+def _vlm_class(model_type: str, which: int = 1) -> type | None:
+    """The model type's text attention class (``which=2``: its text model class), if imported."""
+    module = sys.modules.get(VLM_CLASSES[model_type][0])
+    return None if module is None else getattr(module, VLM_CLASSES[model_type][which], None)
 
 
 def record_hf_attention_forwards() -> None:
@@ -72,7 +86,7 @@ def record_hf_attention_forwards() -> None:
     imported and not yet patched (verl replaces it when it builds a VLM)."""
     import importlib
 
-    for model_type, (module_name, name) in VLM_ATTENTION.items():
+    for model_type, (module_name, name, _) in VLM_CLASSES.items():
         try:
             cls = getattr(importlib.import_module(module_name), name)
         except (ImportError, AttributeError):
@@ -99,10 +113,8 @@ def vlm_refusal(engine, batch) -> str | None:
     path runs it)."""
     config = _config(engine.module)
     model_type = getattr(config, "model_type", None)
-    if model_type not in VLM_ATTENTION:
+    if model_type not in VLM_CLASSES:
         return f"vision-language inputs on {model_type or type(config).__name__} (tree path: Qwen2-VL, Qwen2.5-VL)"
-    if getattr(engine, "use_ulysses_sp", False):
-        return "vision-language inputs with Ulysses sequence parallelism are not supported on a tree"
     # values(), not the shape: verl's micro-batch selection keeps values and offsets of a
     # nested [B, 4, j] tensor but not its shape metadata
     position_ids = batch["position_ids"]
@@ -111,9 +123,9 @@ def vlm_refusal(engine, batch) -> str | None:
     reason = multi_modal_inputs_refusal(batch)
     if reason is not None:
         return reason
-    cls = _attention_class(model_type)
+    cls = _vlm_class(model_type)
     if cls is None:
-        return f"{VLM_ATTENTION[model_type][1]} is not importable"
+        return f"{VLM_CLASSES[model_type][1]} is not importable"
     reason = _routing_refusal(cls)
     if reason is not None:
         return reason
@@ -142,7 +154,7 @@ def route_tree_attention(module, patcher) -> None:
     """Make tree calls of the model's VLM attention class reach the attention interface: when
     verl replaced the class's forward, a call carrying ``tree_call`` runs Hugging Face's own
     forward instead (recorded in ``patcher``, undone with the patchset)."""
-    cls = _attention_class(_config(module).model_type)
+    cls = _vlm_class(_config(module).model_type)
     forward = cls.forward
     if getattr(forward, _TREE_ROUTED, False) or getattr(forward, "__module__", "") == cls.__module__:
         return
@@ -155,6 +167,48 @@ def route_tree_attention(module, patcher) -> None:
             return current(self, *args, **kwargs)
 
         setattr(forward, _TREE_ROUTED, True)
+        return forward
+
+    patcher.wrap(cls, "forward", make)
+
+
+@contextlib.contextmanager
+def _verl_slicing_off(text_model):
+    previous = text_model.__dict__.get(_VERL_SLICE_FLAG)
+    setattr(text_model, _VERL_SLICE_FLAG, False)
+    try:
+        yield
+    finally:
+        if previous is None:
+            delattr(text_model, _VERL_SLICE_FLAG)
+        else:
+            setattr(text_model, _VERL_SLICE_FLAG, previous)
+
+
+def route_sp_input_slicing(module, patcher) -> None:
+    """Make the model's text model take this Ulysses rank's rows in a tree call under SP: the
+    model embeds all ``T_pad`` packed rows (images scattered in place), the text model keeps
+    rows ``[rank * c, (rank + 1) * c)`` of ``inputs_embeds [1, T_pad, H]`` and of the positions
+    ``[..., T_pad]``. A call whose rows verl's own slicing wrapper (installed around the class
+    when verl builds a VLM for Ulysses) already cut runs as it is; verl's wrapper never slices a
+    tree call a second time. Recorded in ``patcher`` (undone with the patchset)."""
+    cls = _vlm_class(_config(module).model_type, which=2)
+    if getattr(cls.forward, _SP_SLICED, False):
+        return
+
+    def make(current):
+        def forward(self, *args, **kwargs):
+            sp_plan = getattr(kwargs.get("tree_call"), "plan", None)
+            if not isinstance(sp_plan, SequenceParallelPlan):
+                return current(self, *args, **kwargs)
+            embeds = kwargs.get("inputs_embeds")
+            if embeds is not None and embeds.size(1) != sp_plan.rows_per_rank:
+                kwargs["inputs_embeds"] = sp_plan.local(embeds, dim=1)
+                kwargs["position_ids"] = sp_plan.local(kwargs["position_ids"], dim=-1)
+            with _verl_slicing_off(self):
+                return current(self, *args, **kwargs)
+
+        setattr(forward, _SP_SLICED, True)
         return forward
 
     patcher.wrap(cls, "forward", make)
@@ -174,10 +228,13 @@ def packed_images(batch, plan, images: ImageTokens, device) -> dict:
     }
 
 
-def tree_vision_inputs(batch, plan, images: ImageTokens, device) -> dict:
+def tree_vision_inputs(batch, plan, images: ImageTokens, device, sp_plan: SequenceParallelPlan | None = None) -> dict:
     """Model inputs of the packed rows beyond the token ids: ``position_ids [4, 1, T]`` (each
-    packed row's text + mrope positions) and :func:`packed_images`."""
-    positions = batch["position_ids"].values()  # [4, N]
-    inputs = {"position_ids": row_values(plan, positions.cpu())[:, None, :].to(device)}
+    packed row's text + mrope positions; ``[4, 1, T_pad]`` under SP, every rank all rows) and
+    :func:`packed_images`."""
+    positions = row_values(plan, batch["position_ids"].values().cpu())  # [4, N] -> [4, T]
+    if sp_plan is not None:
+        positions = sp_plan.padded(positions, dim=-1)
+    inputs = {"position_ids": positions[:, None, :].to(device)}
     inputs.update(packed_images(batch, plan, images, device))
     return inputs
