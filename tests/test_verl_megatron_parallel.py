@@ -85,6 +85,7 @@ def _check(layout: str, reports: list[dict], direct_builder: bool = True) -> Non
             assert stats["tokens"][1] < stats["tokens"][0], stats
     for rep in reports:  # use_fused_kernels (the direct builder's worlds)
         fused = rep.get("fused")
+        assert (fused is not None) == direct_builder, rep.keys()
         if fused is None:
             continue
         assert fused["num_grads"] > 0 and fused["grad_missing"] == 0 and fused["grad_rel"] <= GRAD_RTOL, (layout, fused)
