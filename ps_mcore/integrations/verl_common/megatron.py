@@ -46,8 +46,8 @@ the tree (a shared row is normalised once per distinct temperature among its sam
 kernels (``use_fused_kernels``) run on the tree too: verl's fused GPTModel forward on the
 packed rows with its kernel on the plan's labelled rows (:func:`run_tree_fused_forward`;
 under TP every TP rank runs the vocab-parallel kernel on the same labelled rows, under PP the
-last stage does); with context parallelism or a vision-language model they take verl's stock
-fused forward (:func:`megatron_fused_refusal`). Under static CP the tree-spec model also runs
+last stage does); with context parallelism, MTP layers or a vision-language model they take
+verl's stock fused forward (:func:`megatron_fused_refusal`). Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
 
 ``ps_mcore.layer_specs`` is imported where it is used, when an engine builds or runs its
