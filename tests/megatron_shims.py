@@ -520,3 +520,23 @@ def enable_cpu_recompute() -> None:
 
     random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
+def cpu_linear_cross_entropy(hidden, weight, labels, temperature, reduction, group, rows_seen=None):
+    """CPU stand-in for verl's Triton ``linear_cross_entropy`` (same signature): ``(log_probs
+    [R], entropy [R])`` of ``hidden [..., D]`` (R rows) against ``weight [V / tp, D]``. TP of
+    one: verl's torch kernel ``FusedLinearForPPO``; vocab-parallel: the logits and verl's
+    vocab-parallel entropy / log-prob functions, as its unfused Megatron path computes them.
+    ``rows_seen``: a list the row count R is appended to."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy, vocab_parallel_log_probs_from_logits
+
+    assert reduction == "none"
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if rows_seen is not None:
+        rows_seen.append(hidden.shape[0])
+    if dist.get_world_size(group) == 1:
+        return FusedLinearForPPO()(hidden, weight, labels, temperature)
+    logits = (hidden @ weight.T).float() / temperature  # [R, V / tp]
+    entropy = vocab_parallel_entropy(logits.clone())
+    return vocab_parallel_log_probs_from_logits(logits[None], labels[None])[0], entropy

@@ -21,7 +21,9 @@ import torch
 pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
 
-from megatron_shims import build_gpt, init_cpu_megatron, layer_spec_args, randomize_, tiny_config  # noqa: E402
+from megatron_shims import (  # noqa: E402
+    build_gpt, cpu_linear_cross_entropy, init_cpu_megatron, layer_spec_args, randomize_, tiny_config,
+)
 from verl_batches import (  # noqa: E402
     DISTILLATION_KEYS, RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func,
     distillation_loss, engine_shell, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, tiny_critic,
@@ -64,7 +66,8 @@ def _setting(mode, **kw):
     return PrefixSharingSetting(True, PrefixGrouperConfig(mode=mode, min_prefix_len=4, min_saved_fraction=0.0, **kw))
 
 
-def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=None, monkeypatch=None):
+def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=None, monkeypatch=None,
+         engine_setup=None):
     """One forward(+backward) through the engine; returns (output, grads)."""
     if patched:
         setup.install([megatron_patchset()])
@@ -73,6 +76,8 @@ def _run(impl, model, data, setting, patched, loss_fn=None, cls=None, env_value=
     if monkeypatch is not None and env_value is not None:
         monkeypatch.setenv("ENABLE_PREFIX_SHARING", env_value)
     engine = engine_shell(cls or impl.MegatronEngineWithLMHead, model, setting)
+    if engine_setup is not None:
+        engine_setup(engine)
     model.zero_grad(set_to_none=True)
     out = engine.forward_backward_batch(data.clone(), loss_function=loss_fn, forward_only=loss_fn is None)
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
@@ -849,3 +854,77 @@ def test_model_build_with_windows_and_sinks(env, monkeypatch, fresh_warnings, wi
 
         bridge_engine = SimpleNamespace(engine_config=engine.engine_config, tf_config=None, provider=config)
         assert "window_size=(2, 1)" in tree_build_refusal(bridge_engine)
+
+
+# ----------------------------------------------------------------------------- fused kernels
+
+
+@pytest.fixture
+def fused_env(env, monkeypatch):
+    """The env model with verl's fused GPTModel forward (``patch_fused_forward``, as the engine
+    does for ``use_fused_kernels``); its kernel, Triton's ``linear_cross_entropy`` (CUDA), is
+    verl's torch kernel ``FusedLinearForPPO`` here (``cpu_linear_cross_entropy``). Yields
+    (impl, model, rows the kernel saw per call)."""
+    from verl.models.mcore import model_forward_fused
+
+    calls = []
+    monkeypatch.setattr(model_forward_fused, "linear_cross_entropy", partial(cpu_linear_cross_entropy, rows_seen=calls))
+    impl, model = env
+    model_forward_fused.patch_fused_forward(model)
+    yield impl, model, calls
+    for name in ("forward", "forward_backup", "_verl_fused_forward_mode"):  # the shared model as it was
+        model.__dict__.pop(name, None)
+
+
+def _fused_engine(engine):
+    engine.engine_config.use_fused_kernels = True  # verl 0.9.1 checks the batch flag against it
+
+
+@pytest.mark.parametrize("workload, loss_agg_mode", [("grpo", "token-mean"), ("stepwise", "seq-mean-token-sum"),
+                                                     ("tree", "seq-mean-token-mean")])
+def test_fused_kernels_match_stock(fused_env, workload, loss_agg_mode):
+    """``use_fused_kernels=True``: verl's fused GPTModel forward runs the packed tree rows and
+    its kernel the labelled rows (fewer than the batch's tokens); log-probs, entropy, the PPO
+    loss and every gradient equal verl's stock fused run."""
+    impl, model, calls = fused_env
+    rng = np.random.default_rng(31)
+    data = make_batch(WORKLOADS[workload](rng), rng, temperature=0.7, use_fused_kernels=True)
+    n = int(data["input_ids"].offsets()[-1])
+    setting = _setting(MODES[workload])
+    run = partial(_run, impl, model, data, setting, engine_setup=_fused_engine)
+    stock, _ = run(False)
+    assert sum(calls) == n  # stock: the kernel on every token
+    calls.clear()
+    tree, _ = run(True)
+    assert_outputs(stock, tree)
+    tokens_in, packed = step_tokens(tree)
+    assert tokens_in == n and packed < n and packed <= sum(calls) < n
+    loss_fn = _ppo(loss_agg_mode)
+    stock, g_stock = run(False, loss_fn)
+    tree, g_tree = run(True, loss_fn)
+    np.testing.assert_allclose(tree["loss"], stock["loss"], rtol=RTOL)
+    assert_grads(g_stock, g_tree)
+
+
+def test_fused_kernels_refusals_name_the_feature(fused_env, monkeypatch):
+    """What the fused tree path does not run takes verl's stock fused forward, named: context
+    parallelism, a vision-language model, MTP layers (verl turns fused kernels off with MTP),
+    a forward other than verl's fused GPTModel one."""
+    from megatron.core import parallel_state as mpu
+
+    from ps_mcore.integrations.verl_common.megatron import megatron_fused_refusal
+
+    _, model, _ = fused_env
+    assert megatron_fused_refusal(model, {}) is None
+    with monkeypatch.context() as m:  # through the engine: tests/test_verl_megatron_parallel.py (CP=2)
+        m.setattr(mpu, "get_context_parallel_world_size", lambda: 2)
+        assert "context parallelism" in megatron_fused_refusal(model, {})
+    assert "vision-language" in megatron_fused_refusal(model, {"multi_modal_inputs": {"pixel_values": torch.zeros(1)}})
+    with monkeypatch.context() as m:
+        m.setattr(model.config, "mtp_num_layers", 1)
+        assert "MTP layers" in megatron_fused_refusal(model, {})
+    patched = {name: model.__dict__.pop(name) for name in ("forward", "_verl_fused_forward_mode") if name in model.__dict__}
+    try:
+        assert "not verl's fused GPTModel forward" in megatron_fused_refusal(model, {})
+    finally:
+        model.__dict__.update(patched)

@@ -9,7 +9,10 @@ the PPO / value / distillation losses and every gradient (summed over CP and, fo
 as megatron's DDP does) equal verl's stock path on the unshared batch;
 ``ENABLE_PREFIX_SHARING=0`` equals stock bit for bit; the plan check raises when one rank's
 micro-batch differs. Under TP=2 + SP, MTP training (2 layers) too: the PPO loss, the logged MTP
-losses and every gradient equal verl's stock MTP. Under CP the stock path runs the tree-spec model on verl's per-sequence
+losses and every gradient equal verl's stock MTP. ``use_fused_kernels`` (verl's fused GPTModel
+forward, a CPU stand-in for its Triton kernel, vocab-parallel under TP, in both runs): on the
+tree under TP + SP and PP (the kernel sees fewer rows than the tokens), verl's stock fused
+forward under CP. Under CP the stock path runs the tree-spec model on verl's per-sequence
 CP chunks (``TreeCoreAttention`` serves ordinary THD under CP), so it is an independent layout.
 
 With verl 0.9.1 and Megatron-Bridge (Python 3.12 stage) the TP=2 + SP, CP=2 and PP=2 x VPP=2
@@ -80,6 +83,20 @@ def _check(layout: str, reports: list[dict], direct_builder: bool = True) -> Non
             assert max(stats["outputs"].values()) < OUT_ATOL, (layout, stats)
             np.testing.assert_allclose(stats["loss"][1], stats["loss"][0], rtol=RTOL)
             assert stats["tokens"][1] < stats["tokens"][0], stats
+    for rep in reports:  # use_fused_kernels (the direct builder's worlds)
+        fused = rep.get("fused")
+        assert (fused is not None) == direct_builder, rep.keys()
+        if fused is None:
+            continue
+        assert fused["num_grads"] > 0 and fused["grad_missing"] == 0 and fused["grad_rel"] <= GRAD_RTOL, (layout, fused)
+        if fused["last_stage"]:
+            assert fused["log_probs"] < OUT_ATOL and fused["entropy"] < OUT_ATOL, (layout, fused)
+            np.testing.assert_allclose(fused["loss"][1], fused["loss"][0], rtol=RTOL)
+            stock_rows, tree_rows = fused["kernel_rows"]
+            if lay["cp"] > 1:  # verl's stock fused forward on every micro-batch (split prefix-aware)
+                assert tree_rows == stock_rows, (layout, fused)
+            else:  # the tree: the kernel on its labelled rows
+                assert stock_rows >= fused["num_input_tokens"] > tree_rows, (layout, fused)
     # rank 0 planned another micro-batch: it and every rank sharing a TP x PP or CP group with
     # it raise (all groups' all-reduces run first, so none is left waiting)
     raised = {r["rank"] for r in reports if "ranks of the group hold different plans" in r["plan_mismatch"]}

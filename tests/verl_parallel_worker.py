@@ -8,7 +8,9 @@ The stock run is verl's stock forward on the unshared batch (under CP the tree-s
 verl's per-sequence CP chunks); the patched run shares prefixes. Per rank: log-probs, entropy,
 the PPO loss and every local gradient of an actor (per-sample temperatures under CP); values, the value loss and every gradient
 of a critic; ``sum_pi_squared`` and top-k distillation outputs, loss and gradients; under TP
-without CP or PP, MTP training's loss, logged MTP losses and gradients; and
+without CP or PP, MTP training's loss, logged MTP losses and gradients; with the direct builder
+``use_fused_kernels`` (verl's fused GPTModel forward, a CPU stand-in for its kernel: on the
+tree under TP + SP and PP, verl's stock fused forward under CP); and
 ``ENABLE_PREFIX_SHARING=0`` against stock, bit for bit.
 
 Builders: ``direct`` (megatron's GPTModel with the local tree spec, random weights) or, with
@@ -184,9 +186,10 @@ def make_data(layout: str, seed: int, **meta):
     return data
 
 
-def run_engine(cls, chunks, data, setting, loss_fn, patched, env_value=None, mtp: bool = False):
-    """One ``forward_backward_batch`` (``mtp``: verl's MTP training on); returns (output, this
-    rank's grads)."""
+def run_engine(cls, chunks, data, setting, loss_fn, patched, env_value=None, mtp: bool = False,
+               use_fused_kernels: bool = False):
+    """One ``forward_backward_batch`` (``mtp``: verl's MTP training on; ``use_fused_kernels``: the
+    engine setting verl 0.9.1 checks the batch flag against); returns (output, this rank's grads)."""
     from verl_batches import engine_shell
     from verl_helpers import megatron_patchset
 
@@ -202,6 +205,7 @@ def run_engine(cls, chunks, data, setting, loss_fn, patched, env_value=None, mtp
     try:
         engine = engine_shell(cls, chunks[0], setting)
         engine.module = chunks
+        engine.engine_config.use_fused_kernels = use_fused_kernels
         if mtp:
             engine.model_config.mtp = SimpleNamespace(enable=True, enable_train=True, detach_encoder=False)
         for m in chunks:
@@ -322,6 +326,53 @@ def statistics_report(layout: str) -> dict:
     return {"statistics": rep}
 
 
+def fused_report(layout: str) -> dict:
+    """``use_fused_kernels``: verl's fused GPTModel forward, its Triton kernel replaced by the
+    CPU stand-in ``cpu_linear_cross_entropy`` (vocab-parallel under TP) in both runs: log-probs,
+    entropy, the PPO loss, every gradient, and the rows the kernel saw in the log-prob pass."""
+    from verl.models.mcore import model_forward_fused
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import McoreActorConfig
+    from verl.workers.engine.megatron import transformer_impl as impl
+    from verl.workers.utils.losses import ppo_loss
+    from verl_batches import seq_last_mask, tree_setting
+
+    from megatron_shims import cpu_linear_cross_entropy
+
+    chunks = build_chunks(layout, "qwen2", seed=13)
+    for m in chunks:
+        model_forward_fused.patch_fused_forward(m)
+    data = make_data(layout, 9)
+    tu.assign_non_tensor(data, use_fused_kernels=True)
+    loss_fn = partial(ppo_loss, config=McoreActorConfig(rollout_n=2, ppo_micro_batch_size_per_gpu=2,
+                                                        entropy_coeff=0.01))
+    cls, kernel, runs = impl.MegatronEngineWithLMHead, model_forward_fused.linear_cross_entropy, {}
+    try:
+        for name, patched in (("stock", False), ("tree", True)):
+            rows = []
+            model_forward_fused.linear_cross_entropy = partial(cpu_linear_cross_entropy, rows_seen=rows)
+            infer, _ = run_engine(cls, chunks, data, tree_setting(), None, patched, use_fused_kernels=True)
+            kernel_rows = sum(rows)
+            train, grads = run_engine(cls, chunks, data, tree_setting(), loss_fn, patched, use_fused_kernels=True)
+            runs[name] = (infer, kernel_rows, train, grads)
+    finally:
+        model_forward_fused.linear_cross_entropy = kernel
+    (stock_i, stock_rows, stock_t, g_stock), (tree_i, tree_rows, tree_t, g_tree) = runs["stock"], runs["tree"]
+    rep = _grad_report(g_stock, g_tree)
+    rep["last_stage"] = bool(stock_i)
+    if stock_i:
+        s, t = _outputs(stock_i, ("log_probs", "entropy")), _outputs(tree_i, ("log_probs", "entropy"))
+        keep = seq_last_mask(s["log_probs"])
+        rep.update(
+            log_probs=_max_diff(s["log_probs"].values(), t["log_probs"].values(), keep),
+            entropy=_max_diff(s["entropy"].values(), t["entropy"].values()),
+            loss=[float(np.sum(stock_t["loss"])), float(np.sum(tree_t["loss"]))],
+            kernel_rows=[stock_rows, tree_rows],
+            num_input_tokens=int(data["input_ids"].offsets()[-1]),
+        )
+    return {"fused": rep}
+
+
 def critic_report(layout: str) -> dict:
     from verl.workers.config import McoreCriticConfig
     from verl.workers.engine.megatron import transformer_impl as impl
@@ -428,6 +479,8 @@ def main(layout: str, out_path: str, device: str = "cpu", builder: str = "direct
     report.update(statistics_report(layout))
     report.update(plan_mismatch_report(layout))
     report.update(mtp_report(layout))
+    if builder == "direct":
+        report.update(fused_report(layout))
     write_reports(report, out_path)
     from ps_mcore import setup
 

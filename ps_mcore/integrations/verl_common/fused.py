@@ -1,4 +1,4 @@
-"""verl's fused LM-head kernels on a prefix tree (FSDP engine, ``use_fused_kernels=True``).
+"""verl's fused LM-head kernels on a prefix tree (``use_fused_kernels=True``).
 
 verl's fused forward (``patch_forward_with_backends``: the model class's ``forward`` becomes
 ``dense_common.forward_with_torch_backend`` or ``forward_with_triton_backend``) runs the decoder,
@@ -14,9 +14,11 @@ Under Ulysses SP each rank runs the kernel on the pairs whose row it holds
 (:class:`~ps_mcore.fsdp_bridge.sequence_parallel.LocalPairs`); the glue gathers the ``[U]``
 results over the SP group with verl's gradient scaling.
 
-The model class's forward is wrapped (:func:`tree_fused_forward`, on first use, undone with
-the patchset) so that a call carrying :data:`FUSED_ROWS_KWARG` takes this path; every other
-call runs verl's fused forward unchanged.
+FSDP engine: the model class's forward is wrapped (:func:`tree_fused_forward`, on first use,
+undone with the patchset) so that a call carrying :data:`FUSED_ROWS_KWARG` takes this path;
+every other call runs verl's fused forward unchanged. Megatron engine: verl's fused GPTModel
+forward runs as it is on the tree rows, its kernel (``linear_cross_entropy``) swapped for the
+call by :func:`on_labelled_rows` (``ps_mcore.integrations.verl_common.megatron``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from ps_mcore.fsdp_bridge import unwrap_model
 from ps_mcore.fsdp_bridge.sequence_parallel import LocalPairs
-from ps_mcore.logprobs import LabelledRows
+from ps_mcore.logprobs import LabelledRows, TokenStatistics
 
 FUSED_ROWS_KWARG = "ps_mcore_fused_rows"  # model kwarg: the LabelledRows (LocalPairs under SP) of a tree call
 _TREE_FUSED = "_ps_mcore_tree_fused"  # marks the wrapped class forward
@@ -45,6 +47,26 @@ def triton_fused_kernel(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
 
     return linear_cross_entropy(hidden, weight, labels, float(temperature), "none")
+
+
+def on_labelled_rows(kernel: Callable, rows: LabelledRows | LocalPairs) -> Callable:
+    """``kernel`` (``(hidden, weight, labels, temperature, *rest) -> (log_probs, entropy)``)
+    run on the labelled rows of the packed hidden states instead of on every row with one
+    label each: ``hidden [..., D]`` (``[1, T, D]`` or ``[T_pad, 1, D]``, rows in packed
+    order) -> ``hidden[rows.rows] [U, D]`` with ``rows.labels``; the gather's backward
+    scatter-adds into shared rows. The caller's ``labels`` are unused."""
+
+    def run(hidden: torch.Tensor, weight: torch.Tensor, labels, temperature, *rest):
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows.rows)  # [U, D]
+        return kernel(picked, weight, rows.labels, temperature, *rest)
+
+    return run
+
+
+def labelled_statistics(rows: LabelledRows, log_probs: torch.Tensor, entropy: torch.Tensor | None) -> TokenStatistics:
+    """The kernel's ``[U]`` per-pair results (``[1, U]`` accepted) -> per original token."""
+    flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
+    return TokenStatistics(*rows.per_token(flat(log_probs), flat(entropy)))
 
 
 def _stock_forward(cls: type) -> Callable:
@@ -102,8 +124,7 @@ def tree_fused_forward(original: Callable, kernel: Callable) -> Callable:
         for key in ("return_dict", "use_cache", "shift_labels", "labels"):
             kwargs.pop(key, None)
         outputs = self.model(*args, use_cache=False, **kwargs)
-        hidden = outputs[0][0].index_select(0, rows.rows)  # [U, D]; backward scatter-adds
-        log_probs, entropy = kernel(hidden, self.lm_head.weight, rows.labels, temperature)
+        log_probs, entropy = on_labelled_rows(kernel, rows)(outputs[0], self.lm_head.weight, None, temperature)
         return CausalLMOutputForPPO(log_probs=log_probs[None], entropy=entropy[None])
 
     setattr(forward, _TREE_FUSED, True)

@@ -43,8 +43,11 @@ dropout of a training model (megatron-core's ``hidden_dropout`` default 0.1, unl
 ``prefix_grouper.shared_dropout``; attention dropout always), and in verl 0.9.1 ``pad_to_length``
 buckets, the contiguous CP layout and distillation-only passes. Per-sample temperatures run on
 the tree (a shared row is normalised once per distinct temperature among its samples). Fused
-kernels take
-verl's fused forward, which is not patched. Under static CP the tree-spec model also runs
+kernels (``use_fused_kernels``) run on the tree too: verl's fused GPTModel forward on the
+packed rows with its kernel on the plan's labelled rows (:func:`run_tree_fused_forward`;
+under TP every TP rank runs the vocab-parallel kernel on the same labelled rows, under PP the
+last stage does); with context parallelism, MTP layers or a vision-language model they take
+verl's stock fused forward (:func:`megatron_fused_refusal`). Under static CP the tree-spec model also runs
 verl's stock THD micro-batches (per-sequence CP chunks), so every fallback works there.
 
 ``ps_mcore.layer_specs`` is imported where it is used, when an engine builds or runs its
@@ -83,10 +86,12 @@ from ps_mcore.integrations.verl_common.engine import (
     prefix_aware,
     run_step_with_context,
 )
+from ps_mcore.integrations.verl_common.fused import labelled_statistics, on_labelled_rows
 from ps_mcore.integrations.verl_common.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
 from ps_mcore.integrations.verl_common.vision import images_refusal, multi_modal_inputs_refusal, packed_images
 from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
 from ps_mcore.integrations.verl_common.statistics import LMHeadRequest, lm_head_batch_refusal
+from ps_mcore.logprobs import labelled_rows
 from ps_mcore.mindspeed import mindspeed_refusal, set_tree_sequence_state
 from ps_mcore.mindspeed.state import reset_attention_mask_active
 from ps_mcore.multimodal import row_values, with_tokens
@@ -283,6 +288,20 @@ def _vision_forward(model, args: dict):
             inner.forward = own
 
 
+def tree_model_inputs(model, plan, input_ids: torch.Tensor):
+    """(plan on ``input_ids``'s device, its ``TreePackedSeqParams``, the model call's inputs:
+    this CP rank's packed rows ``[1, T_pad / cp]``)."""
+    device = input_ids.values().device if input_ids.is_nested else input_ids.device
+    plan = plan.to(device)
+    micro = current_micro_batch()
+    shared_dropout = micro is not None and micro.setting.config.shared_dropout
+    psp = tree_packed_params(plan, _unwrap(model).config, shared_dropout)
+    set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
+    inputs = dict(input_ids=psp.cp_shard(plan.input_ids)[None], attention_mask=None,
+                  position_ids=psp.cp_shard(psp.position_ids)[None], packed_seq_params=psp)
+    return plan, psp, inputs
+
+
 def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, engine=None) -> Any:
     """One model call on ``plan``; returns what verl's engine forward returns.
 
@@ -292,15 +311,9 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, en
     """
     from ps_mcore.layer_specs import cp_token_statistics, gather_cp_rows  # after MindSpeed's repatch
 
-    device = input_ids.values().device if input_ids.is_nested else input_ids.device
-    plan = plan.to(device)
+    plan, psp, inputs = tree_model_inputs(model, plan, input_ids)
     micro = current_micro_batch()
-    shared_dropout = micro is not None and micro.setting.config.shared_dropout
-    psp = tree_packed_params(plan, _unwrap(model).config, shared_dropout)
-    set_tree_sequence_state(psp)  # MindSpeed's global sequence state (no-op without it)
-    inputs = dict(input_ids=psp.cp_shard(plan.input_ids)[None], attention_mask=None,
-                  position_ids=psp.cp_shard(psp.position_ids)[None], packed_seq_params=psp)
-    with _mtp_context(model, plan, input_ids, args, engine, shared_dropout), _vision_forward(model, args) as vision:
+    with _mtp_context(model, plan, input_ids, args, engine, psp.shared_dropout), _vision_forward(model, args) as vision:
         if vision:
             inputs.update(vision_tree_inputs(model, batch, plan, psp))
         output = model(**inputs)
@@ -320,6 +333,71 @@ def run_tree_forward(model, plan, input_ids: torch.Tensor, args: dict, batch, en
         **request.statistics_kwargs(),
     )
     return request.outputs(stats, input_ids)
+
+
+def megatron_fused_refusal(model, args: dict) -> str | None:
+    """Why verl's fused forward must run this micro-batch stock (None: it runs on the tree)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_context_parallel_world_size() > 1:
+        return "use_fused_kernels=True with context parallelism (the kernel would see one CP rank's share of the tree rows)"
+    if _is_vision(model, args):
+        return "use_fused_kernels=True with a vision-language model (its fused forward packs the images itself)"
+    if getattr(_unwrap(model).config, "mtp_num_layers", None):  # verl turns fused kernels off with MTP
+        return "use_fused_kernels=True with MTP layers (their loss needs the labels of every row)"
+    if verl_fused_call_kwargs(model, 1.0) is None:
+        return (f"use_fused_kernels=True with {type(_unwrap(model)).__name__}, whose forward is not verl's "
+                "fused GPTModel forward (patch_fused_forward)")
+    return None
+
+
+def verl_fused_call_kwargs(model, temperature: float) -> dict | None:
+    """The keywords verl's fused engine forward adds to the model call (None: ``model`` has no
+    fused forward of verl's): megatron-core's output-processor hook (verl 0.9.1 on megatron-core
+    >= 0.18) or the temperature of the patched ``_fused_GPTModel_forward``."""
+    from verl.models.mcore import model_forward_fused as fused
+
+    inner = _unwrap(model)
+    mode_attr = getattr(fused, "_FUSED_FORWARD_MODE_ATTR", None)
+    if mode_attr is not None and getattr(inner, mode_attr, None) == getattr(fused, "_HOOK_MODE", None):
+        return dict(output_processor=fused.fused_output_processor,
+                    output_processor_context=fused.FusedOutputProcessorContext(temperature=temperature))
+    if getattr(inner.__dict__.get("forward"), "__func__", None) is fused._fused_GPTModel_forward:
+        return dict(temperature=temperature)
+    return None
+
+
+@contextlib.contextmanager
+def _fused_kernel_on_rows(rows):
+    """verl's fused GPTModel forward (or output processor), for the call, runs its kernel
+    (``linear_cross_entropy``, looked up in its module) on ``rows`` (:func:`~ps_mcore.integrations.verl_common.fused.on_labelled_rows`)."""
+    from verl.models.mcore import model_forward_fused
+
+    kernel = model_forward_fused.linear_cross_entropy
+    model_forward_fused.linear_cross_entropy = on_labelled_rows(kernel, rows)
+    try:
+        yield
+    finally:
+        model_forward_fused.linear_cross_entropy = kernel
+
+
+def run_tree_fused_forward(model, plan, input_ids: torch.Tensor, args: dict) -> Any:
+    """One call of verl's fused GPTModel forward on ``plan``; returns what verl's fused engine
+    forward returns: ``log_probs`` (and ``entropy`` when ``calculate_entropy``) jagged
+    ``[B, j]`` with ``input_ids``'s offsets.
+
+    The decoder runs the packed rows ``[T_pad]``; the kernel gets the ``[U]`` labelled rows
+    (:func:`~ps_mcore.logprobs.labelled_rows`), each token then reads its own pair.
+    """
+    plan, _, inputs = tree_model_inputs(model, plan, input_ids)
+    rows = labelled_rows(plan)
+    with _fused_kernel_on_rows(rows):
+        output = model(**inputs, labels=None, **verl_fused_call_kwargs(model, args["temperature"]))
+    if not _unwrap(model).post_process:
+        return output
+    entropy = bool(args["calculate_entropy"])
+    stats = labelled_statistics(rows, output.log_probs, output.entropy if entropy else None)
+    return LMHeadRequest(entropy=entropy).outputs(stats, input_ids)
 
 
 def megatron_schedule_refusal(engine, model, data) -> str | None:
@@ -408,8 +486,9 @@ def megatron_schedule_step(model, micro, input_ids: torch.Tensor, args: dict) ->
     return out["values"] if value else out
 
 
-def tree_engine_forward(stock: Callable) -> Callable:
-    """Wrap verl's engine forward function (``gptmodel_forward_model_engine`` signature)."""
+def tree_engine_forward(stock: Callable, fused: bool = False) -> Callable:
+    """Wrap verl's engine forward function (``gptmodel_forward_model_engine`` signature), or
+    with ``fused`` its fused one (``fused_forward_model_engine``'s)."""
     signature = inspect.signature(stock)
 
     def forward(*call_args, **call_kwargs):
@@ -423,11 +502,14 @@ def tree_engine_forward(stock: Callable) -> Callable:
         if micro.schedule_step is not None:
             return megatron_schedule_step(model, micro, input_ids, args)
         n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
-        reason = megatron_batch_refusal(model, args, micro.batch, micro.loss_function)
+        reason = megatron_fused_refusal(model, args) if fused else None
+        reason = reason or megatron_batch_refusal(model, args, micro.batch, micro.loss_function)
         images = image_tokens_of(model) if reason is None and _is_vision(model, args) else None
         plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason, images)
         if plan is None:
             return stock(*call_args, **call_kwargs)
+        if fused:
+            return run_tree_fused_forward(model, plan, input_ids, args)
         if images is not None:
             plan = with_tokens(plan, sequences(micro.batch))  # planned on image keys
         return run_tree_forward(model, plan, input_ids, args, micro.batch, micro.engine)
@@ -523,6 +605,16 @@ def megatron_get_forward_fn(original: Callable) -> Callable:
         return tree_engine_forward(original(hf_config))
 
     return get_mcore_engine_forward_fn
+
+
+def megatron_get_fused_forward_fn(original: Callable) -> Callable:
+    """``verl.models.mcore.get_mcore_forward_fused_model_engine_fn`` returning the wrapped
+    fused forward."""
+
+    def get_mcore_forward_fused_model_engine_fn(hf_config):
+        return tree_engine_forward(original(hf_config), fused=True)
+
+    return get_mcore_forward_fused_model_engine_fn
 
 
 def megatron_forward_step(original: Callable) -> Callable:
@@ -652,6 +744,7 @@ def install_forward_fn_patch(patcher) -> None:
     import verl.models.mcore as mcore
 
     patcher.wrap(mcore, "get_mcore_engine_forward_fn", megatron_get_forward_fn)
+    patcher.wrap(mcore, "get_mcore_forward_fused_model_engine_fn", megatron_get_fused_forward_fn)
 
 
 def install_megatron_patches(patcher) -> None:
