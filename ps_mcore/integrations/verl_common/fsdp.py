@@ -164,7 +164,7 @@ def fused_output_is_response_padded() -> bool:
     """verl 0.8.0's fused forward without remove-padding returns ``[B, max_response_length]``
     columns of the padded batch; verl 0.9.1's returns the per-token jagged layout (the tree's)."""
     version = distribution_version("verl")
-    return version is not None and version.startswith("0.8.")
+    return version is None or version.startswith("0.8.")  # an unknown verl: assume the padded layout (refuse)
 
 
 def _is_value_engine(engine) -> bool:

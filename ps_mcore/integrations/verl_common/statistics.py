@@ -50,7 +50,7 @@ def _topk_loss_dispatches(strategy) -> bool:
         compute_topk_loss(SimpleNamespace(strategy=strategy), None, None, None, None)
     except NotImplementedError:
         return False
-    except Exception:  # it went on to the loss, which then failed on the missing arguments
+    except (TypeError, AttributeError):  # it went on to the loss, which failed on the None arguments
         return True
     return True
 
@@ -62,13 +62,13 @@ def topk_distillation_refusal(batch, loss_function) -> str | None:
         return None
     parts = _distillation_loss_parts(loss_function)
     if parts is None:
-        return ("distillation top-k with a logits processor other than verl's distillation_ppo_loss "
+        return ("distillation_use_topk with a logits processor other than verl's distillation_ppo_loss "
                 "is not supported")
     strategy = getattr(parts[0], "strategy", None)
     if not _topk_loss_dispatches(strategy):
-        return f"distillation top-k under actor strategy {strategy!r} is not supported"
+        return f"distillation_use_topk under actor strategy {strategy!r} is not supported"
     if "teacher_ids" not in batch.keys() or "teacher_logprobs" not in batch.keys():
-        return "distillation top-k without the batch's teacher_ids / teacher_logprobs"
+        return "distillation_use_topk without the batch's teacher_ids / teacher_logprobs"
     return None
 
 
@@ -76,7 +76,7 @@ def lm_head_batch_refusal(batch, loss_function=None) -> str | None:
     """Why an LM micro-batch's log-prob request cannot take the tree path (None: it can).
     ``loss_function``: the step's loss, which verl calls as the distillation logits processor."""
     if batch_flag(batch, "distillation_only"):  # verl 0.9.1
-        return "distillation-only passes are not supported"
+        return "distillation_only=True (a distillation-only pass) is not supported"
     return topk_distillation_refusal(batch, loss_function)
 
 
