@@ -23,6 +23,7 @@ Never used by the library.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -358,3 +359,54 @@ def use_cpu_te_specs(monkeypatch) -> None:
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
     AutoMapping.register_module_type("TEDotProductAttentionCPU", "column")
+
+
+# ----------------------------------------------------------------------------- Gemma 3 (Bridge)
+
+
+class Gemma3TEDotProductAttentionCPU(TEDotProductAttentionCPU):
+    """Megatron-Bridge's ``Gemma3TEDotProductAttention`` on the CPU: the same per-layer config
+    rewrite (its ``__init__``: local layers the window ``(window_size - 1, 0)``, global layers
+    none), then TE's contract as :class:`TEDotProductAttentionCPU`."""
+
+    def __init__(self, config, layer_number, *args, **kwargs):
+        from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
+
+        config = copy.deepcopy(config)
+        local = _is_local_attn_layer(layer_number, config.interleaved_attn_pattern)
+        config.window_size = (config.window_size - 1, 0) if local else None
+        super().__init__(config, layer_number, *args, **kwargs)
+
+
+def _row_parallel_linear_layer_norm():
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class TERowParallelLinearLayerNormCPU(RowParallelLinear):
+        """Bridge's ``TERowParallelLinearLayerNorm`` (Gemma's post-attention / post-MLP norm
+        inside the row-parallel projection): megatron's RowParallelLinear, then TE's norm as
+        ``post_layernorm`` (same parameter names)."""
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_layernorm = TENormCPU(config, output_size)  # as Bridge builds it: TENorm's default eps
+
+        def forward(self, x):
+            output, bias = super().forward(x)
+            assert bias is None
+            return self.post_layernorm(output), bias
+
+    return TERowParallelLinearLayerNormCPU
+
+
+def gemma3_cpu_layer_spec(config):
+    """Megatron-Bridge's ``gemma3_layer_spec(config)`` with its TE modules (its own Gemma 3 core
+    attention and post-norm row-parallel linear included) replaced by the CPU modules."""
+    from megatron.bridge.models.common import te_layers
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    from megatron.bridge.models.gemma import gemma3_provider
+
+    row_norm = _row_parallel_linear_layer_norm()
+    AutoMapping.register_module_type(row_norm.__name__, "row")
+    mapping = {**_te_classes(), id(gemma3_provider.Gemma3TEDotProductAttention): Gemma3TEDotProductAttentionCPU,
+               id(te_layers.TERowParallelLinearLayerNorm): row_norm}
+    return cpu_te_spec(gemma3_provider.gemma3_layer_spec(config), mapping)

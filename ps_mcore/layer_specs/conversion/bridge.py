@@ -7,11 +7,17 @@ callable ``spec()`` / ``spec(provider)``). :func:`tree_layer_spec`, :func:`tree_
 and :func:`tree_hybrid_stack_spec_from` are such callables; :func:`provider_spec_field` names
 the field a provider builds its model from. Bridge itself is imported only when a provider's
 default spec is needed (it imports transformer_engine at import).
+
+Bridge's own subclasses of megatron's ``SelfAttention`` that have a tree form are in one table,
+:data:`BRIDGE_SELF_ATTENTIONS` (``to_tree_spec`` looks them up by qualified name; a spec naming
+one was built by Bridge, so Bridge is loaded and never imported here).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import inspect
 import sys
 from typing import Any, Callable
@@ -20,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ps_mcore.layer_specs.conversion.gpt import to_tree_spec
+from ps_mcore.layer_specs.modules.self_attention import TreeSelfAttention
 
 
 def _call_spec(fn: Callable, provider, vp_stage):
@@ -55,6 +62,55 @@ _BRIDGE_LAYOUTS = {
     "TreeCoreAttention": "column",
     "TreeCoreAttentionTEState": "column",
 }
+
+
+@functools.cache
+def _tree_subclass(cls: type) -> type:
+    """``cls`` (a reviewed subclass of megatron's ``SelfAttention`` whose forward only picks its
+    arguments and calls the parent's) on top of :class:`TreeSelfAttention`: its forward runs
+    first, then tree RoPE on the table it picked. Same parameters and keys as ``cls``."""
+    return type(f"Tree{cls.__name__}", (cls, TreeSelfAttention), {
+        "__module__": __name__,
+        "__doc__": f"{cls.__module__}.{cls.__qualname__} with tree RoPE (ps_mcore.to_tree_spec).",
+    })
+
+
+def _gemma3_layer_config(is_local_layer: Callable, config, layer_number: int):
+    """The config Megatron-Bridge's ``Gemma3TEDotProductAttention`` runs layer ``layer_number``
+    with: local layers (``interleaved_attn_pattern``, 5 local : 1 global) the sliding window
+    ``(window_size - 1, 0)``, global layers none."""
+    if getattr(config, "is_vision_language", False):
+        raise NotImplementedError(
+            "Megatron-Bridge's Gemma 3 vision-language model on a tree: its layers take their "
+            "windows and image visibility from attention biases, which a tree batch does not carry; "
+            "the text-only Gemma 3 runs on trees"
+        )
+    config = copy.deepcopy(config)
+    local = is_local_layer(layer_number, config.interleaved_attn_pattern)
+    config.window_size = (config.window_size - 1, 0) if local else None
+    return config
+
+
+def _gemma3_self_attention(cls: type) -> tuple[type, Callable]:
+    # Gemma3SelfAttention.forward picks the local (rotary_pos_emb[0]) or global ([1]) RoPE table
+    # of its layer from the stacked [2, S, 1, 1, d] table of Gemma3RotaryEmbedding (two bases)
+    # and calls SelfAttention.forward: TreeSelfAttention then indexes the picked table by the
+    # tree positions. Its core attention sets the layer's window: layer_config, same rule.
+    is_local_layer = sys.modules[cls.__module__]._is_local_attn_layer
+    return _tree_subclass(cls), functools.partial(_gemma3_layer_config, is_local_layer)
+
+
+# qualified name of a Bridge SelfAttention subclass -> its (tree class, core attention layer_config)
+BRIDGE_SELF_ATTENTIONS: dict[str, Callable[[type], tuple[type, Callable | None]]] = {
+    "megatron.bridge.models.gemma.gemma3_provider.Gemma3SelfAttention": _gemma3_self_attention,
+}
+
+
+def bridge_self_attention(cls: type) -> tuple[type, Callable | None] | None:
+    """The tree form of Megatron-Bridge's self-attention subclass ``cls`` (see
+    :data:`BRIDGE_SELF_ATTENTIONS`), None for any other class."""
+    build = BRIDGE_SELF_ATTENTIONS.get(f"{cls.__module__}.{cls.__qualname__}")
+    return None if build is None else build(cls)
 
 
 def _register_with_bridge() -> None:
