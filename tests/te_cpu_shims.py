@@ -398,15 +398,21 @@ def _row_parallel_linear_layer_norm():
     return TERowParallelLinearLayerNormCPU
 
 
-def gemma3_cpu_layer_spec(config):
-    """Megatron-Bridge's ``gemma3_layer_spec(config)`` with its TE modules (its own Gemma 3 core
-    attention and post-norm row-parallel linear included) replaced by the CPU modules."""
+def use_cpu_gemma3_spec(monkeypatch) -> None:
+    """Megatron-Bridge's ``gemma3_layer_spec`` (the Gemma 3 provider's default spec) with its TE
+    modules (its own Gemma 3 core attention and post-norm row-parallel linear included) replaced
+    by the CPU modules, for providers made after this call."""
     from megatron.bridge.models.common import te_layers
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
     from megatron.bridge.models.gemma import gemma3_provider
 
     row_norm = _row_parallel_linear_layer_norm()
     AutoMapping.register_module_type(row_norm.__name__, "row")
-    mapping = {**_te_classes(), id(gemma3_provider.Gemma3TEDotProductAttention): Gemma3TEDotProductAttentionCPU,
-               id(te_layers.TERowParallelLinearLayerNorm): row_norm}
-    return cpu_te_spec(gemma3_provider.gemma3_layer_spec(config), mapping)
+    stock = gemma3_provider.gemma3_layer_spec
+
+    def gemma3_cpu_layer_spec(config):
+        mapping = {**_te_classes(), id(gemma3_provider.Gemma3TEDotProductAttention): Gemma3TEDotProductAttentionCPU,
+                   id(te_layers.TERowParallelLinearLayerNorm): row_norm}
+        return cpu_te_spec(stock(config), mapping)
+
+    monkeypatch.setattr(gemma3_provider, "gemma3_layer_spec", gemma3_cpu_layer_spec)

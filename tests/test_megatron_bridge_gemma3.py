@@ -25,52 +25,68 @@ from bridge_helpers import require_bridge
 
 require_bridge()
 
-from bridge_helpers import bridge_and_provider, build, cpu_bridge, load_strictly  # noqa: E402,F401
+from bridge_helpers import GEMMA3_WINDOW as WINDOW, bridge_and_provider, build, cpu_bridge, load_strictly, write_hf_checkpoint  # noqa: E402,F401,E501
 from forests import small_nasty_forests, window_forest  # noqa: E402
 from test_megatron_bridge import _stock_logits, _stock_loss, _tree_loss, _weights  # noqa: E402
 
-from ps_mcore.layer_specs import TreeCoreAttention, TreeSelfAttention, tree_provider_spec  # noqa: E402
+from ps_mcore.layer_specs import (  # noqa: E402
+    TreeCoreAttention, TreeSelfAttention, provider_attention_refusal, to_tree_spec, tree_provider_spec)
+from ps_mcore.layer_specs.modules.core_attention import megatron_attention_refusal  # noqa: E402
 
-WINDOW = 4
 FORESTS = {**small_nasty_forests(), **{f"windows-{s}": window_forest(s, WINDOW) for s in (1, 2)}}
 
 
-def _write_checkpoint(path):
-    import transformers
+@pytest.fixture(scope="module")
+def provider_and_models(tmp_path_factory):
+    """(provider, HF model, stock model, tree model), both Megatron models loaded from one
+    checkpoint."""
+    from te_cpu_shims import use_cpu_gemma3_spec
 
-    from bridge_helpers import VOCAB, _sharpen_
-
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-        max_position_embeddings=512, tie_word_embeddings=True, attn_implementation="eager",
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
-    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
-    model = transformers.Gemma3ForCausalLM(config).float().eval()
-    _sharpen_(model, 11)
-    model.save_pretrained(path)
-    from safetensors.torch import load_file
-
-    return model, {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    path = tmp_path_factory.mktemp("gemma3")
+    with pytest.MonkeyPatch.context() as patch:
+        use_cpu_gemma3_spec(patch)
+        hf, tensors = write_hf_checkpoint("gemma3", path, seed=11)
+        assert hf.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+        bridge, provider = bridge_and_provider(path)
+        assert provider.window_size == WINDOW and tuple(provider.rotary_base) == (10_000.0, 1_000_000.0)
+        stock = build(provider)
+        load_strictly(bridge, stock, tensors)
+        provider.transformer_layer_spec = tree_provider_spec(provider)
+        tree = build(provider)
+        load_strictly(bridge, tree, tensors)
+    return provider, hf, stock[0], tree[0]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(HF model, stock model, tree model), both Megatron models loaded from one checkpoint."""
-    from te_cpu_shims import gemma3_cpu_layer_spec
+def models(provider_and_models):
+    return provider_and_models[1:]
 
-    path = tmp_path_factory.mktemp("gemma3")
-    hf, tensors = _write_checkpoint(path)
-    bridge, provider = bridge_and_provider(path)
-    assert provider.window_size == WINDOW and tuple(provider.rotary_base) == (10_000.0, 1_000_000.0)
-    provider.transformer_layer_spec = gemma3_cpu_layer_spec
-    stock = build(provider)
-    load_strictly(bridge, stock, tensors)
-    provider.transformer_layer_spec = tree_provider_spec(provider)
-    tree = build(provider)
-    load_strictly(bridge, tree, tensors)
-    return hf, stock[0], tree[0]
+
+def test_the_provider_runs_on_trees_layer_by_layer(provider_and_models):
+    """Gemma 3's provider keeps one int window for its local layers: megatron's own reading
+    (window_size pairs) refuses it, the per-layer configs its layers run with do not; the
+    vision-language variant (windows in attention biases) is refused, naming why."""
+    import copy
+
+    provider = provider_and_models[0]
+    assert "window_size=4" in megatron_attention_refusal(provider)
+    assert provider_attention_refusal(provider) is None
+    vision = copy.copy(provider)
+    vision.is_vision_language = True
+    assert "attention biases" in provider_attention_refusal(vision)
+
+
+def test_other_self_attention_subclasses_stay_refused():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.attention import SelfAttention
+
+    class Custom(SelfAttention):
+        pass
+
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.module = Custom
+    with pytest.raises(NotImplementedError, match="Custom"):
+        to_tree_spec(spec)
 
 
 def test_tree_layers_take_the_stock_windows_and_keys(models):

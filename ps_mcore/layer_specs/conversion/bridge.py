@@ -10,7 +10,8 @@ default spec is needed (it imports transformer_engine at import).
 
 Bridge's own subclasses of megatron's ``SelfAttention`` that have a tree form are in one table,
 :data:`BRIDGE_SELF_ATTENTIONS` (``to_tree_spec`` looks them up by qualified name; a spec naming
-one was built by Bridge, so Bridge is loaded and never imported here).
+one was built by Bridge, so Bridge is loaded and never imported here);
+:func:`provider_attention_refusal` checks a provider's attention options layer by layer.
 """
 
 from __future__ import annotations
@@ -85,32 +86,71 @@ def _gemma3_layer_config(is_local_layer: Callable, config, layer_number: int):
             "windows and image visibility from attention biases, which a tree batch does not carry; "
             "the text-only Gemma 3 runs on trees"
         )
-    config = copy.deepcopy(config)
+    config = copy.copy(config)  # the stock module deep-copies; only window_size differs
     local = is_local_layer(layer_number, config.interleaved_attn_pattern)
     config.window_size = (config.window_size - 1, 0) if local else None
     return config
 
 
-def _gemma3_self_attention(cls: type) -> tuple[type, Callable]:
-    # Gemma3SelfAttention.forward picks the local (rotary_pos_emb[0]) or global ([1]) RoPE table
-    # of its layer from the stacked [2, S, 1, 1, d] table of Gemma3RotaryEmbedding (two bases)
-    # and calls SelfAttention.forward: TreeSelfAttention then indexes the picked table by the
-    # tree positions. Its core attention sets the layer's window: layer_config, same rule.
-    is_local_layer = sys.modules[cls.__module__]._is_local_attn_layer
-    return _tree_subclass(cls), functools.partial(_gemma3_layer_config, is_local_layer)
+def _gemma3_layer_config_of(module_name: str) -> Callable:
+    return functools.partial(_gemma3_layer_config, sys.modules[module_name]._is_local_attn_layer)
 
 
-# qualified name of a Bridge SelfAttention subclass -> its (tree class, core attention layer_config)
-BRIDGE_SELF_ATTENTIONS: dict[str, Callable[[type], tuple[type, Callable | None]]] = {
-    "megatron.bridge.models.gemma.gemma3_provider.Gemma3SelfAttention": _gemma3_self_attention,
-}
+@dataclasses.dataclass(frozen=True)
+class BridgeSelfAttention:
+    """A Megatron-Bridge subclass of megatron's ``SelfAttention`` with a tree form: the class
+    (qualified name), the provider class whose default spec builds it, and the per-layer config
+    rewrite of its core attention (``layer_config_of(module name) -> layer_config``)."""
+
+    attention: str
+    provider: str
+    layer_config_of: Callable[[str], Callable]
 
 
-def bridge_self_attention(cls: type) -> tuple[type, Callable | None] | None:
+# Gemma3SelfAttention.forward picks the local (rotary_pos_emb[0]) or global ([1]) RoPE table of
+# its layer from the stacked [2, S, 1, 1, d] table of Gemma3RotaryEmbedding (two bases) and calls
+# SelfAttention.forward: TreeSelfAttention then indexes the picked table by the tree positions.
+# Its core attention (Gemma3TEDotProductAttention) sets the layer's window: layer_config.
+BRIDGE_SELF_ATTENTIONS = (
+    BridgeSelfAttention("megatron.bridge.models.gemma.gemma3_provider.Gemma3SelfAttention",
+                        "megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider", _gemma3_layer_config_of),
+)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def bridge_self_attention(cls: type) -> tuple[type, Callable] | None:
     """The tree form of Megatron-Bridge's self-attention subclass ``cls`` (see
-    :data:`BRIDGE_SELF_ATTENTIONS`), None for any other class."""
-    build = BRIDGE_SELF_ATTENTIONS.get(f"{cls.__module__}.{cls.__qualname__}")
-    return None if build is None else build(cls)
+    :data:`BRIDGE_SELF_ATTENTIONS`): the tree class and its core attention's ``layer_config``;
+    None for any other class."""
+    for entry in BRIDGE_SELF_ATTENTIONS:
+        if entry.attention == _qualified(cls):
+            return _tree_subclass(cls), entry.layer_config_of(cls.__module__)
+    return None
+
+
+def provider_attention_refusal(config) -> str | None:
+    """:func:`~ps_mcore.layer_specs.modules.core_attention.megatron_attention_refusal` of the
+    configs ``config``'s attention layers run with: a Bridge provider whose own layers rewrite
+    it per layer (Gemma 3: :data:`BRIDGE_SELF_ATTENTIONS`) layer by layer, any other config as
+    it is."""
+    from ps_mcore.layer_specs.modules.core_attention import megatron_attention_refusal
+
+    for cls in type(config).__mro__:
+        entry = next((e for e in BRIDGE_SELF_ATTENTIONS if e.provider == _qualified(cls)), None)
+        if entry is not None:
+            layer_config = entry.layer_config_of(cls.__module__)
+            for layer_number in range(1, config.num_layers + 1):
+                try:
+                    refusal = megatron_attention_refusal(layer_config(config, layer_number))
+                except NotImplementedError as error:
+                    return str(error)
+                if refusal is not None:
+                    return refusal
+            return None
+    return megatron_attention_refusal(config)
 
 
 def _register_with_bridge() -> None:
