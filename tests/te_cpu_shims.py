@@ -110,14 +110,15 @@ def install_te_import_stub() -> None:
 
 def _norm(x, weight, bias, eps, rms: bool, zero_centered: bool):
     gamma = weight + 1 if zero_centered else weight
-    xf = x.float()
+    dtype = torch.promote_types(x.dtype, torch.float32)  # fp64 runs stay fp64 (an exact oracle)
+    xf = x.to(dtype)
     if rms:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     else:
         y = F.layer_norm(xf, xf.shape[-1:], eps=eps)
-    y = y * gamma.float()
+    y = y * gamma.to(dtype)
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(dtype)
     return y.to(x.dtype)
 
 
@@ -187,7 +188,8 @@ def _causal_attention(q, k, v, scale, window=None, sinks=None):
     group = q.size(1) // k.size(1)
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    dtype = torch.promote_types(q.dtype, torch.float32)  # fp64 runs stay fp64 (an exact oracle)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k.to(dtype)) * scale
     mask = torch.ones(q.size(0), k.size(0), dtype=torch.bool, device=q.device).triu(1)
     if window is not None and window[0] >= 0:
         mask |= torch.ones_like(mask).tril(-window[0] - 1)
@@ -195,9 +197,9 @@ def _causal_attention(q, k, v, scale, window=None, sinks=None):
     if sinks is None:
         probs = scores.softmax(-1)
     else:
-        sink = sinks.float()[:, None, None].expand(-1, q.size(0), 1)
+        sink = sinks.to(dtype)[:, None, None].expand(-1, q.size(0), 1)
         probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v.to(dtype)).to(q.dtype)
 
 
 class TEDotProductAttentionCPU(torch.nn.Module):

@@ -38,28 +38,42 @@ FORESTS = {**small_nasty_forests(), **{f"windows-{s}": window_forest(s, WINDOW) 
 
 @pytest.fixture(scope="module")
 def provider_and_models(tmp_path_factory):
-    """(provider, HF model, stock model, tree model), both Megatron models loaded from one
-    checkpoint."""
+    """(provider, HF model, stock model, tree model, (stock, tree) in fp64), every Megatron model
+    loaded from one checkpoint."""
     from te_cpu_shims import use_cpu_gemma3_spec
 
     path = tmp_path_factory.mktemp("gemma3")
     with pytest.MonkeyPatch.context() as patch:
         use_cpu_gemma3_spec(patch)
-        hf, tensors = write_hf_checkpoint("gemma3", path, seed=11)
+        hf, _ = write_hf_checkpoint("gemma3", path, seed=11)
         assert hf.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
-        bridge, provider = bridge_and_provider(path)
+        provider, stock, tree = _stock_and_tree(path)
         assert provider.window_size == WINDOW and tuple(provider.rotary_base) == (10_000.0, 1_000_000.0)
-        stock = build(provider)
-        load_strictly(bridge, stock, tensors)
-        provider.transformer_layer_spec = tree_provider_spec(provider)
-        tree = build(provider)
-        load_strictly(bridge, tree, tensors)
-    return provider, hf, stock[0], tree[0]
+        fp64 = _stock_and_tree(path, params_dtype=torch.float64, pipeline_dtype=torch.float64)[1:]
+    return provider, hf, stock, tree, fp64
+
+
+def _stock_and_tree(path, **overrides):
+    """(provider, stock model, tree model) made by Bridge from the checkpoint at ``path`` (the
+    CPU Gemma 3 spec must be in place)."""
+    bridge, provider = bridge_and_provider(path, **overrides)
+    stock = build(provider)
+    load_strictly(bridge, stock, _tensors(path))
+    provider.transformer_layer_spec = tree_provider_spec(provider)
+    tree = build(provider)
+    load_strictly(bridge, tree, _tensors(path))
+    return provider, stock[0], tree[0]
+
+
+def _tensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
 @pytest.fixture(scope="module")
 def models(provider_and_models):
-    return provider_and_models[1:]
+    return provider_and_models[1:4]
 
 
 def test_the_provider_runs_on_trees_layer_by_layer(provider_and_models):
@@ -134,3 +148,43 @@ def test_tree_run_equals_stock_provider_model(models, forest):
         assert g_ref is not None and p.grad is not None, pname
         scale = float(g_ref.abs().max()) or 1.0
         torch.testing.assert_close(p.grad, g_ref, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{pname}: {m}")
+
+
+def _loss64(logits, seqs, weights):
+    """The per-sample-weighted log-prob loss from unshared logits ``[N, V]``, in fp64."""
+    logp = torch.log_softmax(logits, -1)
+    offsets = np.cumsum([0] + [len(s) for s in seqs])
+    return sum((logp[a: b - 1].gather(-1, torch.as_tensor(s[1:])[:, None])[:, 0] * w.double()).sum()
+               for a, b, s, w in zip(offsets[:-1], offsets[1:], seqs, weights))
+
+
+@pytest.mark.parametrize("forest", ["windows-1", "windows-2", "tree", "duplicates-and-prefix"])
+def test_tree_run_equals_stock_in_fp64(provider_and_models, forest):
+    """In fp64 (the stock CPU attention too) the tree model equals the stock one to rounding:
+    logits and every gradient to ~1e-12, so the fp32 comparisons above differ by rounding only."""
+    from test_megatron_bridge import _stock_thd_logits
+
+    from ps_mcore import plan_prefix_tree
+    from ps_mcore.layer_specs import TreePackedSeqParams
+
+    stock, tree = provider_and_models[4]
+    assert next(tree.parameters()).dtype == torch.float64
+    seqs = [list(s) for s in FORESTS[forest]]
+    weights = _weights(seqs)
+    for m in (stock, tree):
+        m.zero_grad(set_to_none=True)
+    plan = plan_prefix_tree(seqs, min_prefix_len=1)
+    psp = TreePackedSeqParams.from_plan(plan)
+    logits = plan.unpack(tree(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None],
+                              attention_mask=None, packed_seq_params=psp)[0][: plan.num_tokens])
+    ref = _stock_thd_logits(stock, seqs)
+    assert logits.dtype == ref.dtype == torch.float64
+    torch.testing.assert_close(logits, ref, rtol=1e-12, atol=1e-11)
+    _loss64(logits, seqs, weights).backward()
+    _loss64(ref, seqs, weights).backward()
+    stock_grads = dict(stock.named_parameters())
+    for pname, p in tree.named_parameters():
+        g_ref = stock_grads[pname].grad
+        scale = float(g_ref.abs().max())
+        assert scale > 0, pname
+        torch.testing.assert_close(p.grad, g_ref, rtol=1e-10, atol=1e-11 * scale, msg=lambda m: f"{pname}: {m}")
