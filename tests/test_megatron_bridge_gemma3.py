@@ -27,7 +27,7 @@ require_bridge()
 
 from bridge_helpers import GEMMA3_WINDOW as WINDOW, bridge_and_provider, build, cpu_bridge, load_strictly, write_hf_checkpoint  # noqa: E402,F401,E501
 from forests import small_nasty_forests, window_forest  # noqa: E402
-from test_megatron_bridge import _stock_logits, _stock_loss, _tree_loss, _weights  # noqa: E402
+from test_megatron_bridge import _weights, assert_stock_equals_hugging_face, assert_tree_equals_stock  # noqa: E402
 
 from ps_mcore.layer_specs import (  # noqa: E402
     TreeCoreAttention, TreeSelfAttention, provider_attention_refusal, to_tree_spec, tree_provider_spec)
@@ -120,34 +120,15 @@ def test_stock_provider_model_equals_hugging_face(models):
     """The loaded checkpoint means the same model on both sides (an independent reference):
     sequences several windows long, so the local layers' windows and RoPE base matter."""
     hf, stock, _ = models
-    rng = np.random.default_rng(1)
-    with torch.no_grad():
-        for length in (1, 5, 17):
-            seq = rng.integers(0, 128, length)
-            ref = hf(input_ids=torch.as_tensor(seq)[None], use_cache=False).logits[0]
-            torch.testing.assert_close(_stock_logits(stock, seq), ref, rtol=1e-4, atol=1e-4)
+    # Bridge builds the post-attention / post-MLP norms with TENorm's default eps (1e-5), HF with
+    # rms_norm_eps (1e-6): logits up to 2.5e-5 apart (measured; 9e-6 with HF's eps in the shim)
+    assert_stock_equals_hugging_face(hf, stock, (1, 5, 17), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("forest", list(FORESTS))
 def test_tree_run_equals_stock_provider_model(models, forest):
     _, stock, tree = models
-    seqs = [list(s) for s in FORESTS[forest]]
-    weights = _weights(seqs)
-    for m in (stock, tree):
-        m.zero_grad(set_to_none=True)
-    plan, logits, tree_total = _tree_loss(tree, seqs, weights)
-    ref, stock_total = _stock_loss(stock, seqs, weights)
-    torch.testing.assert_close(plan.unpack(logits), ref, rtol=1e-5, atol=2e-5)
-    if all(len(s) == 1 for s in seqs):
-        return  # nothing to predict
-    tree_total.backward()
-    stock_total.backward()
-    stock_grads = dict(stock.named_parameters())
-    for pname, p in tree.named_parameters():
-        g_ref = stock_grads[pname].grad
-        assert g_ref is not None and p.grad is not None, pname
-        scale = float(g_ref.abs().max()) or 1.0
-        torch.testing.assert_close(p.grad, g_ref, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{pname}: {m}")
+    assert_tree_equals_stock(stock, tree, [list(s) for s in FORESTS[forest]])
 
 
 def _loss64(logits, seqs, weights):
