@@ -18,6 +18,8 @@ modules as CPU modules with TE's parameter names (``gemma3_cpu_layer_spec``).
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -114,6 +116,8 @@ def test_tree_layers_take_the_stock_windows_and_keys(models):
         left = s.self_attention.core_attention.window_size
         assert t.self_attention.core_attention.window == (None if left is None else left[0] + 1)
     assert [t.self_attention.core_attention.window for t in tree_layers] == [WINDOW] * 5 + [None]
+    tree_cls = type(tree_layers[0].self_attention)
+    assert pickle.loads(pickle.dumps(tree_cls)) is tree_cls
 
 
 def test_stock_provider_model_equals_hugging_face(models):

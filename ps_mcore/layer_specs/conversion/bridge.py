@@ -70,10 +70,12 @@ def _tree_subclass(cls: type) -> type:
     """``cls`` (a reviewed subclass of megatron's ``SelfAttention`` whose forward only picks its
     arguments and calls the parent's) on top of :class:`TreeSelfAttention`: its forward runs
     first, then tree RoPE on the table it picked. Same parameters and keys as ``cls``."""
-    return type(f"Tree{cls.__name__}", (cls, TreeSelfAttention), {
+    tree_cls = type(f"Tree{cls.__name__}", (cls, TreeSelfAttention), {
         "__module__": __name__,
         "__doc__": f"{cls.__module__}.{cls.__qualname__} with tree RoPE (ps_mcore.to_tree_spec).",
     })
+    setattr(sys.modules[__name__], tree_cls.__name__, tree_cls)  # found by name: specs pickle
+    return tree_cls
 
 
 def _gemma3_layer_config(is_local_layer: Callable, config, layer_number: int):
