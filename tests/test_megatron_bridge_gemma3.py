@@ -120,6 +120,22 @@ def test_tree_layers_take_the_stock_windows_and_keys(models):
     assert pickle.loads(pickle.dumps(tree_cls)) is tree_cls
 
 
+def test_each_rope_table_is_indexed_once_per_micro_batch(models):
+    """Gemma 3's layers pick views of the local and the global table: two tree tables."""
+    from ps_mcore import plan_prefix_tree
+    from ps_mcore.layer_specs import TreePackedSeqParams
+
+    _, _, tree = models
+    plan = plan_prefix_tree(FORESTS["windows-1"], min_prefix_len=1)
+    psp = TreePackedSeqParams.from_plan(plan)
+    with torch.no_grad():
+        tree(input_ids=plan.input_ids[None], position_ids=psp.position_ids[None], attention_mask=None,
+             packed_seq_params=psp)
+    assert len(psp.rotary_tables) == 2
+    local, full = (t for t, _ in psp.rotary_tables)
+    assert not torch.equal(local, full)  # two RoPE bases
+
+
 def test_stock_provider_model_equals_hugging_face(models):
     """The loaded checkpoint means the same model on both sides (an independent reference):
     sequences several windows long, so the local layers' windows and RoPE base matter."""
