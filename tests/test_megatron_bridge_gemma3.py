@@ -189,3 +189,21 @@ def test_tree_run_equals_stock_in_fp64(provider_and_models, forest):
         scale = float(g_ref.abs().max())
         assert scale > 0, pname
         torch.testing.assert_close(p.grad, g_ref, rtol=1e-10, atol=1e-11 * scale, msg=lambda m: f"{pname}: {m}")
+
+
+@pytest.mark.parametrize("core", ["gemma.gemma2_provider.Gemma2FlexDotProductAttention",
+                                  "gemma.gemma2_provider.Gemma2DotProductAttention"])
+def test_bridge_core_attentions_of_their_own_are_refused(core):
+    """Bridge's other core attentions (here Gemma 2's, with softcapping; its TE-derived ones,
+    e.g. Ministral 3's, are placeholders without TE) under megatron's SelfAttention: refused,
+    naming the class."""
+    import importlib
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    module, name = core.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f"megatron.bridge.models.{module}"), name)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = cls
+    with pytest.raises(NotImplementedError, match=name):
+        to_tree_spec(spec)

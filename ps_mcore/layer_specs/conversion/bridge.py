@@ -133,6 +133,21 @@ def bridge_self_attention(cls: type) -> tuple[type, Callable] | None:
     return None
 
 
+def bridge_core_attention_refusal(cls: Any) -> str | None:
+    """Why core attention class ``cls`` cannot be replaced by tree attention: Megatron-Bridge's
+    own core attentions (Gemma 2's softcapping, Ministral 3's position-dependent query scaling,
+    Gemma 4, ...) compute something the tree kernels do not; None for any other class. Those a
+    :data:`BRIDGE_SELF_ATTENTIONS` entry reproduces are converted with their self attention."""
+    module = getattr(cls, "__module__", None) or ""
+    if module.split(".")[:2] != ["megatron", "bridge"]:
+        return None
+    return (
+        f"core attention {_qualified(cls)}: Megatron-Bridge's own core attention, whose behaviour "
+        "tree attention does not reproduce (to_tree_spec converts megatron-core's DotProductAttention "
+        "and TEDotProductAttention, and Bridge's Gemma 3 layers)"
+    )
+
+
 def provider_attention_refusal(config) -> str | None:
     """:func:`~ps_mcore.layer_specs.modules.core_attention.megatron_attention_refusal` of the
     configs ``config``'s attention layers run with: a Bridge provider whose own layers rewrite

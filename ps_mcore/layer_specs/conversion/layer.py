@@ -49,6 +49,12 @@ def _carries_extra_state(core_spec: Any) -> bool:
 def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> ModuleSpec:
     """Our core attention, with TE's checkpoint keys where it replaces one that has them;
     ``layer_config``: the per-layer config rewrite of a known self-attention subclass."""
+    if layer_config is None:  # a known self-attention subclass vouches for its core attention
+        from ps_mcore.layer_specs.conversion.bridge import bridge_core_attention_refusal
+
+        refusal = bridge_core_attention_refusal(spec_class(stock_core))
+        if refusal is not None:
+            raise NotImplementedError(f"cannot convert {refusal}")
     cls = TreeCoreAttentionTEState if _carries_extra_state(stock_core) else TreeCoreAttention
     params = {} if backend is None else {"backend": backend}
     if layer_config is not None:
