@@ -104,6 +104,13 @@ def hf_config(family: str, layers: int | None = None):
             **{"num_hidden_layers": 2, **common}, hidden_size=64, intermediate_size=24, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
             attn_implementation="eager", experts_implementation="eager")
+    if family == "gemma3":  # 5 local (window GEMMA3_WINDOW) : 1 global, two RoPE bases, query_pre_attn_scalar != head dim
+        return transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": layers or 6, "tie_word_embeddings": True}, hidden_size=64,
+            intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=GEMMA3_WINDOW, attn_implementation="eager",
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
     if family == "qwen2_5_vl":  # GQA 4/2 text with mrope 2/3/3, a 2-block vision tower (windows, then full)
         text = dict(vocab_size=VOCAB + 32, hidden_size=64, intermediate_size=96, num_hidden_layers=layers or 2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -120,6 +127,8 @@ def hf_config(family: str, layers: int | None = None):
 # the tiny Qwen2.5-VL's special tokens (tests/vlm_samples.py; above the text ids, inside its vocabulary)
 VLM_TOKENS = dict(image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153,
                   bos_token_id=154, eos_token_id=155)
+
+GEMMA3_WINDOW = 4  # the tiny Gemma 3's sliding window (tokens)
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "nemotron_h", "gpt_oss")
 
@@ -149,7 +158,7 @@ def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | No
 
     config = hf_config(family, layers)
     arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "nemotron_h": "NemotronHForCausalLM", "gpt_oss": "GptOssForCausalLM",
+            "nemotron_h": "NemotronHForCausalLM", "gpt_oss": "GptOssForCausalLM", "gemma3": "Gemma3ForCausalLM",
             "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
     model = getattr(transformers, arch)(config).float().eval()
     _sharpen_(model, seed)

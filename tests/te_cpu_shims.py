@@ -23,6 +23,7 @@ Never used by the library.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -109,14 +110,15 @@ def install_te_import_stub() -> None:
 
 def _norm(x, weight, bias, eps, rms: bool, zero_centered: bool):
     gamma = weight + 1 if zero_centered else weight
-    xf = x.float()
+    dtype = torch.promote_types(x.dtype, torch.float32)  # fp64 runs stay fp64 (an exact oracle)
+    xf = x.to(dtype)
     if rms:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     else:
         y = F.layer_norm(xf, xf.shape[-1:], eps=eps)
-    y = y * gamma.float()
+    y = y * gamma.to(dtype)
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(dtype)
     return y.to(x.dtype)
 
 
@@ -186,7 +188,8 @@ def _causal_attention(q, k, v, scale, window=None, sinks=None):
     group = q.size(1) // k.size(1)
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    dtype = torch.promote_types(q.dtype, torch.float32)  # fp64 runs stay fp64 (an exact oracle)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k.to(dtype)) * scale
     mask = torch.ones(q.size(0), k.size(0), dtype=torch.bool, device=q.device).triu(1)
     if window is not None and window[0] >= 0:
         mask |= torch.ones_like(mask).tril(-window[0] - 1)
@@ -194,9 +197,9 @@ def _causal_attention(q, k, v, scale, window=None, sinks=None):
     if sinks is None:
         probs = scores.softmax(-1)
     else:
-        sink = sinks.float()[:, None, None].expand(-1, q.size(0), 1)
+        sink = sinks.to(dtype)[:, None, None].expand(-1, q.size(0), 1)
         probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v.to(dtype)).to(q.dtype)
 
 
 class TEDotProductAttentionCPU(torch.nn.Module):
@@ -358,3 +361,60 @@ def use_cpu_te_specs(monkeypatch) -> None:
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
 
     AutoMapping.register_module_type("TEDotProductAttentionCPU", "column")
+
+
+# ----------------------------------------------------------------------------- Gemma 3 (Bridge)
+
+
+class Gemma3TEDotProductAttentionCPU(TEDotProductAttentionCPU):
+    """Megatron-Bridge's ``Gemma3TEDotProductAttention`` on the CPU: the same per-layer config
+    rewrite (its ``__init__``: local layers the window ``(window_size - 1, 0)``, global layers
+    none), then TE's contract as :class:`TEDotProductAttentionCPU`."""
+
+    def __init__(self, config, layer_number, *args, **kwargs):
+        from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
+
+        config = copy.deepcopy(config)
+        local = _is_local_attn_layer(layer_number, config.interleaved_attn_pattern)
+        config.window_size = (config.window_size - 1, 0) if local else None
+        super().__init__(config, layer_number, *args, **kwargs)
+
+
+def _row_parallel_linear_layer_norm():
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class TERowParallelLinearLayerNormCPU(RowParallelLinear):
+        """Bridge's ``TERowParallelLinearLayerNorm`` (Gemma's post-attention / post-MLP norm
+        inside the row-parallel projection): megatron's RowParallelLinear, then TE's norm as
+        ``post_layernorm`` (same parameter names)."""
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_layernorm = TENormCPU(config, output_size)  # as Bridge builds it: TENorm's default eps
+
+        def forward(self, x):
+            output, bias = super().forward(x)
+            assert bias is None
+            return self.post_layernorm(output), bias
+
+    return TERowParallelLinearLayerNormCPU
+
+
+def use_cpu_gemma3_spec(monkeypatch) -> None:
+    """Megatron-Bridge's ``gemma3_layer_spec`` (the Gemma 3 provider's default spec) with its TE
+    modules (its own Gemma 3 core attention and post-norm row-parallel linear included) replaced
+    by the CPU modules, for providers made after this call."""
+    from megatron.bridge.models.common import te_layers
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    from megatron.bridge.models.gemma import gemma3_provider
+
+    row_norm = _row_parallel_linear_layer_norm()
+    AutoMapping.register_module_type(row_norm.__name__, "row")
+    stock = gemma3_provider.gemma3_layer_spec
+
+    def gemma3_cpu_layer_spec(config):
+        mapping = {**_te_classes(), id(gemma3_provider.Gemma3TEDotProductAttention): Gemma3TEDotProductAttentionCPU,
+                   id(te_layers.TERowParallelLinearLayerNorm): row_norm}
+        return cpu_te_spec(stock(config), mapping)
+
+    monkeypatch.setattr(gemma3_provider, "gemma3_layer_spec", gemma3_cpu_layer_spec)

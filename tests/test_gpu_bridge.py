@@ -1,7 +1,8 @@
 """Megatron-Bridge with real Transformer Engine on a GPU (skipped without CUDA, TE or
 Megatron-Bridge). NCCL world 1, bf16, the provider's own TE spec.
 
-For Qwen2, Qwen3 and Qwen3-MoE (Nemotron-H too where mamba-ssm is installed): the test writes
+For Qwen2, Qwen3, Qwen3-MoE and Gemma 3 (Bridge's own attention layers: 5 local layers with a
+window of 4 tokens, 1 global; Nemotron-H too where mamba-ssm is installed): the test writes
 a tiny HF checkpoint (bf16 safetensors), ``AutoBridge.from_hf_pretrained`` makes the provider,
 it builds the stock model and, with :func:`~ps_mcore.layer_specs.tree_provider_spec`, the tree
 model, and an fp32 reference (the tree spec in fp32 with the exact ``chunked`` kernel and no
@@ -38,7 +39,7 @@ from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from ps_mcore import plan_prefix_tree, plan_unshared, token_logprobs  # noqa: E402
 from ps_mcore.layer_specs import TreePackedSeqParams, provider_spec_field, tree_provider_spec  # noqa: E402
 
-FAMILIES = ["qwen2", "qwen3", "qwen3_moe"] + (
+FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "gemma3"] + (
     ["nemotron_h"] if importlib.util.find_spec("mamba_ssm") is not None else [])
 
 
@@ -59,11 +60,12 @@ def _exact_fp32():
     tests/test_megatron_bridge.py checks against Hugging Face to 1e-5), the MoE router's gating
     GEMM torch's (``moe_utils.te_general_gemm`` off), and torch's own TF32 off."""
     from megatron.core.transformer.moe import moe_utils
-    from te_cpu_shims import use_cpu_te_specs
+    from te_cpu_shims import use_cpu_gemma3_spec, use_cpu_te_specs
 
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     with pytest.MonkeyPatch.context() as patch:
         use_cpu_te_specs(patch)
+        use_cpu_gemma3_spec(patch)  # Gemma 3's own spec (its providers made here: the reference)
         patch.setattr(moe_utils, "te_general_gemm", None)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         try:

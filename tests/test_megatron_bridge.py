@@ -72,13 +72,18 @@ def test_tree_model_has_tree_mixers_and_the_stock_keys(family):
 
 def test_stock_provider_model_equals_hugging_face(family):
     """The loaded checkpoint means the same model on both sides (an independent reference)."""
-    name, hf, stock, _ = family
+    _, hf, stock, _ = family
+    assert_stock_equals_hugging_face(hf, stock, (1, 5, 13))
+
+
+def assert_stock_equals_hugging_face(hf, stock, lengths, rtol: float = 1e-5, atol: float = 2e-5) -> None:
+    """Logits of random sequences of ``lengths`` tokens: the stock Megatron model = the HF one."""
     rng = np.random.default_rng(1)
     with torch.no_grad():
-        for length in (1, 5, 13):
+        for length in lengths:
             seq = rng.integers(0, 128, length)
             ref = hf(input_ids=torch.as_tensor(seq)[None], use_cache=False).logits[0]
-            torch.testing.assert_close(_stock_logits(stock, seq), ref, rtol=1e-5, atol=2e-5)
+            torch.testing.assert_close(_stock_logits(stock, seq), ref, rtol=rtol, atol=atol)
 
 
 def _weights(seqs) -> list[torch.Tensor]:
@@ -125,8 +130,13 @@ def _tree_loss(model, seqs, weights):
 
 @pytest.mark.parametrize("forest", list(FORESTS))
 def test_tree_run_equals_stock_provider_model(family, forest):
-    name, _, stock, tree = family
-    seqs = [list(s) for s in FORESTS[forest]]
+    _, _, stock, tree = family
+    assert_tree_equals_stock(stock, tree, [list(s) for s in FORESTS[forest]])
+
+
+def assert_tree_equals_stock(stock, tree, seqs) -> None:
+    """The tree model on the forest of ``seqs`` equals the stock model on the unshared batch:
+    logits, and every gradient of a per-sample-weighted log-prob loss (fp32)."""
     weights = _weights(seqs)
     for m in (stock, tree):
         m.zero_grad(set_to_none=True)

@@ -5,8 +5,9 @@ The engine runs verl's own ``_build_tf_config`` (``AutoBridge.from_hf_pretrained
 checkpoint the test writes, verl's provider overrides) and ``_build_megatron_module`` (the
 provider builds the model, Bridge loads the HF weights); with the patchset installed the
 provider builds tree layers. Stock: the same engine built and run with the patchset
-uninstalled (the provider's own TE spec). Checkpoints: Qwen2, Qwen3-MoE and GPT-OSS (sliding
-windows, learnable sinks, MoE with biases). Checked on GRPO groups, step-wise samples and a tree:
+uninstalled (the provider's own TE spec). Checkpoints: Qwen2, Qwen3-MoE, GPT-OSS (sliding
+windows, learnable sinks, MoE with biases) and Gemma 3 (Bridge's own attention layers: 5 local
+layers with a window of 4 tokens and their own RoPE base, 1 global). Checked on GRPO groups, step-wise samples and a tree:
 log-probs, entropy, the PPO loss and every gradient equal stock's, also when GRPO groups larger
 than the token budget run as one cross-micro-batch schedule; ``ENABLE_PREFIX_SHARING=0``
 (at build and at run) is stock bit for bit. Test-only shims: tests/te_cpu_shims.py (TE needs a
@@ -52,11 +53,16 @@ def impl():
     setup.uninstall()
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe", "gpt_oss", "gemma3"])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_hf_checkpoint(request.param, path, seed=7)
-    return path
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "gemma3":  # Bridge's own Gemma 3 spec, its TE modules on the CPU
+            from te_cpu_shims import use_cpu_gemma3_spec
+
+            use_cpu_gemma3_spec(patch)
+        yield path
 
 
 def _setting(mode):
@@ -98,11 +104,16 @@ def _run_like_stock(impl, path, data, mode, monkeypatch):
     tree = _engine(impl, path, setting, patched=True, monkeypatch=monkeypatch)
     tree_i, _ = _step(tree, data)
     tree_t, g_tree = _step(tree, data, _ppo())
-    assert_outputs(stock_i, tree_i)
-    np.testing.assert_allclose(sum(tree_t["loss"]), sum(stock_t["loss"]), rtol=RTOL)
+    # fp32 rounding grows through the 6-layer Gemma 3 (embeddings scaled by sqrt(hidden)): up to
+    # ~2.5e-5 relative on a log-prob; in fp64 its tree logits equal stock's to ~1e-15
+    # (tests/test_megatron_bridge_gemma3.py)
+    scale = 4.0 if path.name.startswith("gemma3") else 1.0
+    assert_outputs(stock_i, tree_i, scale=scale)
+    np.testing.assert_allclose(sum(tree_t["loss"]), sum(stock_t["loss"]), rtol=scale * RTOL)
     assert g_stock.keys() == g_tree.keys() and g_stock
     for name, g in g_stock.items():
-        torch.testing.assert_close(g_tree[name], g, rtol=RTOL, atol=RTOL * float(g.abs().max()), msg=name)
+        torch.testing.assert_close(g_tree[name], g, rtol=scale * RTOL, atol=scale * RTOL * float(g.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
     return tree_i
 
 

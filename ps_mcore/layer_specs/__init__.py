@@ -36,6 +36,7 @@ the :class:`TreePackedSeqParams` every layer reads its batch from.
 """
 
 from ps_mcore.layer_specs.conversion.bridge import (
+    provider_attention_refusal,
     provider_spec_field,
     tree_hybrid_stack_spec_from,
     tree_layer_spec,
@@ -75,6 +76,7 @@ __all__ = [
     "get_gpt_layer_with_tree_attention_spec",
     "megatron_dropout_refusal",
     "plan_fingerprint",
+    "provider_attention_refusal",
     "provider_spec_field",
     "to_tree_spec",
     "token_logprobs",

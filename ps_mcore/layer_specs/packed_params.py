@@ -43,7 +43,7 @@ class TreePackedSeqParams(PackedSeqParams):
     derive from it is kept on it, in three attributes set by ``__post_init__`` (not dataclass
     fields: a copy made by ``dataclasses.replace``, as torch's input casting makes, derives
     them again): ``host_bounds_twin`` (:meth:`for_unfused_rope`), ``local_multiplicity_rows``
-    (:meth:`local_multiplicity`) and ``rotary_tables`` (``(table, table[positions])`` of
+    (:meth:`local_multiplicity`) and ``rotary_tables`` (``(table, table[positions])`` pairs of
     ``modules.self_attention.tree_rotary_table``).
     """
 
@@ -59,7 +59,7 @@ class TreePackedSeqParams(PackedSeqParams):
             stock()
         self.host_bounds_twin: TreePackedSeqParams | None = None
         self.local_multiplicity_rows: torch.Tensor | None = None
-        self.rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rotary_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def from_plan(

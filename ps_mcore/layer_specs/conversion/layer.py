@@ -46,10 +46,35 @@ def _carries_extra_state(core_spec: Any) -> bool:
     )
 
 
-def _tree_core_spec(stock_core: Any, backend: str | None) -> ModuleSpec:
-    """Our core attention, with TE's checkpoint keys where it replaces one that has them."""
+def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> ModuleSpec:
+    """Our core attention, with TE's checkpoint keys where it replaces one that has them;
+    ``layer_config``: the per-layer config rewrite of a known self-attention subclass."""
+    if layer_config is None:  # a known self-attention subclass vouches for its core attention
+        from ps_mcore.layer_specs.conversion.bridge import bridge_core_attention_refusal
+
+        refusal = bridge_core_attention_refusal(spec_class(stock_core))
+        if refusal is not None:
+            raise NotImplementedError(f"cannot convert {refusal}")
     cls = TreeCoreAttentionTEState if _carries_extra_state(stock_core) else TreeCoreAttention
-    return ModuleSpec(module=cls, params={} if backend is None else {"backend": backend})
+    params = {} if backend is None else {"backend": backend}
+    if layer_config is not None:
+        params["layer_config"] = layer_config
+    return ModuleSpec(module=cls, params=params)
+
+
+def _tree_self_attention(cls: Any, where: str) -> tuple[type, Any]:
+    """The tree class for self-attention class ``cls`` and the ``layer_config`` its core
+    attention needs (None: the layer's config as it is). Known subclasses of megatron's
+    ``SelfAttention`` (Megatron-Bridge's, ``conversion.bridge.bridge_self_attention``) get their
+    tree version; any other subclass is refused."""
+    if isinstance(cls, type) and issubclass(cls, SelfAttention) and cls is not SelfAttention and not (
+            issubclass(cls, (TreeSelfAttention, MLASelfAttention))):
+        from ps_mcore.layer_specs.conversion.bridge import bridge_self_attention
+
+        known = bridge_self_attention(cls)
+        if known is not None:
+            return known
+    return _tree_self_attention_class(cls, where), None
 
 
 def _tree_self_attention_class(cls: Any, where: str) -> type:
@@ -84,20 +109,20 @@ def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
     if isinstance(attn, ModuleSpec):
         module = attn.module
         if isinstance(module, functools.partial):  # ModuleSpec(module=partial(SelfAttention, ...))
-            cls = _tree_self_attention_class(spec_class(module), "a partial module")
+            cls, layer_config = _tree_self_attention(spec_class(module), "a partial module")
             module = functools.partial(cls, *module.args, **module.keywords)
         else:
-            module = _tree_self_attention_class(get_module(attn), "ModuleSpec")
+            module, layer_config = _tree_self_attention(get_module(attn), "ModuleSpec")
         submodules = attn.submodules
         if submodules is None or not hasattr(submodules, "core_attention"):
             raise NotImplementedError(
                 f"cannot convert self attention spec without core_attention submodules: {attn!r}"
             )
         submodules = dataclasses.replace(
-            submodules, core_attention=_tree_core_spec(submodules.core_attention, backend))
+            submodules, core_attention=_tree_core_spec(submodules.core_attention, backend, layer_config))
         return dataclasses.replace(attn, module=module, params=dict(attn.params), submodules=submodules)
     if isinstance(attn, functools.partial):  # partial(SelfAttention, submodules=..., ...)
-        cls = _tree_self_attention_class(spec_class(attn), "functools.partial")
+        cls, layer_config = _tree_self_attention(spec_class(attn), "functools.partial")
         submodules = attn.keywords.get("submodules")
         if submodules is None or not hasattr(submodules, "core_attention"):
             raise NotImplementedError(
@@ -105,7 +130,7 @@ def _tree_attention_spec(attn: Any, backend: str | None) -> Any:
                 f"keyword holding core_attention: {attn!r}"
             )
         keywords = dict(attn.keywords, submodules=dataclasses.replace(
-            submodules, core_attention=_tree_core_spec(submodules.core_attention, backend)))
+            submodules, core_attention=_tree_core_spec(submodules.core_attention, backend, layer_config)))
         return functools.partial(cls, *attn.args, **keywords)
     raise NotImplementedError(
         f"cannot convert self attention spec {attn!r} (a {type(attn).__name__}): to_tree_spec "

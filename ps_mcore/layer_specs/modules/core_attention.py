@@ -173,6 +173,9 @@ class TreeCoreAttention(MegatronModule):
             input back by it, so the effective scale is unchanged: our kernels use it directly.
         backend: a ``tree_attention`` backend; default ``config.tree_attention_backend`` if
             that attribute is set, else ``"auto"``.
+        layer_config: ``layer_config(config, layer_number) -> config``, the config this layer's
+            stock core attention really runs with, for stock core attentions that rewrite it per
+            layer (Megatron-Bridge's Gemma 3: ``to_tree_spec`` sets it); None: ``config``.
 
     Variants, as megatron-core's own core attention reads them from the config:
     ``window_size`` / ``window_attn_skip_freq`` give this layer's sliding window
@@ -198,8 +201,11 @@ class TreeCoreAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection=None,
         backend: str | None = None,
+        layer_config=None,
         **kwargs,
     ):
+        if layer_config is not None:
+            config = layer_config(config, layer_number)
         super().__init__(config=config)
         _check_config(config, attention_type, attn_mask_type)
         self.layer_number = max(1, int(layer_number))

@@ -48,19 +48,28 @@ def _check_forward_signature(signature: inspect.Signature) -> None:
 def tree_rotary_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Tensor:
     """``[S, 1, 1, d] -> [T_pad, 1, 1, d]``: the table row of every packed token's position.
 
-    Every layer receives the same table from GPTModel: it is indexed once per micro-batch
-    (kept on the packed params with the table object itself, ``psp.rotary_tables``)."""
-    cached = psp.rotary_tables
-    if cached is not None and cached[0] is table:
-        return cached[1]
+    Every layer receives the same table from GPTModel (or, as Megatron-Bridge's Gemma 3 layers
+    pick them, a view of one of a few tables): each is indexed once per micro-batch (kept on the
+    packed params with the table itself, ``psp.rotary_tables``)."""
+    for seen, out in psp.rotary_tables:
+        if _same_view(seen, table):
+            return out
     if table.size(0) < psp.plan.max_seqlen_kv:
         raise ValueError(
             f"rotary table has {table.size(0)} rows but the plan reaches position "
             f"{psp.plan.max_seqlen_kv - 1}; build packed params with TreePackedSeqParams.from_plan"
         )
     out = table.index_select(0, psp.position_ids.to(table.device))
-    psp.rotary_tables = (table, out)
+    psp.rotary_tables.append((table, out))
     return out
+
+
+def _same_view(kept: torch.Tensor, table: torch.Tensor) -> bool:
+    """Whether ``table`` is ``kept`` or the same view of its memory (``kept`` holds that memory,
+    so no other tensor can have taken its address)."""
+    return kept is table or (
+        kept.data_ptr() == table.data_ptr() and kept.shape == table.shape and kept.stride() == table.stride()
+        and kept.dtype == table.dtype and kept.device == table.device)
 
 
 def packed_rows_table(table: torch.Tensor, psp: TreePackedSeqParams) -> torch.Tensor:
