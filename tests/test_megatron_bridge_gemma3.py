@@ -4,7 +4,7 @@ Bridge builds Gemma 3 from its own layer spec: ``Gemma3SelfAttention`` picks, pe
 local (sliding window, RoPE base ``rope_local_base_freq``) or global (full, ``rope_theta``) table
 of the stacked RoPE ``Gemma3RotaryEmbedding`` computes, and ``Gemma3TEDotProductAttention``
 rewrites the layer's config to its window (5 local : 1 global). ``to_tree_spec`` converts both
-(``conversion.bridge.BRIDGE_SELF_ATTENTIONS``). The test writes a tiny Gemma 3 HF checkpoint
+(``conversion.bridge_attention.BRIDGE_SELF_ATTENTIONS``). The test writes a tiny Gemma 3 HF checkpoint
 (6 layers: 5 local with a window of 4, then 1 global; two RoPE bases; ``query_pre_attn_scalar``
 not the head dim; qk-norms, pre and post norms, scaled embeddings), Bridge loads it strictly into
 the stock model and the tree model. Checked: the stock model equals ``Gemma3ForCausalLM``

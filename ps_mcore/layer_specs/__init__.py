@@ -36,13 +36,13 @@ the :class:`TreePackedSeqParams` every layer reads its batch from.
 """
 
 from ps_mcore.layer_specs.conversion.bridge import (
-    provider_attention_refusal,
     provider_spec_field,
     tree_hybrid_stack_spec_from,
     tree_layer_spec,
     tree_layer_spec_from,
     tree_provider_spec,
 )
+from ps_mcore.layer_specs.conversion.bridge_attention import provider_attention_refusal
 from ps_mcore.layer_specs.conversion.gpt import (
     get_gpt_decoder_block_tree_spec,
     get_gpt_layer_local_tree_spec,

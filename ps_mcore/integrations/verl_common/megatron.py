@@ -648,7 +648,7 @@ def tree_build_refusal(engine) -> str | None:
         return "QAT (its own layer spec)"
     config = getattr(engine, "tf_config", None) or getattr(engine, "provider", None)  # Megatron-Bridge: the provider
     if config is not None:
-        from ps_mcore.layer_specs.conversion.bridge import provider_attention_refusal  # after MindSpeed's repatch
+        from ps_mcore.layer_specs.conversion.bridge_attention import provider_attention_refusal  # after MindSpeed's repatch
 
         return provider_attention_refusal(config)  # per layer where Bridge's layers rewrite it (Gemma 3)
     return None

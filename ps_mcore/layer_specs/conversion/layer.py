@@ -50,7 +50,7 @@ def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> 
     """Our core attention, with TE's checkpoint keys where it replaces one that has them;
     ``layer_config``: the per-layer config rewrite of a known self-attention subclass."""
     if layer_config is None:  # a known self-attention subclass vouches for its core attention
-        from ps_mcore.layer_specs.conversion.bridge import bridge_core_attention_refusal
+        from ps_mcore.layer_specs.conversion.bridge_attention import bridge_core_attention_refusal
 
         refusal = bridge_core_attention_refusal(spec_class(stock_core))
         if refusal is not None:
@@ -65,11 +65,11 @@ def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> 
 def _tree_self_attention(cls: Any, where: str) -> tuple[type, Any]:
     """The tree class for self-attention class ``cls`` and the ``layer_config`` its core
     attention needs (None: the layer's config as it is). Known subclasses of megatron's
-    ``SelfAttention`` (Megatron-Bridge's, ``conversion.bridge.bridge_self_attention``) get their
+    ``SelfAttention`` (Megatron-Bridge's, ``conversion.bridge_attention.bridge_self_attention``) get their
     tree version; any other subclass is refused."""
     if isinstance(cls, type) and issubclass(cls, SelfAttention) and cls is not SelfAttention and not (
             issubclass(cls, (TreeSelfAttention, MLASelfAttention))):
-        from ps_mcore.layer_specs.conversion.bridge import bridge_self_attention
+        from ps_mcore.layer_specs.conversion.bridge_attention import bridge_self_attention
 
         known = bridge_self_attention(cls)
         if known is not None:
