@@ -459,9 +459,10 @@ def token_statistics(
 def _checked_label_ids(label_ids: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
     if label_ids.dim() != 2 or label_ids.size(0) != n:
         raise ValueError(f"label_ids must be [N={n}, K] per token, got {tuple(label_ids.shape)}")
-    if label_ids.numel() and (int(label_ids.min()) < 0 or int(label_ids.max()) >= vocab):
-        raise ValueError(f"label_ids must be token ids in [0, {vocab}), got ids in "
-                         f"[{int(label_ids.min())}, {int(label_ids.max())}]")
+    if label_ids.numel():
+        low, high = (int(x) for x in torch.stack(torch.aminmax(label_ids)).tolist())  # one sync
+        if low < 0 or high >= vocab:
+            raise ValueError(f"label_ids must be token ids in [0, {vocab}), got ids in [{low}, {high}]")
     return label_ids.long()
 
 
