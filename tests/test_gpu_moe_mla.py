@@ -12,8 +12,6 @@ Transformer Engine (``pip install --no-build-isolation "transformer_engine[pytor
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from conftest import assert_rows_close
@@ -61,8 +59,8 @@ def test_te_model_tree_vs_stock_unshared_thd(kind):
             assert_branches(w.sequences, levels=3)  # every turn branches
         runs = moe_mla.Runs(stock, tree, w.sequences, "cuda")
         assert runs.plan.num_tokens < runs.plan.num_input_tokens
-        with torch.no_grad(), _routing(kind, ref) as r32, _routing(kind, stock) as r_stock, \
-                _routing(kind, tree) as r_tree:
+        with torch.no_grad(), record_routing(ref) as r32, record_routing(stock) as r_stock, \
+                record_routing(tree) as r_tree:
             lp32 = runs.base_lp(ref).float()
             err_stock = (runs.base_lp().float() - lp32).abs()
             err_tree = (runs.tree_lp().float() - lp32).abs()
@@ -84,7 +82,3 @@ def test_te_model_tree_vs_stock_unshared_thd(kind):
         for pname, g in g_ref.items():
             assert_rows_close(g_tree[pname], g, 5e-2, f"{name} d {pname}", baseline=g_stock[pname])
 
-
-def _routing(kind: str, model):
-    """Records the MoE model's routing (tests/flip_free_routing.py); nothing for MLA."""
-    return record_routing(model) if kind == "moe" else contextlib.nullcontext([])
