@@ -51,6 +51,8 @@ def test_te_model_tree_vs_stock_unshared_thd(kind):
     if kind == "moe":
         for model in (stock, tree):
             route_by_token_(model, MEGATRON_NAMES, seed=0)
+        stock_params = dict(stock.named_parameters())
+        assert all(torch.equal(p, stock_params[n]) for n, p in tree.named_parameters())
     ref = moe_mla.build_reference(moe_mla.build_config(kind, dims, 2, torch.float32, "cuda"),
                                   tree, dims["vocab"], "cuda", tiny=False)
     for name in ("agent-tree", "step-wise"):
