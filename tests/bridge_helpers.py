@@ -10,12 +10,14 @@ fixture (the shims for that module only); a worker process calls :func:`prepare_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from flip_free_routing import HF_ROUTING_NAMES, route_by_token_
 
 VOCAB = 128
 
@@ -34,12 +36,26 @@ def require_bridge() -> None:
     init_cpu_megatron(1)
 
 
+# Megatron records a model's attention backend in these variables when it builds the model and
+# asserts them at the next build (flash for verl's and Gemma's Bridge providers, auto elsewhere);
+# Transformer Engine reads them whenever its attention runs.
+ATTENTION_BACKEND_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
 def clear_attention_backend_env() -> None:
-    """Megatron records a model's attention backend in ``NVTE_*`` variables and asserts them at
-    the next build (flash for verl's Bridge providers, auto elsewhere): cleared between builds
-    of different setups in one process."""
-    for var in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+    """Cleared between builds of different setups in one process."""
+    for var in ATTENTION_BACKEND_ENV:
         os.environ.pop(var, None)
+
+
+@contextlib.contextmanager
+def own_attention_backend_env():
+    """The attention-backend variables unset for the block (its models build and run with their
+    own backend) and put back as they were after it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for var in ATTENTION_BACKEND_ENV:
+            patch.delenv(var, raising=False)
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -149,10 +165,12 @@ def _sharpen_(model: torch.nn.Module, seed: int) -> None:
 
 
 def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | None = None,
-                        dtype: torch.dtype = torch.float32):
+                        dtype: torch.dtype = torch.float32, flip_free_routing: bool = False):
     """Write ``config.json`` + ``model.safetensors`` of a random tiny ``family`` model to
     ``path`` in ``dtype``; returns the HF model (eval, fp32, the checkpoint's values) and the
-    checkpoint's tensors by name."""
+    checkpoint's tensors by name. ``flip_free_routing``: an MoE family's routers pick their
+    top-k by token id with wide margins (tests/flip_free_routing.py), for bf16 runs compared
+    per token; no change to a dense family."""
     import transformers
     from safetensors.torch import save_file
 
@@ -162,6 +180,10 @@ def write_hf_checkpoint(family: str, path: Path, seed: int = 0, layers: int | No
             "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family]
     model = getattr(transformers, arch)(config).float().eval()
     _sharpen_(model, seed)
+    if flip_free_routing and (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
+        if family not in HF_ROUTING_NAMES:
+            raise ValueError(f"flip_free_routing: no routing parameter names for {family!r}")
+        route_by_token_(model, HF_ROUTING_NAMES[family], seed)
     # the HF model holds the checkpoint's values, in fp32: its parameters rounded to dtype, its
     # buffers untouched (casting the model to dtype and back would round RoPE's fp32
     # ``inv_freq`` too: with bf16, log-prob errors of 0.2 at position ~500 against an exact

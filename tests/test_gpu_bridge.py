@@ -8,11 +8,14 @@ it builds the stock model and, with :func:`~ps_mcore.layer_specs.tree_provider_s
 model, and an fp32 reference (the tree spec in fp32 with the exact ``chunked`` kernel and no
 TF32 anywhere: :func:`_exact_fp32`); Bridge loads the checkpoint into each strictly (every
 parameter written, the export gives back exactly the checkpoint). Then the tree model on a
-branching forest vs the stock model (TE fused attention) on the unshared THD batch: bf16
+branching forest vs the stock model (TE attention) on the unshared THD batch: bf16
 log-probs (both vs the Hugging Face model in fp32 too; the fp32 reference vs it per token) and
 each row of every gradient of a per-sample-weighted loss, within twice the stock
 model's own error on that row against the fp32 reference (run on the unshared batch) plus 5%
-of the tensor's largest value (the tolerances of tests/test_gpu_te.py).
+of the tensor's largest value (the tolerances of tests/test_gpu_te.py). Qwen3-MoE's routers
+pick their top-k by token id with wide margins (tests/flip_free_routing.py: a bf16 top-k flip
+would move a token's log-prob and gradient rows far in whichever run it happens), and the test
+checks that premise: both bf16 runs pick the fp32 reference's top-k for every token.
 
     python -m pytest -q tests/test_gpu_bridge.py     # on the GPU machine, TE + Megatron-Bridge
 """
@@ -32,8 +35,15 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("Megatron-Bridge is not installed", allow_module_level=True)
 
-from bridge_helpers import CPU_PROVIDER, VOCAB, load_strictly, write_hf_checkpoint  # noqa: E402
+from bridge_helpers import (  # noqa: E402
+    CPU_PROVIDER,
+    VOCAB,
+    load_strictly,
+    own_attention_backend_env,
+    write_hf_checkpoint,
+)
 from conftest import assert_rows_close  # noqa: E402
+from flip_free_routing import assert_same_routing, record_routing  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 
 from ps_mcore import plan_prefix_tree, plan_unshared, token_logprobs  # noqa: E402
@@ -78,8 +88,14 @@ def _provider(bridge, fp32: bool = False):
     """The checkpoint's provider, finalized; ``fp32``: for the reference, its tree spec on the
     exact ``chunked`` kernel (TE's THD attention needs 16-bit inputs), built under
     :func:`_exact_fp32`."""
+    from megatron.core.transformer.enums import AttnBackend
+
     provider = bridge.to_megatron_provider(load_weights=False)
     provider.gradient_accumulation_fusion = False
+    if provider.attention_backend == AttnBackend.flash and not _have_flash_attn():
+        # Gemma's providers ask for flash-attn (cuDNN lacked head dims > 128 once); without it
+        # Transformer Engine has no backend left under flash: TE picks among those it has
+        provider.attention_backend = AttnBackend.auto
     if fp32:
         for key, value in FP32.items():
             if hasattr(provider, key):
@@ -89,6 +105,10 @@ def _provider(bridge, fp32: bool = False):
     return provider
 
 
+def _have_flash_attn() -> bool:
+    return any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface", "flash_attn_3"))
+
+
 def _build(provider, bf16: bool = True) -> torch.nn.Module:
     return provider.provide_distributed_model(wrap_with_ddp=False, bf16=bf16, mixed_precision_wrapper=None)[0]
 
@@ -96,11 +116,18 @@ def _build(provider, bf16: bool = True) -> torch.nn.Module:
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     """(family, the HF model in fp32, stock bf16, tree bf16, the fp32 reference), each Megatron
-    model loaded strictly from the checkpoint by Bridge."""
+    model loaded strictly from the checkpoint by Bridge; an MoE family's routers pick their
+    top-k without near-ties (tests/flip_free_routing.py; the test checks it). The family's
+    models build and run with their own attention backend's ``NVTE_*`` variables, unset before
+    and put back after (megatron writes them at a build and asserts them at the next)."""
+    with own_attention_backend_env():
+        yield _family(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _family(name: str, path):
     from megatron.bridge import AutoBridge
 
-    path = tmp_path_factory.mktemp(request.param)
-    hf, tensors = write_hf_checkpoint(request.param, path, seed=5, dtype=torch.bfloat16)
+    hf, tensors = write_hf_checkpoint(name, path, seed=5, dtype=torch.bfloat16, flip_free_routing=True)
     bridge = AutoBridge.from_hf_pretrained(str(path))
     provider = _provider(bridge)
     stock = _build(provider)
@@ -115,9 +142,9 @@ def family(request, tmp_path_factory):
         load_strictly(bridge, [reference], tensors)
     te_gemms = [n for n, m in reference.named_modules()  # a TE module with a matrix runs TF32 GEMMs
                 if "transformer_engine" in type(m).__module__ and any(p.dim() > 1 for p in m.parameters())]
-    assert not te_gemms, (request.param, te_gemms)
+    assert not te_gemms, (name, te_gemms)
     assert all(p.dtype == torch.float32 for p in reference.parameters())
-    return request.param, hf.cuda(), stock, tree, reference
+    return name, hf.cuda(), stock, tree, reference
 
 
 def _forest():
@@ -175,11 +202,16 @@ def test_tree_model_equals_stock_te_model_and_hugging_face(family):
     name, hf, stock, tree, reference = family
     seqs = _forest()
     weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
-    ref, g_stock = _weighted_step(stock, _stock_thd_logprobs, seqs, weights)
-    got, g_tree = _weighted_step(tree, _tree_logprobs, seqs, weights)
-    with _exact_fp32():
+    with record_routing(stock) as r_stock:
+        ref, g_stock = _weighted_step(stock, _stock_thd_logprobs, seqs, weights)
+    with record_routing(tree) as r_tree:
+        got, g_tree = _weighted_step(tree, _tree_logprobs, seqs, weights)
+    with _exact_fp32(), record_routing(reference) as r32:
         lp32, g32 = _weighted_step(reference, _stock_thd_logprobs, seqs, weights)
         hf_ref = _hf_logprobs(hf, seqs)
+    if reference.config.num_moe_experts:  # the premise of the per-token and per-row bounds below
+        assert_same_routing(r32, {"stock": (r_stock, None), "tree": (r_tree, plan_prefix_tree(seqs).unpack_index)},
+                            k=reference.config.moe_router_topk)
     last = torch.as_tensor(np.cumsum([len(s) for s in seqs]) - 1, device="cuda")
     keep = torch.ones_like(ref, dtype=torch.bool)
     keep[last] = False

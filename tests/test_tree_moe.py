@@ -113,3 +113,32 @@ def test_moe_expert_parallel_ep2(dispatcher, tmp_path):
     run_torchrun(Path(__file__).parent / "moe_ep_worker.py", 2, dispatcher, out, timeout=600)
     result = torch.load(out)
     assert result["ranks"] == 2 and result["max_logprob_err"] <= 1e-5
+
+
+def test_flip_free_routing_keeps_every_bf16_top_k():
+    """The premise of the GPU tests' per-row bf16 comparisons (tests/flip_free_routing.py): with
+    the routers re-initialised, the tree-spec MoE model in bf16 picks the fp32 model's top-k for
+    every token, on the unshared batch and on the tree, with margins of 2/(E-1)."""
+    from benchmarks import moe_mla
+    from flip_free_routing import MEGATRON_NAMES, assert_same_routing, record_routing, route_by_token_
+
+    from ps_mcore.workloads import make_workload
+
+    dims = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=256, experts=8, topk=2, expert_ffn=32)
+    model, _ = moe_mla.build_pair(moe_mla.build_config("moe", dims, 2, torch.bfloat16, "cpu"), dims["vocab"],
+                                  "cpu", tiny=True)
+    route_by_token_(model, MEGATRON_NAMES, seed=0)
+    ref = moe_mla.build_reference(moe_mla.build_config("moe", dims, 2, torch.float32, "cpu"), model,
+                                  dims["vocab"], "cpu", tiny=True)
+    runs = moe_mla.Runs(model, model, make_workload("step-wise", seed=0, scale=1 / 16, vocab=dims["vocab"]).sequences,
+                        "cpu")
+    with torch.no_grad():
+        with record_routing(ref) as r32:
+            runs.base_lp(ref)
+        with record_routing(model) as r_base:
+            runs.base_lp()
+        with record_routing(model) as r_tree:
+            runs.tree_lp()
+    assert_same_routing(r32, {"unshared": (r_base, None), "tree": (r_tree, runs.plan.unpack_index)},
+                        k=dims["topk"], min_margin=0.25)
+    assert all(bool(c.routing_map.any(0).all()) for c in r32)  # every expert chosen by some token
