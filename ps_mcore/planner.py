@@ -178,6 +178,15 @@ class TreePlan:
     def __post_init__(self) -> None:
         claim_memo(self)
 
+    # Keeps the plan opaque to torch.compile: Dynamo (torch 2.11) builds every field of a frozen
+    # dataclass it meets (e.g. a plan handed to the compiler-disabled tree_attention, at the
+    # graph break) and guards on them (len(seq_lens), tensor ranks, 0/1 sizes), so every new
+    # sequence count compiled a new graph. With a class-level __getattribute__ Dynamo treats the
+    # plan as a plain object guarded on its type and traces only the reads compiled code makes
+    # (through super(), which it can trace; ``object.__getattribute__(self, name)`` it cannot).
+    def __getattribute__(self, name: str) -> Any:
+        return super().__getattribute__(name)
+
     @property
     def num_tokens(self) -> int:
         """T, the packed length."""

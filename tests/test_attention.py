@@ -181,8 +181,9 @@ def test_bad_inputs():
 
 def test_tree_attention_inside_a_compiled_function():
     """tree_attention called from torch.compile'd code runs between the graphs (its layouts are
-    numpy, built on the host): results and gradients equal eager, new plans reuse the graphs."""
-    from torch._dynamo.utils import counters
+    numpy, built on the host): results and gradients equal eager, and new plans (other
+    sequence counts and lengths) reuse the graphs."""
+    from torch._dynamo.utils import counters, is_frozen_dataclass
 
     torch._dynamo.reset()
 
@@ -190,16 +191,21 @@ def test_tree_attention_inside_a_compiled_function():
         return tree_attention(torch.tanh(q), k * 2, v, plan, backend="chunked").square().sum()
 
     compiled = torch.compile(block, backend="eager", dynamic=True)
-    graphs = []
+    graphs, counts = [], set()
     for name in ("tree", "grpo", "deep-chain"):
         plan = plan_prefix_tree(nasty_forests()[name], min_prefix_len=1)
+        counts.add(plan.num_sequences)
         q, k, v = random_qkv(plan, 4, 2, 8, torch.float32)
         got = torch.autograd.grad(compiled(q, k, v, plan), (q, k, v))
         want = torch.autograd.grad(block(q, k, v, plan), (q, k, v))
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         graphs.append(counters["stats"]["unique_graphs"])
+    assert len(counts) == 3  # every plan has its own number of sequences
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs
+    # Dynamo wraps a frozen dataclass field by field and guards on the fields (torch 2.11:
+    # len(seq_lens)); the plan must reach it as a plain object, on every torch version.
+    assert not is_frozen_dataclass(plan)
 
 
 def test_gathered_kv_is_not_saved_for_backward():

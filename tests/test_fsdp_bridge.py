@@ -632,6 +632,7 @@ def test_compiled_model_matches_eager_without_recompiling_per_plan(checkpointing
         assert model.config._attn_implementation == "sdpa"
         graphs.append(counters["stats"]["unique_graphs"])
     assert len({plan_prefix_tree(f).num_tokens for f in batches}) == 3
+    assert len({len(f) for f in batches}) == 3  # and sequence counts
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs  # no recompile for new plans
 
 

@@ -51,6 +51,7 @@ def test_compiled_tree_attention_on_cuda(backend):
         for a, b in zip(got, want):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
         graphs.append(counters["stats"]["unique_graphs"])
+    assert len({len(nasty_forests()[name]) for name in FORESTS}) == 3  # other sequence counts
     assert graphs[1:] == [graphs[0]] * 2, graphs
 
 
@@ -74,9 +75,10 @@ def test_compiled_hf_model_on_cuda_matches_eager():
     compiled = torch.compile(model, dynamic=True)
     import numpy as np
 
-    graphs = []
-    for seed in range(3):
+    graphs, counts = [], set()
+    for seed in (0, 1, 4):  # 7, 4 and 6 sequences
         seqs = random_forest(np.random.default_rng(seed), max_seqs=8, max_len=200)
+        counts.add(len(seqs))
         plan = plan_prefix_tree(seqs, min_prefix_len=1)
         got = forward_tree(compiled, plan, compute_logprobs=True).logprobs
         want = forward_tree(eager, plan, compute_logprobs=True).logprobs
@@ -84,4 +86,5 @@ def test_compiled_hf_model_on_cuda_matches_eager():
         assert model.config._attn_implementation == "sdpa"
         torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
         graphs.append(counters["stats"]["unique_graphs"])
+    assert len(counts) == 3  # a new sequence count must not recompile either
     assert graphs[1:] == [graphs[0]] * 2, graphs

@@ -588,8 +588,9 @@ def test_shared_dropout_opt_in_is_seeded_and_exact_without_sharing():
 def test_compiled_tree_model_matches_eager_without_recompiling_per_plan():
     """torch.compile(GPTModel) with tree specs (megatron-core has no compile option of its
     own): core attention and the tree RoPE preparation run between the compiled graphs,
-    outputs and gradients equal the eager model's, and plans of other lengths reuse the
-    graphs. (aot_eager: Dynamo and AOTAutograd as inductor sees them, without CPU codegen.)"""
+    outputs and gradients equal the eager model's, and plans of other lengths and sequence
+    counts reuse the graphs. (aot_eager: Dynamo and AOTAutograd as inductor sees them,
+    without CPU codegen.)"""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -598,7 +599,9 @@ def test_compiled_tree_model_matches_eager_without_recompiling_per_plan():
     randomize_(model, seed=7)
     compiled = torch.compile(model, backend="aot_eager", dynamic=True)
     graphs = []
-    for name in ("random0", "prefix_of_another", "deep_chain"):
+    names = ("random2", "prefix_of_another", "deep_chain")
+    assert len({len(FORESTS[n]) for n in names}) == 3  # other sequence counts, other lengths
+    for name in names:
         seqs = FORESTS[name]
         plan = _plan(seqs)
         weights = _weights(seqs, 2)[1]
