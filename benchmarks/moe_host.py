@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, step_kernels, write_report  # noqa: E402
+from common import add_run_arguments, environment, markdown_table, step_kernels, write_report  # noqa: E402
 from model import ARCHS, Steps, arch_shape, build_model, init_parallel  # noqa: E402
 
 from ps_mcore.workloads import make_workload  # noqa: E402
@@ -191,11 +191,7 @@ def main() -> None:
     p.add_argument("--arch", default="gpt-oss-20b", choices=[a for a in ARCHS if "experts" in ARCHS[a].dims])
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--workloads", nargs="+", default=["agent-tree", "step-wise", "no-sharing"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--tiny", action="store_true", help="CPU dry run: local spec, tiny dims, workloads at 1/32")
-    p.add_argument("--out", help="also write the table (markdown) here")
+    add_run_arguments(p, "CPU dry run: local spec, tiny dims, workloads at 1/32")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("moe_host.py needs a CUDA GPU with transformer-engine (or --tiny for a CPU dry run)")
