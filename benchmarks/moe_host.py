@@ -18,7 +18,8 @@ sharing ("unshared") and on the prefix tree ("tree"). Per step, medians:
   calls, e.g. its grouped GEMMs, are not torch ops and not counted);
 * the same wall/busy ms with megatron's per-expert bias loop (``TEGroupedMLP._apply_bias``,
   GPT-OSS's expert biases: two ops per expert forward, four backward) replaced by one gathered
-  bias add of the same values ("one bias add").
+  bias add ("one bias add": the same forward values, checked; the bias gradients are summed in
+  another order, so they may differ in the last bits; a timing experiment, not a product path).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def host_split(step, iters: int) -> tuple[float, float, float]:
 
 def _gathered_bias(intermediate_parallel, bias_parallel, tokens_per_expert, permuted_probs):
     """``TEGroupedMLP._apply_bias`` in one pass: each row gets its expert's bias times its
-    probability (the same elementwise ops on the same operands, so the same values)."""
+    probability (the same elementwise ops on the same operands, so the same forward values;
+    backward sums each bias's gradient through ``index_select``'s scatter-add instead)."""
     if bias_parallel is None:
         return intermediate_parallel
     shape = intermediate_parallel.shape
@@ -137,12 +139,25 @@ def _gathered_bias(intermediate_parallel, bias_parallel, tokens_per_expert, perm
     return (x + bias.index_select(0, expert.to(x.device)) * permuted_probs).view(shape).to(intermediate_parallel.dtype)
 
 
+BIAS_CHECKS: list[bool] = []  # one bias add's output == megatron's loop's, bitwise (first call of each run)
+
+
 @contextlib.contextmanager
 def one_bias_add():
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
     stock = TEGroupedMLP.__dict__["_apply_bias"]
-    TEGroupedMLP._apply_bias = staticmethod(_gathered_bias)
+    checked = []
+
+    def gathered(*args):
+        out = _gathered_bias(*args)
+        if not checked:
+            with torch.no_grad():
+                checked.append(torch.equal(out, stock.__func__(*args)))
+            BIAS_CHECKS.append(checked[0])
+        return out
+
+    TEGroupedMLP._apply_bias = staticmethod(gathered)
     try:
         yield
     finally:
@@ -217,7 +232,8 @@ def main() -> None:
         rows += rows_for(model, shape, workload, args, device)
     title = (f"MoE step host time, {args.arch} ({shape.layers} layers, {shape.experts} experts top-{shape.topk}), "
              f"{'local spec, CPU, tiny' if args.tiny else 'TE tree model, bf16'}; unshared = the same model on "
-             f"the plan without sharing; {environment()}")
+             f"the plan without sharing; one bias add's output equal to megatron's per-expert loop's in "
+             f"{sum(BIAS_CHECKS)} of {len(BIAS_CHECKS)} checked runs; {environment()}")
     write_report(f"{title}\n\n{markdown_table(HEADERS, rows)}", args.out)
 
 
