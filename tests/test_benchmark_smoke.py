@@ -110,3 +110,14 @@ def test_cross_microbatch():
         split = next(s for s in rows if s["mini-batch"] == r["mini-batch"] and s["method"] == "split")
         if split["tokens"] != "-":
             assert int(r["tokens"].split(" + ")[0]) <= int(split["tokens"]), (r, split)
+
+
+def test_moe_host():
+    rows = _run_table("moe_host.py", "--workloads", "agent-tree", "no-sharing")
+    assert [(r["workload"], r["plan"]) for r in rows] == [
+        ("agent-tree", "unshared"), ("agent-tree", "tree"), ("no-sharing", "unshared"), ("no-sharing", "tree")]
+    assert all(int(r["aten ops"]) > 0 and float(r["wall ms"]) > 0 for r in rows), rows
+    assert int(rows[1]["rows"]) < int(rows[0]["rows"]), rows  # agent-tree shares its prompt and turns
+    # without sharing the tree path is the unshared one: the same ops, from the same sources
+    columns = ("aten ops", "ps_mcore", "megatron MoE", "megatron other")
+    assert [rows[2][c] for c in columns] == [rows[3][c] for c in columns], rows

@@ -104,7 +104,8 @@ class TreeTopKRouter(TopKRouter):
     """
 
     def _tree_weight(self, rows: int) -> torch.Tensor | None:
-        """``[rows]`` float32 multiplicity of the rows this router sees, or None (no tree)."""
+        """``[rows]`` multiplicity of the rows this router sees (integer; float32 where a
+        statistic reads it), or None (no tree)."""
         psp = current_tree_batch()
         if psp is None or getattr(psp, "multiplicity", None) is None:
             return None
@@ -125,7 +126,7 @@ class TreeTopKRouter(TopKRouter):
                 f"{weight.numel()} (the multiplicity of TreePackedSeqParams is sharded like "
                 "the rows: CP, then SP)"
             )
-        return weight.to(torch.float32)
+        return weight
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
         """Same contract as ``TopKRouter.routing``: logits ``[s, b, E]`` ->
@@ -136,17 +137,19 @@ class TreeTopKRouter(TopKRouter):
             return super().routing(logits, padding_mask)
         if bsz != 1:
             raise ValueError(f"a tree batch is THD (batch dimension 1), the router got b={bsz}")
-        weight = weight.to(logits.device)
         logits = logits.view(-1, self.config.num_moe_experts)
-        if padding_mask is not None:  # megatron's router convention: True = padding
-            weight = weight * (~padding_mask.reshape(-1)).to(weight.dtype)
+        statistics = self._takes_token_statistics()
+        if statistics:  # else the routing is per token: no launch reads the multiplicity
+            weight = weight.to(logits.device, torch.float32)
+            if padding_mask is not None:  # megatron's router convention: True = padding
+                weight = weight * (~padding_mask.reshape(-1)).to(weight.dtype)
 
-        # The unshared batch's token count as stock sees it on this rank: its local rows are
-        # an equal share of the TP*CP group's tokens (SP/CP split them evenly; without SP every
-        # TP rank holds them all). The tree's rows are split unevenly, so derive it from the sum.
-        group_tokens = _group_sum(weight.sum(), self.tp_cp_group)
-        stock_local_tokens = group_tokens / _group_size(self.tp_cp_group)
-        logits = self._tree_z_loss(logits, weight, group_tokens, stock_local_tokens)
+            # The unshared batch's token count as stock sees it on this rank: its local rows are
+            # an equal share of the TP*CP group's tokens (SP/CP split them evenly; without SP every
+            # TP rank holds them all). The tree's rows are split unevenly, so derive it from the sum.
+            group_tokens = _group_sum(weight.sum(), self.tp_cp_group)
+            stock_local_tokens = group_tokens / _group_size(self.tp_cp_group)
+            logits = self._tree_z_loss(logits, weight, group_tokens, stock_local_tokens)
         probs, routing_map = topk_routing_with_score_function(
             logits,
             self.topk,
@@ -159,7 +162,7 @@ class TreeTopKRouter(TopKRouter):
             fused=self.config.moe_router_fusion,
             router_replay=self.router_replay,
         )
-        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+        if statistics and self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
             routing_map_aux, scores_aux = compute_routing_scores_for_aux_loss(
                 logits, self.topk, self.score_function, fused=self.config.moe_router_fusion
             )
@@ -175,10 +178,18 @@ class TreeTopKRouter(TopKRouter):
                 probs = self._tree_balancing_loss(
                     probs, weighted_scores, local_counts, kind, name, group, stock_local_tokens
                 )
-        if self.enable_expert_bias and torch.is_grad_enabled():
+        if statistics and self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert += (routing_map.float() * weight[:, None]).sum(0)
         return probs, routing_map
+
+    def _takes_token_statistics(self) -> bool:
+        """Whether this forward takes a statistic over the tokens (the z-loss, a load-balancing
+        loss, the expert-bias counts): the conditions of :meth:`_tree_z_loss` and of the aux-loss
+        and expert-bias steps of :meth:`routing`."""
+        grad = torch.is_grad_enabled()
+        losses = self.training and grad and (self.config.moe_z_loss_coeff is not None or self.is_aux_loss_enabled())
+        return losses or (self.enable_expert_bias and grad)
 
     def _tree_balancing_loss(self, probs, weighted_scores, local_counts, kind, name, group, local_tokens):
         """One load-balancing loss as ``TopKRouter._apply_{aux,seq_aux,global_aux}_loss``
