@@ -49,6 +49,7 @@ change the model under both sides).
     python benchmarks/verl_actor.py --quick --engines fsdp          # GPU
     python benchmarks/verl_actor.py --quick --engines megatron
     python benchmarks/verl_actor.py --curves 30 --plot curves.png   # training curves
+    python benchmarks/verl_actor.py --quick --engines megatron --batches pg-8k --profile update   # where it goes
     python benchmarks/verl_actor.py --tiny                          # CPU exactness check (CI)
     python benchmarks/verl_actor.py --tiny --engines megatron --models tiny-moe
     python benchmarks/verl_actor.py --tiny --curves 2 --plot curves.png
@@ -89,6 +90,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import gsm8k_like  # noqa: E402
+from common import profile_steps  # noqa: E402
 import verl_flash_fallback  # noqa: E402
 
 from ps_mcore.flops import DecoderShape  # noqa: E402
@@ -718,7 +720,7 @@ class Cell:
 
 
 def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batch], args, settings,
-                     refs: dict) -> list[Cell]:
+                     refs: dict, profiles: list[str]) -> list[Cell]:
     """Every configuration of ``engine`` on ``model``: the phases of every batch."""
     shape = decoder_shape(model)
     plans = {b.name: ideal_speedup(b, shape) for b in batches}
@@ -727,7 +729,8 @@ def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batc
         if config not in args.configs:
             continue
         try:  # cells fills as it goes: a configuration that fails keeps what it measured
-            run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp, cells)
+            run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp, cells,
+                       profiles)
         except Exception:  # one failing configuration must not lose the others' figures
             print(f"[{engine}/{model}/{config}] FAILED:\n{traceback.format_exc()}", flush=True)
             gc.collect()
@@ -737,8 +740,9 @@ def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batc
 
 
 def run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp,
-               cells: list[Cell]) -> None:
-    """One configuration's workers through every phase of every batch, appending to ``cells``."""
+               cells: list[Cell], profiles: list[str]) -> None:
+    """One configuration's workers through every phase of every batch, appending to ``cells``
+    (and, for the phases in ``--profile``, where one call's time goes to ``profiles``)."""
     print(f"[{engine}/{model}/{config}] building workers", flush=True)
     t0 = time.perf_counter()
     with patchsets(config), prefix_grouper_driving(config):
@@ -771,6 +775,10 @@ def run_config(engine, model, model_dir, config, batches, plans, args, settings,
                 cells.append(cell)
                 print(f"  {batch.name:>10} {config:>5} {PHASE_NAMES[phase]:>20}: {seconds:.3f} s "
                       f"({n / seconds:,.0f} tok/s, peak {peak:.1f} GiB)", flush=True)
+                if phase in args.profile:
+                    profiles.append(profile_steps({config: fn}, f"profile: {engine} {model} {batch.name} "
+                                                  f"{PHASE_NAMES[phase]}, {config}", iters=1))
+                    print(profiles[-1], flush=True)
         workers.close()
 
 
@@ -798,6 +806,7 @@ def benchmark(args) -> int:
               f"date {time.strftime('%Y-%m-%d')}, command `python {' '.join(sys.argv)}`; token budget "
               f"{args.max_token_len}, warm-up {args.warmup}, timed {args.iters} mini-batches per cell"]
     by_engine: dict[str, list[Cell]] = {e: [] for e in args.engines}
+    profiles: list[str] = []
     for model in args.models:
         engines = model_engines(model, args.engines)
         if not engines:
@@ -811,15 +820,20 @@ def benchmark(args) -> int:
             refs = {b.name: fp32_reference(model_dir, b, args.ref_samples, "cuda") for b in batches}
         with megatron_seeded_init(is_moe(model)):
             for engine in engines:
-                by_engine[engine] += run_engine_model(engine, model, model_dir, batches, args, settings, refs)
-                write_report(report, by_engine, args.out)  # what is measured so far survives a later failure
-    print(write_report(report, by_engine, args.out))
+                by_engine[engine] += run_engine_model(engine, model, model_dir, batches, args, settings, refs,
+                                                      profiles)
+                # what is measured so far survives a later failure
+                write_report(report, by_engine, args.out, profiles)
+    print(write_report(report, by_engine, args.out, profiles))
     return 0
 
 
-def write_report(header: list[str], by_engine: dict[str, list[Cell]], path: str | None) -> str:
-    """The header and one table per engine, written to ``path`` (if given) and returned."""
-    text = "\n".join(header + [f"\n### {e}\n\n" + table(cells) for e, cells in by_engine.items() if cells])
+def write_report(header: list[str], by_engine: dict[str, list[Cell]], path: str | None,
+                 profiles: list[str] = ()) -> str:
+    """The header, one table per engine and the ``--profile`` tables, written to ``path`` (if
+    given) and returned."""
+    text = "\n".join(header + [f"\n### {e}\n\n" + table(cells) for e, cells in by_engine.items() if cells]
+                     + [f"\n{p}" for p in profiles])
     if path:
         with open(path, "w") as f:
             f.write(text + "\n")
@@ -1059,6 +1073,9 @@ def parse_args(argv=None):
                         f"--curves: qwen2.5-0.5b; --tiny: tiny (--tiny runs {', '.join(TINY_MODELS)} only)")
     p.add_argument("--batches", nargs="+", default=list(BATCHES), choices=BATCHES)
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    p.add_argument("--profile", nargs="+", default=[], choices=PHASES, metavar="PHASE",
+                   help="after timing these phases, one more call of each under the CUDA profiler: kernel "
+                        "time by kind, the wall time no kernel covers, and the host syncs (GPU only)")
     p.add_argument("--quick", action="store_true",
                    help="Qwen2.5-1.5B, every batch at half size, 1 warm-up + 2 timed mini-batches per cell")
     p.add_argument("--warmup", type=int, default=1)
@@ -1081,6 +1098,8 @@ def parse_args(argv=None):
     if wrong:
         p.error(f"--models {' '.join(wrong)}: " + (f"--tiny runs {', '.join(TINY_MODELS)}" if args.tiny
                                                    else f"{', '.join(TINY_MODELS)} run with --tiny only"))
+    if args.profile and (args.tiny or args.curves):
+        p.error("--profile times the benchmark's phases on the GPU: not with --tiny or --curves")
     if args.curves and len(args.models) != 1:
         p.error("--curves runs one model: give one to --models")
     if not any(model_engines(m, args.engines) for m in args.models):

@@ -85,3 +85,18 @@ def test_tiny_training_curves_match_stock(tmp_path):
         assert t < n, table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table.rstrip().splitlines()[-1].startswith("OK")
+
+
+def test_profile_is_a_gpu_benchmark_option():
+    """``--profile`` profiles the timed phases on the GPU: refused by name with ``--tiny`` (and
+    ``--curves``), and its tables follow the engines' tables in the report."""
+    for extra in (["--tiny"], ["--curves", "2"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), *extra,
+                               "--profile", "update"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 2 and "--profile" in proc.stderr, proc.stderr[-2000:]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    text = verl_actor.write_report(["header"], {"fsdp": [], "megatron": []}, None, ["profile: update (ms per step)"])
+    assert text.splitlines()[0] == "header" and text.rstrip().endswith("profile: update (ms per step)")
