@@ -4,6 +4,7 @@ and per-token log-probs, gradient accumulation over the micro-batches).
 
     python benchmarks/cross_microbatch.py [--layers 4] [--out FILE]   # CUDA; TE spec when TE imports
     python benchmarks/cross_microbatch.py --tiny                      # CPU smoke run, tiny dims
+    python benchmarks/cross_microbatch.py --profile                   # + where split's and the schedule's time goes
 
 Workloads (full scale):
   * agent: a 24k-token history with 16 branches of 4k (N 458k, T 90k), budget 32k;
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, markdown_table, peak_mib, time_ms, write_report  # noqa: E402
+from common import environment, markdown_table, peak_mib, profile_steps, time_ms, write_report  # noqa: E402
 from model import QWEN25_15B, TINY, build_model, init_parallel, thd_params  # noqa: E402
 
 from ps_mcore.analyze.budget import first_fit  # noqa: E402  (analyze --max-tokens packs the same way)
@@ -179,7 +180,7 @@ def run(args) -> str:
         tree_model = stock_model = build_model(shape, device, dtype, fusions=not args.tiny)
     cost = kept_kv_row_cost(shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                             shape.ffn, shape.vocab, dtype_bytes=2 if dtype == torch.bfloat16 else 4)
-    rows = []
+    rows, profiles = [], []
     stock_cache: dict[str, tuple[float, float, int]] = {}
     for name, make, budget in CONFIGS:
         budget = int(budget * scale)
@@ -218,6 +219,10 @@ def run(args) -> str:
         rows.append([label, "schedule", runs.plan.num_steps, tokens, ms, stock_ms / ms, ideal,
                      stock_ms / ms / ideal, mib, runs.kept_mib, runs.max_diff("schedule")])
         print("  " + " | ".join(str(c) for c in rows[-1]), flush=True)
+        if args.profile:
+            steps = {"split": runs.split} if runs.split_ok else {}
+            profiles.append(profile_steps({**steps, "schedule": runs.schedule}, f"profile: {label}", iters=1))
+            print(profiles[-1], flush=True)
         del runs
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -227,7 +232,7 @@ def run(args) -> str:
              f"({'tiny' if args.tiny else 'Qwen2.5-1.5B'} shapes, {shape.layers} layers, {spec} spec, "
              f"{str(dtype).split('.')[-1]}), kv_row_cost {cost:.3g}, one mini-batch per timing "
              f"(every micro-batch fwd+bwd, queued)")
-    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n"
+    return f"{title}\n\n{environment()}\n\n{markdown_table(headers, rows)}\n" + "".join(f"\n{p}\n" for p in profiles)
 
 
 def main() -> None:
@@ -242,7 +247,11 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny dims, workloads at 1/64")
     p.add_argument("--out", help="also write the table (markdown) here")
+    p.add_argument("--profile", action="store_true",
+                   help="per mini-batch, split and schedule once more under the CUDA profiler (GPU only)")
     args = p.parse_args()
+    if args.profile and args.tiny:
+        p.error("--profile needs the GPU: not with --tiny")
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("benchmarks/cross_microbatch.py needs a CUDA GPU (or --tiny for a CPU smoke run)")
     if args.tiny:

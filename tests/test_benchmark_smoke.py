@@ -112,6 +112,14 @@ def test_cross_microbatch():
             assert int(r["tokens"].split(" + ")[0]) <= int(split["tokens"]), (r, split)
 
 
+def test_profile_options_need_the_gpu():
+    """``--profile`` (CUDA profiler) is refused by name in the CPU runs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "benchmarks/cross_microbatch.py", "--tiny", "--profile"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--profile" in done.stderr, done.stderr[-2000:]
+
+
 def test_moe_host():
     rows = _run_table("moe_host.py", "--workloads", "agent-tree", "no-sharing")
     assert [(r["workload"], r["plan"]) for r in rows] == [
