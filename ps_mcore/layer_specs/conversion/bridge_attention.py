@@ -17,6 +17,7 @@ import functools
 import sys
 from typing import Any, Callable
 
+from ps_mcore.layer_specs.modules.core_attention import megatron_attention_refusal
 from ps_mcore.layer_specs.modules.self_attention import TreeSelfAttention
 
 
@@ -108,8 +109,6 @@ def provider_attention_refusal(config) -> str | None:
     configs ``config``'s attention layers run with: a Bridge provider whose own layers rewrite
     it per layer (Gemma 3: :data:`BRIDGE_SELF_ATTENTIONS`) layer by layer, any other config as
     it is."""
-    from ps_mcore.layer_specs.modules.core_attention import megatron_attention_refusal
-
     for cls in type(config).__mro__:
         entry = next((e for e in BRIDGE_SELF_ATTENTIONS if e.provider == _qualified(cls)), None)
         if entry is not None:

@@ -21,6 +21,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, get_module
 
+from ps_mcore.layer_specs.conversion.bridge_attention import bridge_core_attention_refusal, bridge_self_attention
 from ps_mcore.layer_specs.conversion.recurrent import tree_recurrent_spec
 from ps_mcore.layer_specs.conversion.spec_class import spec_class
 from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
@@ -50,8 +51,6 @@ def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> 
     """Our core attention, with TE's checkpoint keys where it replaces one that has them;
     ``layer_config``: the per-layer config rewrite of a known self-attention subclass."""
     if layer_config is None:  # a known self-attention subclass vouches for its core attention
-        from ps_mcore.layer_specs.conversion.bridge_attention import bridge_core_attention_refusal
-
         refusal = bridge_core_attention_refusal(spec_class(stock_core))
         if refusal is not None:
             raise NotImplementedError(f"cannot convert {refusal}")
@@ -69,8 +68,6 @@ def _tree_self_attention(cls: Any, where: str) -> tuple[type, Any]:
     tree version; any other subclass is refused."""
     if isinstance(cls, type) and issubclass(cls, SelfAttention) and cls is not SelfAttention and not (
             issubclass(cls, (TreeSelfAttention, MLASelfAttention))):
-        from ps_mcore.layer_specs.conversion.bridge_attention import bridge_self_attention
-
         known = bridge_self_attention(cls)
         if known is not None:
             return known
