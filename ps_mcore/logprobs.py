@@ -279,13 +279,13 @@ def labelled_rows(plan: TreePlan) -> LabelledRows:
     labels = np.where(mask, labels, row_label[rows])
     width = int(labels.max(initial=0)) + 1
     pairs, token_pair = np.unique(rows * width + labels, return_inverse=True)
-    row_offsets = np.searchsorted(pairs // width, np.arange(plan.num_tokens + 1))
+    pair_rows = pairs // width
     return LabelledRows(
-        torch.from_numpy(pairs // width),
+        torch.from_numpy(pair_rows),
         torch.from_numpy(pairs % width),
         torch.from_numpy(token_pair.reshape(-1)),
         host.next_token_mask.cpu(),
-        torch.from_numpy(row_offsets),
+        torch.from_numpy(np.searchsorted(pair_rows, np.arange(plan.num_tokens + 1))),
     ).to(plan.device)
 
 

@@ -115,6 +115,7 @@ from ps_mcore.integrations.verl_common.fused import (
     FUSED_ROWS_KWARG,
     enable_tree_fused_forward,
     fused_forward_refusal,
+    labelled_statistics,
 )
 from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
 from ps_mcore.integrations.verl_common.statistics import LMHeadRequest, lm_head_batch_refusal
@@ -127,7 +128,7 @@ from ps_mcore.integrations.verl_common.vision import (
     tree_vision_inputs,
     vlm_refusal,
 )
-from ps_mcore.logprobs import TokenStatistics, labelled_rows, token_statistics
+from ps_mcore.logprobs import labelled_rows, token_statistics
 from ps_mcore.multimodal import with_tokens
 
 # output_args keys carrying the tree path from prepare_model_inputs to prepare_model_outputs
@@ -337,10 +338,11 @@ def tree_lm_outputs(output, output_args: dict, micro_batch, loss_function=None) 
     sp_plan = output_args[SP_PLAN_KEY]
     temperature = output_args[TEMPERATURE_KEY]
     if rows is not None:  # the fused path refuses the other statistics
-        per_pair = [output.log_probs[0]] + ([output.entropy[0]] if request.entropy else [])
+        log_probs, entropy = output.log_probs[0], output.entropy[0] if request.entropy else None
         if sp_plan is not None:
-            per_pair = [sp_gather_pairs(x, output_args[SP_PAIRS_KEY], sp_plan) for x in per_pair]
-        stats = TokenStatistics(*rows.per_token(*per_pair))
+            log_probs, entropy = (None if x is None else sp_gather_pairs(x, output_args[SP_PAIRS_KEY], sp_plan)
+                                  for x in (log_probs, entropy))
+        stats = labelled_statistics(rows, log_probs, entropy)
     elif sp_plan is not None:
         stats = sp_token_statistics(output.logits[0], sp_plan, temperature, request.entropy, **request.statistics_kwargs())
     else:
