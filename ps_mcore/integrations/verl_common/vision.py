@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -41,10 +41,19 @@ from ps_mcore.fsdp_bridge.sequence_parallel import SequenceParallelPlan
 from ps_mcore.integrations.verl_common.batch import ImageTokens, sample_images, sequences, sharing_sequences
 from ps_mcore.multimodal import packed_image_order, row_values
 
-# model_type -> (transformers module, text attention class, text model class)
+class VLMClasses(NamedTuple):
+    """Where a vision-language family's classes live in transformers (names of classes)."""
+
+    module: str
+    attention: str  # the text attention class
+    text_model: str
+
+
+# model_type -> its classes
 VLM_CLASSES = {
-    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLAttention", "Qwen2VLTextModel"),
-    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLAttention", "Qwen2_5_VLTextModel"),
+    "qwen2_vl": VLMClasses("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VLAttention", "Qwen2VLTextModel"),
+    "qwen2_5_vl": VLMClasses("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLAttention",
+                             "Qwen2_5_VLTextModel"),
 }
 _KNOWN_INPUTS = {"pixel_values", "image_grid_thw"}
 _HF_FORWARD: dict[type, Callable] = {}  # Hugging Face's own attention forward, per class
@@ -75,10 +84,11 @@ def is_vision_batch(batch) -> bool:
     return "multi_modal_inputs" in batch.keys() or batch["position_ids"].dim() == 3
 
 
-def _vlm_class(model_type: str, which: int = 1) -> type | None:
-    """The model type's text attention class (``which=2``: its text model class), if imported."""
-    module = sys.modules.get(VLM_CLASSES[model_type][0])
-    return None if module is None else getattr(module, VLM_CLASSES[model_type][which], None)
+def _vlm_class(model_type: str, which: str = "attention") -> type | None:
+    """The model type's class ``which`` (a :class:`VLMClasses` field), if its module is imported."""
+    classes = VLM_CLASSES[model_type]
+    module = sys.modules.get(classes.module)
+    return None if module is None else getattr(module, getattr(classes, which), None)
 
 
 def record_hf_attention_forwards() -> None:
@@ -125,7 +135,7 @@ def vlm_refusal(engine, batch) -> str | None:
         return reason
     cls = _vlm_class(model_type)
     if cls is None:
-        return f"{VLM_CLASSES[model_type][1]} is not importable"
+        return f"{VLM_CLASSES[model_type].attention} is not importable"
     reason = _routing_refusal(cls)
     if reason is not None:
         return reason
@@ -192,7 +202,7 @@ def route_sp_input_slicing(module, patcher) -> None:
     ``[..., T_pad]``. A call whose rows verl's own slicing wrapper (installed around the class
     when verl builds a VLM for Ulysses) already cut runs as it is; verl's wrapper never slices a
     tree call a second time. Recorded in ``patcher`` (undone with the patchset)."""
-    cls = _vlm_class(_config(module).model_type, which=2)
+    cls = _vlm_class(_config(module).model_type, "text_model")
     if getattr(cls.forward, _SP_SLICED, False):
         return
 
