@@ -177,6 +177,7 @@ def workload_rows(
 
 # kernel name fragments -> where the time goes (first match wins; the rest is "other")
 KERNEL_KINDS = (
+    ("optimizer", ("multi_tensor", "adam")),
     ("attention", ("flash", "fmha", "attn", "cudnn")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma")),
     ("gather/scatter", ("index", "gather", "scatter", "embedding")),
@@ -190,9 +191,11 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def step_kernels(step: Callable[[], object], iters: int = 3) -> tuple[dict[str, float], float, int]:
+def step_kernels(step: Callable[[], object], iters: int = 3,
+                 top: dict[str, float] | None = None) -> tuple[dict[str, float], float, int]:
     """One run of ``step``, then ``iters`` under the CUDA profiler: per step, the kernel (and
-    copy) time in ms by :func:`kernel_kind`, the wall time in ms, and the kernels launched."""
+    copy) time in ms by :func:`kernel_kind`, the wall time in ms, and the kernels launched.
+    ``top``, when given, receives each kernel's own time in ms per step."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -211,22 +214,31 @@ def step_kernels(step: Callable[[], object], iters: int = 3) -> tuple[dict[str, 
         if event.device_type.name == "CUDA" and us:
             kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e3 / iters
             launched += event.count
+            if top is not None:
+                top[event.key] = top.get(event.key, 0.0) + us / 1e3 / iters
     return kinds, wall, launched // iters
 
 
-def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iters: int = 3) -> str:
-    """Where one step's time goes, per step in ms: CUDA kernel time by kind, and the wall time
-    the kernels leave uncovered (launch latency, host work, syncs). One column per step."""
-    columns = {}
+def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iters: int = 3,
+                  top_kernels: int = 12) -> str:
+    """Where one step's time goes, per step in ms: CUDA kernel time by kind, the wall time the
+    kernels leave uncovered (launch latency, host work, syncs), and the ``top_kernels`` kernels
+    that take the most time over all steps. One column per step."""
+    columns, per_kernel = {}, {}
     for label, step in named_steps.items():
-        kinds, wall, _ = step_kernels(step, iters)
+        per_kernel[label] = {}
+        kinds, wall, _ = step_kernels(step, iters, per_kernel[label])
         kernels = sum(kinds.values())
         columns[label] = {**kinds, "all kernels": kernels, "wall": wall, "uncovered": wall - kernels}
     rows_order = [k for k, _ in KERNEL_KINDS] + ["other", "all kernels", "wall", "uncovered"]
     rows = [[kind] + [columns[c].get(kind, 0.0) for c in columns] for kind in rows_order]
+    names = sorted({n for times in per_kernel.values() for n in times},
+                   key=lambda n: -sum(times.get(n, 0.0) for times in per_kernel.values()))[:top_kernels]
+    top = [[n[:90]] + [per_kernel[c].get(n, 0.0) for c in columns] for n in names]
     syncs = [[label, count, where] for label, step in named_steps.items() for where, count in host_syncs(step)]
     return (
         f"{title} (ms per step)\n\n" + markdown_table(["kind", *columns], rows)
+        + "\n\nkernels taking the most time (ms per step)\n\n" + markdown_table(["kernel", *columns], top)
         + "\n\nhost syncs per step (the GPU queue drains at each; source = innermost project frames)\n\n"
         + (markdown_table(["step", "syncs", "source"], syncs) if syncs else "none")
     )
