@@ -128,29 +128,36 @@ def scored_rows(plan: "TreePlan | TokenRows", temperature: float | torch.Tensor 
 
 
 class _RowStats(torch.autograd.Function):
-    """logits ``[T, V_local]`` -> (logsumexp ``[P]``, entropy ``[P]``, sum of squared
-    probabilities ``[P]`` (``[0]`` unless ``want_sq``), label logit ``[R]``) of
-    ``logits[row] / temperature`` per scored pair, for label pairs (pair ``label_pairs[i]``,
-    global vocab id ``labels[i]``). A row scored at several temperatures gets the sum of its
-    pairs' gradients (summed in fp32)."""
+    """logits ``[T, V_local]`` -> (logsumexp ``[P]``, entropy ``[P]`` (``[0]`` unless
+    ``want_ent``), sum of squared probabilities ``[P]`` (``[0]`` unless ``want_sq``), label
+    logit ``[R]``) of ``logits[row] / temperature`` per scored pair, for label pairs (pair
+    ``label_pairs[i]``, global vocab id ``labels[i]``). A row scored at several temperatures
+    gets the sum of its pairs' gradients (summed in fp32).
+
+    Only the statistics asked for are computed, and the backward drops the terms whose
+    gradient is absent: a log-prob loss costs one fp32 pass to read a chunk, two in place
+    (``exp(z - lse)``, times the row's gradient) and one cast back, as Megatron's
+    vocab-parallel cross entropy does."""
 
     @staticmethod
-    def forward(ctx, logits, scored, label_pairs, labels, vocab_start, group, want_sq=False):
+    def forward(ctx, logits, scored, label_pairs, labels, vocab_start, group, want_ent=True, want_sq=False):
+        ctx.set_materialize_grads(False)
         v_local = logits.size(1)
         ctx.acc = acc = torch.promote_types(logits.dtype, torch.float32)
         lse = torch.empty(scored.num_pairs, dtype=acc, device=logits.device)
-        ent = torch.empty_like(lse)
+        ent = torch.empty(scored.num_pairs if want_ent else 0, dtype=acc, device=logits.device)
         sq = torch.empty(scored.num_pairs if want_sq else 0, dtype=acc, device=logits.device)
         for a, b, pa, pb in scored.chunks(v_local):
             z = _scaled(logits, scored, a, b, pa, pb, acc)
             zmax = _all_reduce(z.max(-1).values, dist.ReduceOp.MAX, group)
             e = torch.exp(z - zmax[:, None])
-            parts = [e.sum(-1), (e * z).sum(-1)] + ([(e * e).sum(-1)] if want_sq else [])
+            parts = [e.sum(-1)] + ([(e * z).sum(-1)] if want_ent else []) + ([(e * e).sum(-1)] if want_sq else [])
             sums = _all_reduce(torch.stack(parts), dist.ReduceOp.SUM, group)
             lse[pa:pb] = zmax + torch.log(sums[0])
-            ent[pa:pb] = lse[pa:pb] - sums[1] / sums[0]  # H = lse - E_p[z]
+            if want_ent:
+                ent[pa:pb] = lse[pa:pb] - sums[1] / sums[0]  # H = lse - E_p[z]
             if want_sq:
-                sq[pa:pb] = sums[2] / sums[0] ** 2  # sum_v p_v^2
+                sq[pa:pb] = sums[-1] / sums[0] ** 2  # sum_v p_v^2
         local = labels - vocab_start
         in_shard = (local >= 0) & (local < v_local)
         label_rows = label_pairs if scored.rows is None else scored.rows[label_pairs]
@@ -158,7 +165,7 @@ class _RowStats(torch.autograd.Function):
         picked = picked / _pair_temperature(scored, label_pairs, acc)
         label_logit = _all_reduce(torch.where(in_shard, picked, 0.0), dist.ReduceOp.SUM, group)
         ctx.save_for_backward(logits, label_pairs, local, in_shard, lse, ent, sq)
-        ctx.scored, ctx.want_sq = scored, want_sq
+        ctx.scored = scored
         return lse, ent, sq, label_logit
 
     @staticmethod
@@ -167,28 +174,39 @@ class _RowStats(torch.autograd.Function):
         scored, acc = ctx.scored, ctx.acc
         v_local = logits.size(1)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        if g_lse is None and g_ent is None and g_sq is None and g_label is None:
+            return grad.zero_(), None, None, None, None, None, None, None
         g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
-        g_ent = torch.zeros_like(ent) if g_ent is None else g_ent
-        g_sq = g_sq if ctx.want_sq else None
+        g_ent = g_ent if g_ent is not None and ent.numel() else None
+        g_sq = g_sq if g_sq is not None and sq.numel() else None
         g_label = torch.where(in_shard, g_label, 0.0) if g_label is not None else None
         for a, b, pa, pb in scored.chunks(v_local):
+            # d lse / dz = p;  d H / dz = -p (z - lse + H);  d sum_v p_v^2 / dz = 2 p (p - sum_v p_v^2);
+            # d z[label] / dz = one-hot.  dz below is d/dz; d/dlogits divides it by the temperature.
+            lse_c = lse[pa:pb, None]
             z = _scaled(logits, scored, a, b, pa, pb, acc)
-            p = torch.exp(z - lse[pa:pb, None])
-            # d lse / dz = p;  d H / dz = -p (z - lse + H);  d z[label] / dz = one-hot
-            dz = p * (g_lse[pa:pb, None] - g_ent[pa:pb, None] * (z - lse[pa:pb, None] + ent[pa:pb, None]))
-            if g_sq is not None:  # d sum_v p_v^2 / dz = 2 p (p - sum_v p_v^2)
-                dz += 2 * g_sq[pa:pb, None] * p * (p - sq[pa:pb, None])
+            if g_ent is None and g_sq is None:
+                dz = z.sub_(lse_c).exp_().mul_(g_lse[pa:pb, None])  # in place: one chunk alive
+            else:
+                p = torch.exp(z - lse_c)
+                dz = p * g_lse[pa:pb, None]
+                if g_ent is not None:
+                    dz -= g_ent[pa:pb, None] * p * (z - lse_c + ent[pa:pb, None])
+                if g_sq is not None:
+                    dz += 2 * g_sq[pa:pb, None] * p * (p - sq[pa:pb, None])
             if g_label is not None:
                 # Every label adds into this chunk, those outside it (or the shard) add 0 at a
                 # clamped index: no boolean-mask select, so no device sync per chunk.
                 inside = (label_pairs >= pa) & (label_pairs < pb)
                 flat = (label_pairs - pa).clamp(0, pb - pa - 1) * v_local + local.clamp(0, v_local - 1)
                 dz.view(-1).index_add_(0, flat, torch.where(inside, g_label, 0.0))
-            dz = dz / _chunk_temperature(scored, pa, pb, acc)
+            t = _chunk_temperature(scored, pa, pb, acc)
+            if not (isinstance(t, float) and t == 1.0):
+                dz /= t
             if scored.rows is not None:  # a row's pairs sum in fp32 before the cast
                 dz = dz.new_zeros(b - a, v_local).index_add_(0, scored.rows[pa:pb] - a, dz)
-            grad[a:b] = dz.to(grad.dtype)
-        return grad, None, None, None, None, None, None
+            grad[a:b] = dz
+        return grad, None, None, None, None, None, None, None
 
 
 @torch.no_grad()
@@ -225,9 +243,13 @@ def _pair_temperature(scored: ScoredRows, pairs: torch.Tensor, acc) -> float | t
 
 
 def _scaled(logits, scored: ScoredRows, a: int, b: int, pa: int, pb: int, acc) -> torch.Tensor:
-    """``[pb - pa, V_local]`` the chunk's pairs: their rows' logits over their temperature."""
+    """``[pb - pa, V_local]`` the chunk's pairs: their rows' logits over their temperature
+    (a new tensor: callers may write into it)."""
     x = logits[a:b] if scored.rows is None else logits[a:b].index_select(0, scored.rows[pa:pb] - a)
-    return x.to(acc) / _chunk_temperature(scored, pa, pb, acc)
+    t = _chunk_temperature(scored, pa, pb, acc)
+    if isinstance(t, float) and t == 1.0:
+        return x.to(acc, copy=True)
+    return x.to(acc) / t
 
 
 @dataclass(frozen=True, eq=False)
@@ -442,7 +464,7 @@ def token_statistics(
         labels = torch.cat([labels, label_ids.reshape(-1)])
         label_pairs = torch.cat([pairs, pairs.repeat_interleave(k)])
     lse, ent, sq, label_logit = _RowStats.apply(
-        logits, scored, label_pairs, labels, vocab_start, tp_group, compute_sum_pi_squared
+        logits, scored, label_pairs, labels, vocab_start, tp_group, compute_entropy, compute_sum_pi_squared
     )
     n = pairs.numel()
     token_lse = lse[pairs]
