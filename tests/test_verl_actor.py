@@ -100,3 +100,22 @@ def test_profile_is_a_gpu_benchmark_option():
 
     text = verl_actor.write_report(["header"], {"fsdp": [], "megatron": []}, None, ["profile: update (ms per step)"])
     assert text.splitlines()[0] == "header" and text.rstrip().endswith("profile: update (ms per step)")
+
+
+def test_floor_counted_ideal_column():
+    """The ``floor`` batch's stock time is the part of each phase that does not shrink with the
+    tokens: the table's floor-counted ideal keeps it and divides the rest by the FLOP ideal."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    assert verl_actor.floor_counted_ideal(3.0, 0.0, 3.0) == pytest.approx(3.0)
+    assert verl_actor.floor_counted_ideal(3.0, 3.0, 3.0) == pytest.approx(1.0)
+    assert verl_actor.floor_counted_ideal(2.2, 0.1, 3.0) == pytest.approx(2.2 / (0.1 + 2.1 / 3.0))
+    floor = verl_actor.make_batch("floor", 1000, 1, 0)
+    assert len(floor.samples) == 1 and floor.num_tokens <= 96
+    cells = [verl_actor.Cell("m", b, cfg, "update", 10, 5, s, 1.0, 2.0)
+             for b, cfg, s in (("floor", "stock", 0.2), ("x", "stock", 2.2), ("x", "ps", 1.2))]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in verl_actor.table(cells).splitlines()]
+    row = next(r for r in rows if r[1:3] == ["x", "ps"])
+    counted = (2.2 / 1.2) / (2.2 / (0.2 + 2.0 / 2.0))
+    assert float(row[verl_actor.HEADERS.index("meas/ideal, floor counted")]) == pytest.approx(counted, rel=1e-2)
