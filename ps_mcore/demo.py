@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ps_mcore.attention.backends import auto_choice, cp_kernel
+from ps_mcore.attention.kernel_choice import context_plan_shape
 from ps_mcore.flops import DecoderShape
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.integrations.verl_common.microbatch import split_unit_tokens
@@ -386,7 +387,10 @@ def speed_row(model, w: Workload, device, seed: int, iters: int, shape: DecoderS
     if paired.schedule is None or len(paired.schedule.calls) == 1:
         kernel = "/".join(auto_choice(q, plan))
     else:
-        kernel = cp_kernel("auto", q, purpose="against kept context K/V").name + "/context"
+        calls = paired.schedule.calls
+        largest = paired.schedule.call_plan(max(range(len(calls)), key=lambda i: calls[i].num_rows))
+        call_shape = context_plan_shape(largest, shape.heads, shape.head_dim)
+        kernel = cp_kernel("auto", q, purpose="against kept context K/V", shape=call_shape).name + "/context"
     row = {"workload": w.name, **paired.columns, "kernel": kernel,
            "unshared ms": base_ms, "shared ms": tree_ms, "speedup": base_ms / tree_ms}
     row["meas/ideal"] = row["speedup"] / row["ideal"]

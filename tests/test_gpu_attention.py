@@ -240,6 +240,49 @@ def test_cudnn_kernel_serves_context_parallelism():
     assert cp_kernel("cudnn", torch.zeros(8, 4, 64, device="cuda", dtype=torch.bfloat16)) is CUDNN_KERNEL
 
 
+@needs_te
+def test_schedule_context_calls_run_cudnn():
+    """``auto`` runs a cross-micro-batch schedule's long context calls on cuDNN (flash for
+    small ones, and without a call shape), and a schedule on cuDNN matches the float64
+    unshared run as closely as the same schedule on flash: log-probs and every gradient."""
+    import copy
+
+    from test_minibatch import ToyDecoder, _weights, run_schedule, unshared_reference
+
+    from ps_mcore.attention import cp_kernel
+    from ps_mcore.attention.cudnn import CUDNN_KERNEL
+    from ps_mcore.attention.kernel_choice import CUDNN_MIN_WORK, PlanShape
+    from ps_mcore.minibatch import plan_minibatch
+
+    q = torch.zeros(8, 16, 128, device="cuda", dtype=torch.bfloat16)
+    pairs_at_threshold = CUDNN_MIN_WORK / (16 * 128)
+    shape = lambda pairs: PlanShape(pairs, 8192, 32768, 2, 0, False, 16, 128)  # noqa: E731
+    assert cp_kernel("auto", q, purpose="against kept context K/V", shape=shape(2 * pairs_at_threshold)) is CUDNN_KERNEL
+    assert cp_kernel("auto", q, purpose="against kept context K/V", shape=shape(pairs_at_threshold / 2)) is not CUDNN_KERNEL
+    assert cp_kernel("auto", q) is not CUDNN_KERNEL
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 128, 200).tolist()
+    seqs = [prompt + rng.integers(0, 128, int(rng.integers(10, 40))).tolist() for _ in range(6)]
+    weights = _weights(seqs)
+    model = ToyDecoder(hidden=256, heads=4, kv_heads=2, max_pos=512).double()
+    with torch.no_grad():  # logits of a few units: bf16 log-probs to about 1e-2
+        for p in model.parameters():
+            p.mul_(0.2)
+    ref_lp, _, ref_grads = unshared_reference(model, seqs, weights)
+    plan = plan_minibatch(seqs, 160, kv_row_cost=0.1, min_prefix_len=1)
+    assert plan.num_steps > 1 and any(len(c.context) for c in plan.calls)
+    gpu = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    errors = {}
+    for backend in ("varlen", "cudnn"):
+        lp, _, grads = run_schedule(gpu, plan, weights, backend=backend)
+        grad_error = max(((grads[n] - g).norm() / g.norm()).item() for n, g in ref_grads.items())
+        errors[backend] = ((lp - ref_lp).abs().max().item(), grad_error)
+    assert errors["varlen"][0] < 0.05 and errors["varlen"][1] < 0.05, errors
+    for stock, got in zip(errors["varlen"], errors["cudnn"]):
+        assert got <= 2 * stock + 1e-3, errors
+
+
 # ----------------------------------------------------------------------------- variants
 
 

@@ -215,12 +215,16 @@ def unshared_reference(model, seqs, weights):
     return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def run_schedule(model, plan, weights, training=True):
+def run_schedule(model, plan, weights, training=True, backend="chunked"):
+    """The schedule on ``model``'s device with ``backend``'s kernel; results on the CPU."""
+    device = next(model.parameters()).device
+
     def run_call(cp):
+        cp = cp.to(device)
         if isinstance(cp, ContextPlan):
-            attend = lambda q, k, v, i: context_attention(q, k, v, cp, i, backend="chunked")  # noqa: E731
+            attend = lambda q, k, v, i: context_attention(q, k, v, cp, i, backend=backend)  # noqa: E731
         else:  # a forest that fits: one call on the tree itself
-            attend = lambda q, k, v, i: tree_attention(q, k, v, cp, backend="chunked")  # noqa: E731
+            attend = lambda q, k, v, i: tree_attention(q, k, v, cp, backend=backend)  # noqa: E731
         logits = model(cp.input_ids, cp.position_ids, attend)
         lp, ent = token_logprobs(logits.double(), cp, compute_entropy=True)
         return {"log_probs": lp, "entropy": ent}
@@ -234,14 +238,14 @@ def run_schedule(model, plan, weights, training=True):
         with torch.set_grad_enabled(training):
             out = runner.forward(j)
         tokens = torch.from_numpy(plan.sample_tokens(step.samples))
-        lp_all[tokens], ent_all[tokens] = out["log_probs"].detach(), out["entropy"].detach()
+        lp_all[tokens], ent_all[tokens] = out["log_probs"].detach().cpu(), out["entropy"].detach().cpu()
         if training:
-            w = weights[tokens]
+            w = weights[tokens].to(device)
             ((out["log_probs"] * w).sum() + 0.1 * (out["entropy"] * w).sum()).backward()
         runner.release(j)
     runner.finish()
     assert runner.done and not runner.kept
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()} if training else None
+    grads = {n: p.grad.detach().cpu().double() for n, p in model.named_parameters()} if training else None
     return lp_all, ent_all, grads
 
 

@@ -19,7 +19,7 @@ from ps_mcore.attention.cudnn import CUDNN_KERNEL, cudnn_refusal, cudnn_tree_att
 from ps_mcore.attention.fa4 import FA4_KERNEL, require_fa4
 from ps_mcore.attention.flex import flex_tree_attention
 from ps_mcore.attention.gather_kv import MATH_KERNEL, VarlenKernel, flash_head_dim_refusal, flash_kernel_for, gather_kv_attention
-from ps_mcore.attention.kernel_choice import plan_shape, prefers_cudnn
+from ps_mcore.attention.kernel_choice import PlanShape, plan_shape, prefers_cudnn
 from ps_mcore.attention.layout import auto_layout, cascade_layout
 from ps_mcore.attention.npu import NPU_KERNEL, require_torch_npu
 from ps_mcore.attention.reference import reference_attention
@@ -241,13 +241,18 @@ def auto_choice(q: torch.Tensor, plan: TreePlan, variant: AttentionVariant = PLA
 
 
 def cp_kernel(backend: str, q: torch.Tensor, purpose: str = "under context parallelism",
-              variant: AttentionVariant = PLAIN) -> VarlenKernel:
+              variant: AttentionVariant = PLAIN, shape: PlanShape | None = None) -> VarlenKernel:
     """The gather-KV kernel ``backend`` means for ``q`` where queries attend to K/V rows that
-    are not their own (under CP, or against kept context K/V); ``auto`` never picks flex.
+    are not their own (under CP, or against kept context K/V); ``auto`` never picks flex, and
+    picks cuDNN over flash where the call's ``shape`` meets the kernel-choice work rule
+    (:func:`~ps_mcore.attention.kernel_choice.prefers_cudnn`; without a shape, flash).
     Raises when it cannot compute ``variant``, naming the backends that can."""
     name = resolve_backend(backend, q, None, variant)
     if backend == AUTO and not ATTENTION_BACKENDS[name].supports_cp:
         name = "chunked"
+    if (backend == AUTO and name == "varlen" and shape is not None and variant.plain
+            and "cudnn" in ATTENTION_BACKENDS and prefers_cudnn(shape) and cudnn_refusal(q) is None):
+        name = "cudnn"
     chosen = ATTENTION_BACKENDS[name]
     if not chosen.supports_cp:
         raise NotImplementedError(

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ps_mcore.attention import _autocast_inputs, _no_autocast
 from ps_mcore.attention.backends import cp_kernel
 from ps_mcore.attention.gather_kv import GatherContext, varlen_attention
+from ps_mcore.attention.kernel_choice import context_plan_shape
 from ps_mcore.attention.variants import attention_variant
 
 
@@ -122,7 +123,9 @@ def context_attention(
             dim, e.g. MLA) its own keys/values, after RoPE.
         plan: the call's ContextPlan with its schedule runtime attached.
         layer_key: identifies the layer (kept K/V are stored and read per key).
-        backend: a gather-KV tree attention backend (``auto``: flash on CUDA, exact math on CPU).
+        backend: a gather-KV tree attention backend (``auto``: on CUDA cuDNN where the call's
+            work pays for its host cost, else flash (:mod:`~ps_mcore.attention.kernel_choice`);
+            exact math on CPU).
         window, sinks, softcap: the variants of :func:`~ps_mcore.attention.tree_attention`.
             Every query segment's context is its whole root path up to its last row, so the
             kernel's bottom-right window is the window along the sample's path.
@@ -160,7 +163,8 @@ def context_attention(
         width = max(dv, q.size(-1))
         q, k, v = (F.pad(x, (0, width - x.size(-1))) for x in (q, k, v))
     plan = plan.to(q.device)
-    kernel = cp_kernel(backend, q, purpose="against kept context K/V", variant=variant)
+    shape = context_plan_shape(plan, q.size(1), q.size(2))
+    kernel = cp_kernel(backend, q, purpose="against kept context K/V", variant=variant, shape=shape)
     keys = GatherContext(plan.kv_index, plan.cu_seqlens_kv, plan.max_seqlen_kv)
     with _no_autocast(q.device.type):
         out = varlen_attention(q, k, v, plan.cu_seqlens_q, plan.max_seqlen_q, keys, scale, kernel, variant)

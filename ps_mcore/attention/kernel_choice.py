@@ -30,6 +30,11 @@ swept without a GPU):
   level calls (``cascade_pays``), so memory never exceeds what ``varlen`` uses on that plan
   (grpo-wide: cuDNN gather-KV 1.91 vs flash cascade 2.62 ms alone, but 1266 vs 215 MiB).
 
+A call of a cross-micro-batch schedule (:class:`~ps_mcore.minibatch.ContextPlan`) always runs
+the gather-KV layout against its kept context, so the work rule alone decides
+(:func:`context_plan_shape`): its segments are long (a branch against a history of many
+thousand rows), where cuDNN's lead is largest.
+
 ``python benchmarks/attention.py --sweep`` prints, per workload and length scale, the shape
 numbers, both kernels' times and this rule's pick.
 """
@@ -87,3 +92,14 @@ def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
         )
     pairs, rows, ctx, segs, levels, cascade = host.memo.kernel_choice_shape
     return PlanShape(pairs, rows, ctx, segs, levels, cascade, heads, head_dim)
+
+
+def context_plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
+    """The :class:`PlanShape` of a gather-KV call (a :class:`~ps_mcore.minibatch.ContextPlan`:
+    segments against their whole contexts, no cascade), cached on its host copy."""
+    host = plan.host
+    if host.memo.kernel_choice_shape is None:
+        cu_q, cu_k = host.cu_seqlens_q.cpu().numpy(), host.cu_seqlens_kv.cpu().numpy()
+        host.memo.kernel_choice_shape = (tree_pairs(cu_q, cu_k), host.num_tokens, int(cu_k[-1]),
+                                         int(cu_q.size - 1), 0, False)
+    return PlanShape(*host.memo.kernel_choice_shape, heads, head_dim)
