@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
 
 import numpy as np
 import pytest
@@ -198,6 +199,12 @@ def _weighted_step(model, logprobs, seqs, weights):
                          for n, p in model.named_parameters()}
 
 
+def _expert_names(grads: dict) -> dict:
+    """``grads`` with TE grouped-expert names written as the per-expert modules' names."""
+    pattern = re.compile(r"(.*experts)\.(linear_fc\d)\.(weight|bias)(\d+)$")
+    return {pattern.sub(r"\1.local_experts.\4.\2.\3", n): g for n, g in grads.items()}
+
+
 def test_tree_model_equals_stock_te_model_and_hugging_face(family):
     name, hf, stock, tree, reference = family
     seqs = _forest()
@@ -218,11 +225,16 @@ def test_tree_model_equals_stock_te_model_and_hugging_face(family):
     diff = (got.float() - ref.float()).abs()[keep]
     assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02, (name, float(diff.max()), float(diff.mean()))
     hf_ref = hf_ref[keep]
-    for side in (ref, got):  # bf16 models vs the fp32 reference: the same distance either way
-        assert float((side.float()[keep] - hf_ref).abs().mean()) < 0.05, name
+    # bf16 models vs Hugging Face in fp32: the tree as far as the stock model, which is itself
+    # close (a mean bf16 error of 0.075 was measured for Gemma 3's stock TE model)
+    stock_error, tree_error = (float((side.float()[keep] - hf_ref).abs().mean()) for side in (ref, got))
+    assert stock_error < 0.15 and tree_error <= 1.25 * stock_error + 0.01, (name, stock_error, tree_error)
     # the gradients' reference is Hugging Face's model: each token's log-prob (fp32 both)
     assert_rows_close(lp32[keep], hf_ref, 1e-2, f"{name} fp32 reference log-probs vs HF")
-    assert g_tree.keys() == g_stock.keys() == g32.keys()
+    # TE's grouped experts name expert e's weights ``experts.linear_fc1.weight{e}``; the fp32
+    # reference's torch experts ``experts.local_experts.{e}.linear_fc1.weight`` (same shapes)
+    g_tree, g_stock, g32 = (_expert_names(g) for g in (g_tree, g_stock, g32))
+    assert g_tree.keys() == g_stock.keys() == g32.keys(), (name, sorted(g_tree.keys() ^ g32.keys())[:8])
     unreached = {n for n, g in g32.items() if not g.any()}  # no token reaches it: zero in the tree too
     assert len(unreached) < len(g32) // 4, (name, sorted(unreached))
     for pname, g in g32.items():
