@@ -75,8 +75,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import math
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -802,9 +804,11 @@ def table(cells: list[Cell]) -> str:
         base = stock.get((c.model, c.batch, c.phase))
         floor = stock.get((c.model, "floor", c.phase), float("nan"))
         speedup = base / c.seconds if base else float("nan")
-        counted = speedup / floor_counted_ideal(base, floor, c.ideal) if base and floor == floor else float("nan")
+        shared = c.config != "stock" and base  # stock is the baseline: no measured/ideal of its own
+        counted = speedup / floor_counted_ideal(base, floor, c.ideal) if shared and floor == floor else float("nan")
         rows.append([c.model, c.batch, c.config, PHASE_NAMES[c.phase], c.n, c.t, c.seconds, c.n / c.seconds,
-                     c.peak, speedup, c.ideal, speedup / c.ideal, floor, counted, c.vs_stock, c.vs_fp32])
+                     c.peak, speedup, c.ideal, speedup / c.ideal if shared else float("nan"), floor, counted,
+                     c.vs_stock, c.vs_fp32])
     return format_table(HEADERS, rows)
 
 
@@ -1126,13 +1130,43 @@ def parse_args(argv=None):
     return args
 
 
+def benchmark_per_model(args, run=None) -> int:
+    """Several models: each model's benchmark in a process of its own, one after another (a
+    model's workers, optimizer states and cached GPU memory leave with its process, so the
+    next model starts on an empty GPU), then their reports together. ``run(args)`` (default
+    :func:`benchmark`) is what each process runs."""
+    reports, failed = [], False
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, model in enumerate(args.models):
+            one = copy.copy(args)
+            one.models, one.out = [model], os.path.join(tmp, f"{i}.md")
+            process = spawn.Process(target=run or benchmark, args=(one,))
+            process.start()
+            process.join()
+            failed |= process.exitcode != 0
+            if os.path.exists(one.out):
+                with open(one.out) as f:
+                    reports.append(f.read())
+            else:
+                reports.append(f"{model}: no report (its process exited with code {process.exitcode})")
+    text = "\n\n".join(reports)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return int(failed)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
         sys.exit("verl_actor.py needs a CUDA GPU (or --tiny for the CPU exactness check)")
     if args.curves:
         return curves(args)
-    return tiny(args) if args.tiny else benchmark(args)
+    if args.tiny:
+        return tiny(args)
+    return benchmark_per_model(args) if len(args.models) > 1 else benchmark(args)
 
 
 if __name__ == "__main__":

@@ -119,3 +119,28 @@ def test_floor_counted_ideal_column():
     row = next(r for r in rows if r[1:3] == ["x", "ps"])
     counted = (2.2 / 1.2) / (2.2 / (0.2 + 2.0 / 2.0))
     assert float(row[verl_actor.HEADERS.index("meas/ideal, floor counted")]) == pytest.approx(counted, rel=1e-2)
+
+
+def fake_model_benchmark(args) -> None:
+    """A stand-in for one model's GPU benchmark: its report, or a failure without one."""
+    if args.models == ["broken"]:
+        sys.exit(3)
+    with open(args.out, "w") as f:
+        f.write(f"report of {args.models[0]}, pid {os.getpid()}")
+
+
+def test_several_models_run_one_process_each(tmp_path):
+    """Each model runs in a process of its own; the reports come back in order, a failing
+    model is named and makes the run fail, the others still report."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    args = verl_actor.parse_args(["--tiny", "--out", str(tmp_path / "all.md")])
+    args.models = ["a", "broken", "b"]
+    assert verl_actor.benchmark_per_model(args, run=fake_model_benchmark) == 1
+    text = (tmp_path / "all.md").read_text()
+    lines = text.splitlines()
+    assert lines[0].startswith("report of a, pid ") and "broken: no report (its process exited with code 3)" in text
+    assert lines[-1].startswith("report of b, pid ")
+    pids = {line.rsplit(" ", 1)[1] for line in lines if line.startswith("report of")}
+    assert len(pids) == 2 and str(os.getpid()) not in pids
