@@ -82,24 +82,31 @@ def prefers_cudnn(shape: PlanShape, min_work: float = CUDNN_MIN_WORK) -> bool:
 def plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
     """The :class:`PlanShape` of ``plan`` for ``heads`` query heads of ``head_dim`` (host
     numbers cached on the plan's host copy: no device sync per layer)."""
-    host = plan.host
-    if host.memo.kernel_choice_shape is None:
-        cu_q, cu_k = host.cu_seqlens_q.cpu().numpy(), host.cu_seqlens_kv.cpu().numpy()
-        layout = cascade_layout(host)
-        host.memo.kernel_choice_shape = (
-            tree_pairs(cu_q, cu_k), host.num_tokens, int(cu_k[-1]), int(cu_q.size - 1),
-            layout.num_levels, auto_layout(host, layout) == "cascade",
-        )
-    pairs, rows, ctx, segs, levels, cascade = host.memo.kernel_choice_shape
-    return PlanShape(pairs, rows, ctx, segs, levels, cascade, heads, head_dim)
+    return _cached_shape(plan, heads, head_dim, _cascade_numbers)
+
+
+def _cascade_numbers(host) -> tuple[int, bool]:
+    """(cascade chain levels, whether flash would run the cascade layout) of a tree plan."""
+    layout = cascade_layout(host)
+    return layout.num_levels, auto_layout(host, layout) == "cascade"
 
 
 def context_plan_shape(plan, heads: int, head_dim: int) -> PlanShape:
     """The :class:`PlanShape` of a gather-KV call (a :class:`~ps_mcore.minibatch.ContextPlan`:
     segments against their whole contexts, no cascade), cached on its host copy."""
+    return _cached_shape(plan, heads, head_dim, _no_cascade)
+
+
+def _no_cascade(host) -> tuple[int, bool]:
+    return 0, False
+
+
+def _cached_shape(plan, heads: int, head_dim: int, layout_numbers) -> PlanShape:
+    """The shape numbers of ``plan``'s segments and contexts, with ``layout_numbers(host) ->
+    (levels, cascade)``, computed once per plan on its host copy."""
     host = plan.host
     if host.memo.kernel_choice_shape is None:
         cu_q, cu_k = host.cu_seqlens_q.cpu().numpy(), host.cu_seqlens_kv.cpu().numpy()
         host.memo.kernel_choice_shape = (tree_pairs(cu_q, cu_k), host.num_tokens, int(cu_k[-1]),
-                                         int(cu_q.size - 1), 0, False)
+                                         int(cu_q.size - 1), *layout_numbers(host))
     return PlanShape(*host.memo.kernel_choice_shape, heads, head_dim)
