@@ -173,9 +173,9 @@ class _RowStats(torch.autograd.Function):
         logits, label_pairs, local, in_shard, lse, ent, sq = ctx.saved_tensors
         scored, acc = ctx.scored, ctx.acc
         v_local = logits.size(1)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         if g_lse is None and g_ent is None and g_sq is None and g_label is None:
-            return grad.zero_(), None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
         g_ent = g_ent if g_ent is not None and ent.numel() else None
         g_sq = g_sq if g_sq is not None and sq.numel() else None
@@ -201,7 +201,7 @@ class _RowStats(torch.autograd.Function):
                 flat = (label_pairs - pa).clamp(0, pb - pa - 1) * v_local + local.clamp(0, v_local - 1)
                 dz.view(-1).index_add_(0, flat, torch.where(inside, g_label, 0.0))
             t = _chunk_temperature(scored, pa, pb, acc)
-            if not (isinstance(t, float) and t == 1.0):
+            if not _is_one(t):
                 dz /= t
             if scored.rows is not None:  # a row's pairs sum in fp32 before the cast
                 dz = dz.new_zeros(b - a, v_local).index_add_(0, scored.rows[pa:pb] - a, dz)
@@ -247,9 +247,12 @@ def _scaled(logits, scored: ScoredRows, a: int, b: int, pa: int, pb: int, acc) -
     (a new tensor: callers may write into it)."""
     x = logits[a:b] if scored.rows is None else logits[a:b].index_select(0, scored.rows[pa:pb] - a)
     t = _chunk_temperature(scored, pa, pb, acc)
-    if isinstance(t, float) and t == 1.0:
-        return x.to(acc, copy=True)
-    return x.to(acc) / t
+    return x.to(acc, copy=True) if _is_one(t) else x.to(acc) / t
+
+
+def _is_one(t: float | torch.Tensor) -> bool:
+    """A temperature of one float 1.0: dividing by it is skipped."""
+    return isinstance(t, float) and t == 1.0
 
 
 @dataclass(frozen=True, eq=False)
