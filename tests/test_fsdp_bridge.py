@@ -207,8 +207,11 @@ def test_random_forests_match_per_sequence(model_name, seed):
 @given(seqs=forests(max_seqs=6, max_len=12), min_prefix_len=st.integers(1, 4))
 def test_hypothesis_forests_match_per_sequence(seqs, min_prefix_len):
     # Half random shapes (3-letter roots: shared runs, duplicates, branch points by chance),
-    # half trees that branch inside a branch.
-    assert_tree_matches(make_model("qwen2-gqa2-d24"), seqs, min_prefix_len=min_prefix_len)
+    # half trees that branch inside a branch. In float64: random shapes hunt structural errors,
+    # and a sample repeated five times sums its gradients in another order than five separate
+    # runs, which in float32 can miss the tolerance by rounding alone (found by hypothesis:
+    # [[0, 1, 2]] * 3 + [[0, 1, 2, 5, 11], [0, 1, 2]], 5e-5 on a gradient of scale 19).
+    assert_tree_matches(make_model("qwen2-gqa2-d24").double(), seqs, min_prefix_len=min_prefix_len)
 
 
 def test_sliding_window_wider_than_every_context_is_exact():
