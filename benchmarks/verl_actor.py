@@ -30,7 +30,7 @@ Per engine one table: per (model, batch, config, phase) wall time (median of ``-
 after ``--warmup`` calls; each call is one mini-batch), tokens/s (raw tokens N), peak memory,
 speedup vs stock, the FLOP-weighted ideal speedup of the mini-batch (``ps_mcore.flops`` on the
 plan of the whole mini-batch), measured/ideal, the same with the call's floor counted (the
-``floor`` batch, one ~64-token sample, times what a call costs whatever its tokens: the
+``floor`` batch, one sample of about 80 tokens, times what a call costs whatever its tokens: the
 optimizer step, verl's batch handling; that part cannot shrink, the rest shrinks by the
 ideal), and on the old-log-prob rows max |log-prob -
 stock| (bf16, every response token) next to each configuration's own max error against an
@@ -275,7 +275,7 @@ def make_batch(name: str, vocab: int, size: int, seed: int, scale: float = 1.0) 
         samples, g = agent_batch(rng, vocab, size, scale=scale)
     elif name == "no-sharing":
         samples, g = no_sharing_batch(rng, vocab, size, scale)
-    elif name == "floor":  # one ~64-token sample: what a call costs whatever its tokens
+    elif name == "floor":  # one sample of about 80 tokens: what a call costs whatever its tokens
         samples, g = no_sharing_batch(rng, vocab, 1, scale / 16)
     else:
         raise ValueError(f"unknown batch {name!r}; expected one of {BATCHES}")
@@ -802,12 +802,13 @@ def table(cells: list[Cell]) -> str:
     rows = []
     for c in cells:
         base = stock.get((c.model, c.batch, c.phase))
-        floor = stock.get((c.model, "floor", c.phase), float("nan"))
+        floor = stock.get((c.model, "floor", c.phase))
         speedup = base / c.seconds if base else float("nan")
         shared = c.config != "stock" and base  # stock is the baseline: no measured/ideal of its own
-        counted = speedup / floor_counted_ideal(base, floor, c.ideal) if shared and floor == floor else float("nan")
+        counted = speedup / floor_counted_ideal(base, floor, c.ideal) if shared and floor else float("nan")
         rows.append([c.model, c.batch, c.config, PHASE_NAMES[c.phase], c.n, c.t, c.seconds, c.n / c.seconds,
-                     c.peak, speedup, c.ideal, speedup / c.ideal if shared else float("nan"), floor, counted,
+                     c.peak, speedup, c.ideal, speedup / c.ideal if shared else float("nan"),
+                     float("nan") if floor is None else floor, counted,
                      c.vs_stock, c.vs_fp32])
     return format_table(HEADERS, rows)
 
