@@ -22,7 +22,7 @@ and every row is computed once:
   just before its backward). The planner keeps graphs while they leave room and turns the
   largest into K/V-only when they do not: it walks the forest once per room threshold
   (:data:`MIN_ROOM_FRACTIONS`) and keeps the plan of least :func:`plan_cost` (recomputed rows
-  against the fixed cost of more, smaller steps).
+  against the fixed cost of more model calls).
 
 Budget accounting, per range: ``rows computed + sum over the kept rows of its ancestor path
 (graph: 1 token per row; K/V only: kv_row_cost per row) + state_cost per node a kept call
@@ -62,10 +62,10 @@ DEFAULT_KV_ROW_COST = 0.25
 # of the budget for new rows, the largest are turned into K/V-only calls (recomputed before
 # their backward). It keeps the plan of least cost (:func:`plan_cost`).
 MIN_ROOM_FRACTIONS = (0.0, 0.125, 0.25, 0.5)
-# A step's fixed cost (launches, small kernels, host work) as a fraction of the budget's rows
-# of forward + backward (512 rows at a 32k budget): what one more step must save to pay for
-# itself.
-STEP_OVERHEAD_FRACTION = 1 / 64
+# A model call's fixed cost (launches, small kernels, host work) as a fraction of the budget's
+# rows of forward + backward (512 rows at a 32k budget): what one more call (a step's, or a kept
+# call's forward and its release's backward) must save to pay for itself.
+CALL_OVERHEAD_FRACTION = 1 / 64
 
 
 class BudgetTooSmall(ValueError):
@@ -403,10 +403,23 @@ def schedule_tree(
 
 def plan_cost(plan: MiniBatchPlan) -> float:
     """A plan's cost in forward row passes: 3 per computed row (forward + backward; 1 forward
-    only), 1 per recomputed row, and ``STEP_OVERHEAD_FRACTION * max_tokens`` rows per step."""
+    only), 1 per recomputed row, and ``CALL_OVERHEAD_FRACTION * max_tokens`` rows per model
+    call (kept calls included)."""
     per_row = 3 if plan.training else 1
-    overhead = STEP_OVERHEAD_FRACTION * plan.max_tokens * plan.num_steps
+    overhead = CALL_OVERHEAD_FRACTION * plan.max_tokens * len(plan.calls)
     return per_row * (plan.computed_tokens + overhead) + plan.recomputed_tokens
+
+
+def split_cost(piece_tokens: Sequence[int], steps: int, max_tokens: int, training: bool = True) -> float:
+    """What running a forest as pieces costs, in :func:`plan_cost`'s units: pieces of whole
+    samples that each compute the prefix their samples share (``piece_tokens``: their
+    deduplicated tokens), packed into ``steps`` micro-batches of one model call each.
+
+    A schedule of the same forest computes every row once but adds a call per kept prefix:
+    where the prefixes the pieces repeat are shorter than that call's fixed cost (a chat
+    header shared by every group), the pieces are cheaper."""
+    per_row = 3 if training else 1
+    return per_row * (float(sum(piece_tokens)) + CALL_OVERHEAD_FRACTION * max_tokens * steps)
 
 
 def plan_minibatch(

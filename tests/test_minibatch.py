@@ -13,7 +13,9 @@ from forests import branching_forest, nasty_forests, random_forest
 from ps_mcore.attention import tree_attention
 from ps_mcore.attention.context import context_attention
 from ps_mcore.logprobs import token_logprobs
-from ps_mcore.minibatch import ContextPlan, kept_kv_row_cost, plan_minibatch, schedule_tree
+from ps_mcore.minibatch import (
+    CALL_OVERHEAD_FRACTION, ContextPlan, kept_kv_row_cost, plan_cost, plan_minibatch, schedule_tree, split_cost,
+)
 from ps_mcore.planner import plan_prefix_tree, plan_unshared
 from ps_mcore.schedule import ScheduleRunner
 
@@ -147,6 +149,32 @@ def test_min_steps_splits_at_sample_ends():
     check_plan(more)
     with pytest.raises(ValueError, match="cannot make"):
         schedule_tree(plan_prefix_tree([[1, 2, 3]]), 40, min_steps=2)
+
+
+@pytest.mark.parametrize("header, cheaper", [(4, "pieces"), (40, "schedule")])
+def test_pieces_against_the_schedule(header, cheaper):
+    """Four groups behind one header, two budgets large: as two pieces of two groups each
+    (the second repeats the header) or as a schedule (the header a kept call: one more model
+    call). The pieces cost less while the header is shorter than a call's fixed cost."""
+    rng = np.random.default_rng(0)
+    head = rng.integers(1, 50, header).tolist()
+    groups = []
+    for _ in range(4):
+        prompt = head + rng.integers(1, 50, 30).tolist()
+        groups.append([prompt + rng.integers(1, 50, 40).tolist() for _ in range(3)])
+    seqs = [s for g in groups for s in g]
+    tree = plan_prefix_tree(seqs, min_prefix_len=2)
+    budget = int(tree.num_tokens * 0.6)
+    assert 4 < CALL_OVERHEAD_FRACTION * budget < 40  # the two headers bracket a call's fixed cost
+    plan = schedule_tree(tree, budget, kv_row_cost=0.1)
+    assert plan.num_steps == 2 and len(plan.calls) == 3  # the header kept, two closed calls
+    pieces = [plan_prefix_tree(groups[0] + groups[1], min_prefix_len=2).num_tokens,
+              plan_prefix_tree(groups[2] + groups[3], min_prefix_len=2).num_tokens]
+    assert sum(pieces) == tree.num_tokens + header
+    assert plan_cost(plan) == 3 * (tree.num_tokens + CALL_OVERHEAD_FRACTION * budget * 3)
+    pieces_cost = split_cost(pieces, 2, budget)
+    assert (pieces_cost < plan_cost(plan)) == (cheaper == "pieces")
+    assert split_cost(pieces, 2, budget, training=False) == pieces_cost / 3
 
 
 def test_kept_kv_row_cost_estimate():

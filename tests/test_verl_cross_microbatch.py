@@ -122,6 +122,28 @@ def test_update_actor_loss_and_gradients_match_stock(env):
     assert step_tokens(split)[1] > t  # the pieces recompute their prefixes
 
 
+def test_header_bound_groups_split_silently_and_match_stock(env):
+    """GRPO groups bound into one unit by a short chat header, larger than the budget: the
+    pieces (whole groups, each repeating the header) cost less than a schedule's kept header
+    call, so the engine runs plain tree micro-batches, with no warning, equal to stock."""
+    import warnings
+
+    from verl_batches import header_bound_groups
+
+    impl, model = env
+    rng = np.random.default_rng(3)
+    data = make_batch(header_bound_groups(rng, header=5), rng, max_token_len_per_gpu=720)
+    assert 720 < _unique_tokens(data) < 2 * 720
+    stock, g_stock = _run(impl, model, data, _setting(), False, _ppo())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tree, g_tree = _run(impl, model, data, _setting(), True, _ppo())
+    assert not [str(w.message) for w in caught if "[prefix_sharing]" in str(w.message)]
+    np.testing.assert_allclose(sum(tree["loss"]), sum(stock["loss"]), rtol=RTOL)
+    assert_grads(g_stock, g_tree)
+    assert step_tokens(tree)[1] == _unique_tokens(data) + 5  # two pieces: the header once more
+
+
 def test_log_prob_pass_matches_stock(env):
     impl, model = env
     rng = np.random.default_rng(1)

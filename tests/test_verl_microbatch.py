@@ -13,7 +13,7 @@ pytest.importorskip("verl")
 
 from verl_batches import WORKLOADS, driver_batch, make_batch  # noqa: E402
 
-from ps_mcore.integrations.verl_common.batch import plan_sequences  # noqa: E402
+from ps_mcore.integrations.verl_common.batch import plan_sequences, sequences  # noqa: E402
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig  # noqa: E402
 from ps_mcore.integrations.verl_common.microbatch import prefix_aware_prepare_micro_batches, restore_order, sharing_units  # noqa: E402
 from ps_mcore.integrations.verl_common.trainer import group_partitions, summarize_token_metrics  # noqa: E402
@@ -464,3 +464,60 @@ def test_dynamic_budget_counts_dedup_tokens_per_cp_rank(cp):
             assert -(-plan.num_tokens // sp) <= 30  # per CP rank
         counts[sp] = len(parts)
     assert counts[cp] < counts[1]
+
+
+def _header_bound_batch(header, budget, seed=3):
+    """Six GRPO groups of four behind one ``header``-token chat header, and a way to count the
+    deduplicated tokens of any of its samples."""
+    from ps_mcore.integrations.verl_common.batch import group_ids, prompt_lengths
+    from verl_batches import header_bound_groups
+
+    rng = np.random.default_rng(seed)
+    data = make_batch(header_bound_groups(rng, header=header), rng, use_dynamic_bsz=True,
+                      max_token_len_per_gpu=budget)
+    config = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=4)
+    seqs, prompts, groups = sequences(data), prompt_lengths(data), group_ids(data)
+
+    def tokens(idx):
+        idx = list(idx)
+        return plan_sequences([seqs[i] for i in idx], config, prompts[idx], [groups[i] for i in idx]).num_tokens
+
+    return data, config, groups, tokens
+
+
+def test_header_bound_unit_splits_between_groups_into_balanced_pieces():
+    """One short chat header binds six GRPO groups into one unit larger than the budget: it is
+    split between groups (each piece repeats only the header) into pieces of balanced size,
+    not a budget-full piece and a small one; the schedule's kept header call would cost more."""
+    from ps_mcore.integrations.verl_common.schedule import MiniBatchScheduler
+
+    budget = 720
+    data, config, groups, tokens = _header_bound_batch(header=5, budget=budget)
+    everyone = range(len(data))
+    assert len(sharing_units(sequences(data), config, None, groups)) == 1
+    assert budget < tokens(everyone) < 2 * budget
+
+    scheduler = MiniBatchScheduler(config, training=True, kv_row_cost=0.05)
+    micro, parts = prefix_aware_prepare_micro_batches(data, config, _stock, scheduler=scheduler)
+    assert scheduler.schedule is None  # the pieces cost less than the schedule
+    assert parts == prefix_aware_prepare_micro_batches(data, config, _stock)[1]
+    _check_partition(parts, len(data))
+    assert len(parts) == 2
+    assert not {groups[i] for i in parts[0]} & {groups[i] for i in parts[1]}  # whole groups
+    piece_tokens = [tokens(p) for p in parts]
+    assert sum(piece_tokens) == tokens(everyone) + 5  # the header, once more
+    largest_group = max(tokens(i for i in everyone if groups[i] == g) for g in set(groups))
+    assert max(piece_tokens) <= budget and abs(piece_tokens[0] - piece_tokens[1]) <= largest_group
+
+
+def test_long_shared_prefix_still_runs_as_a_schedule():
+    """The same groups bound by a long prefix: repeating it in every piece costs more than the
+    schedule's kept call, so the unit runs as one schedule (every row once)."""
+    from ps_mcore.integrations.verl_common.schedule import MiniBatchScheduler
+
+    data, config, groups, tokens = _header_bound_batch(header=200, budget=900)
+    scheduler = MiniBatchScheduler(config, training=True, kv_row_cost=0.05)
+    micro, parts = prefix_aware_prepare_micro_batches(data, config, _stock, scheduler=scheduler)
+    assert scheduler.schedule is not None
+    _check_partition(parts, len(data))
+    assert scheduler.schedule.plan.computed_tokens == tokens(range(len(data)))

@@ -112,6 +112,17 @@ def long_units(rng):
     return [samples[i] for i in order]
 
 
+def header_bound_groups(rng, groups=6, group=4, header=5, response=(20, 60)):
+    """GRPO groups whose prompts open with one short chat header of ``header`` tokens: under
+    ``arbitrary_prefix`` the header binds every group into one sharing unit."""
+    head = _tokens(rng, header)
+    out = []
+    for g in range(groups):
+        prompt = head + _tokens(rng, int(rng.integers(20, 40)))
+        out += [(prompt, _tokens(rng, int(rng.integers(*response))), f"q{g}") for _ in range(group)]
+    return out
+
+
 WORKLOADS = {"grpo": grpo_samples, "stepwise": stepwise_samples, "tree": tree_samples}
 
 

@@ -12,7 +12,7 @@ into *units* (the samples that would share: same prompt within a ``uid`` for
   workload ordering (``use_dynamic_bsz_balance``) is verl's. Units larger than the budget
   run as one cross-micro-batch schedule when the engine's scheduler takes them (its steps
   come first, in order; :mod:`ps_mcore.integrations.verl_common.schedule`), else each is split
-  in its sorted order (its pieces still share within themselves).
+  in its sorted order into balanced pieces (its pieces still share within themselves).
 * fixed micro-batch size: samples are ordered unit by unit before verl's chunking (a unit
   larger than the micro-batch is split at the chunk boundary); when that order is the
   batch's own order (verl's GRPO batches), the result is exactly verl's.
@@ -37,6 +37,7 @@ from ps_mcore.integrations.verl_common.batch import (
     sharing_sequences,
 )
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
+from ps_mcore.minibatch import CALL_OVERHEAD_FRACTION
 from ps_mcore.planner import common_prefix_len
 
 
@@ -118,22 +119,67 @@ class _Units:
             if self.tokens[u] > budget:
                 self.split(u, budget)
 
-    def split(self, u: int, budget: int) -> None:
+    def split(self, u: int, budget: int | None) -> None:
         """Split unit ``u`` into consecutive pieces of at most ``budget`` tokens (or in two
-        halves when ``budget`` is None)."""
+        halves when ``budget`` is None).
+
+        Pieces are filled from single samples, or from whole subtrees (:meth:`_subtrees`: a cut
+        between two of them repeats only the prefix they hang from, e.g. the chat header every
+        GRPO group of a batch shares), each up to the budget and again into as many pieces of
+        balanced size (balanced micro-batches); the fill kept computes the fewest rows,
+        counting :data:`~ps_mcore.minibatch.CALL_OVERHEAD_FRACTION` of the budget per piece."""
         members = self.members[u]
         if budget is None:
             pieces = [members[: len(members) // 2], members[len(members) // 2 :]]
+            tokens = [self._tokens(p) for p in pieces]
         else:
-            pieces, current = [], []
-            for i in members:
-                if current and self._tokens(current + [i]) > budget:
-                    pieces.append(current)
-                    current = []
-                current.append(i)
-            pieces.append(current)
+            fills = []
+            for blocks in (self._subtrees(members, budget), [[i] for i in members]):
+                full = self._fill(blocks, budget)
+                if len(full[0]) > 1:
+                    balanced = self._fill(blocks, budget, share=sum(full[1]) / len(full[0]))
+                    if len(balanced[0]) <= len(full[0]):
+                        fills.append(balanced)
+                fills.append(full)
+            overhead = CALL_OVERHEAD_FRACTION * budget
+            pieces, tokens = min(fills, key=lambda fill: sum(fill[1]) + overhead * len(fill[0]))
         self.members[u : u + 1] = pieces
-        self.tokens[u : u + 1] = [self._tokens(p) for p in pieces]
+        self.tokens[u : u + 1] = tokens
+
+    def _fill(self, blocks: list[list[int]], budget: int, share: float | None = None):
+        """Consecutive ``blocks`` packed into pieces of at most ``budget`` tokens (a block is
+        never cut); with ``share``, a piece closes at the block boundary nearest ``share``
+        tokens. Returns ``(pieces, tokens of each)``."""
+        pieces, tokens, current, size = [], [], [], 0
+        for block in blocks:
+            grown = self._tokens(current + block)
+            nearer_before = share is not None and grown > share and share - size < grown - share
+            if current and (grown > budget or nearer_before):
+                pieces.append(current)
+                tokens.append(size)
+                current, grown = [], self._tokens(block)
+            current = current + block
+            size = grown
+            if share is not None and size >= share:
+                pieces.append(current)
+                tokens.append(size)
+                current = []
+        if current:
+            pieces.append(current)
+            tokens.append(size)
+        return pieces, tokens
+
+    def _subtrees(self, members: list[int], budget: int) -> list[list[int]]:
+        """``members`` (consecutive in the unit's order) cut where neighbours share the least:
+        the subtrees under its shallowest branching; those larger than ``budget`` are cut
+        again the same way."""
+        if len(members) == 1:
+            return [members]
+        shared = [common_prefix_len(self.seqs[a], self.seqs[b]) for a, b in zip(members, members[1:])]
+        cuts = [j + 1 for j, length in enumerate(shared) if length == min(shared)]
+        runs = [members[a:b] for a, b in zip([0] + cuts, cuts + [len(members)])]
+        return [piece for run in runs
+                for piece in (self._subtrees(run, budget) if self._tokens(run) > budget else [run])]
 
 
 def split_units(
@@ -191,7 +237,8 @@ def _sync_count(k: int, dp_group, same_micro_num_in_dp: bool, divided_by: int | 
     import torch
     import torch.distributed as dist
 
-    if dist.is_initialized() and same_micro_num_in_dp and dp_group is not None:
+    # A data-parallel group of one has nothing to agree on: no all-reduce, no host sync.
+    if dist.is_initialized() and same_micro_num_in_dp and dp_group is not None and dist.get_world_size(dp_group) > 1:
         from verl.utils.device import get_device_name
 
         t = torch.tensor([k], device=get_device_name())

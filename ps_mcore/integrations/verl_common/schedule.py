@@ -18,7 +18,9 @@ passes (``forward_only``) plan without gradients: kept K/V only, nothing recompu
 
 A unit larger than the budget that the engine cannot schedule (its ``refusal`` names why:
 pipeline or context parallelism, a hybrid model, ...) is split into pieces as before, with
-one warning.
+one warning. Units are also split, silently, where that costs less than the schedule
+(:func:`~ps_mcore.minibatch.split_cost`): the pieces repeat only a short prefix (a chat header
+every group shares), while each kept prefix of a schedule is one more model call.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ps_mcore.integrations.verl_common.batch import batch_flag, batch_temperatur
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.integrations.verl_common.statistics import lm_head_batch_refusal
 from ps_mcore.integrations.verl_common.microbatch import _local_count, _sync_count, _Units, partition_units
-from ps_mcore.minibatch import MiniBatchPlan, schedule_tree
+from ps_mcore.minibatch import MiniBatchPlan, plan_cost, schedule_tree, split_cost
 from ps_mcore.schedule import RunCall, ScheduleRunner
 
 
@@ -96,7 +98,8 @@ class MiniBatchScheduler:
         self.schedule: VerlSchedule | None = None
 
     def partitions(self, units: _Units, budget: int, options: dict) -> list[list[int]] | None:
-        """Micro-batches (sample index lists): the schedule's steps, then the small units'."""
+        """Micro-batches (sample index lists): the schedule's steps, then the small units'; or
+        None where splitting the large units costs less (:func:`~ps_mcore.minibatch.split_cost`)."""
         if self.refusal is not None:
             warn_once(
                 f"schedule:{self.refusal}",
@@ -113,6 +116,10 @@ class MiniBatchScheduler:
             None if units.groups is None else [units.groups[i] for i in members],
         )
         plan = schedule_tree(tree, budget, self.kv_row_cost, self.training, state_cost=self.state_cost)
+        pieces = units.subset(big)
+        pieces.split_larger_than(budget)
+        if split_cost(pieces.tokens, _local_count(pieces, budget), budget, self.training) < plan_cost(plan):
+            return None  # the prefixes pieces repeat cost less than the schedule's kept calls
         small = units.subset([u for u in range(len(units.tokens)) if units.tokens[u] <= budget])
         k_small = _local_count(small, budget)
         k = plan.num_steps + k_small
