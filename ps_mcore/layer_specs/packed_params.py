@@ -40,9 +40,10 @@ class TreePackedSeqParams(PackedSeqParams):
             (:mod:`ps_mcore.layer_specs.modules.dropout`).
 
     Megatron hands this one object to every layer of the micro-batch, so what the layers
-    derive from it is kept on it, in three attributes set by ``__post_init__`` (not dataclass
+    derive from it is kept on it, in four attributes set by ``__post_init__`` (not dataclass
     fields: a copy made by ``dataclasses.replace``, as torch's input casting makes, derives
-    them again): ``host_bounds_twin`` (:meth:`for_unfused_rope`), ``local_multiplicity_rows``
+    them again): ``host_bounds`` (the host copy of ``cu_seqlens_q`` :meth:`from_plan` built it
+    from), ``host_bounds_twin`` (:meth:`for_unfused_rope`), ``local_multiplicity_rows``
     (:meth:`local_multiplicity`) and ``rotary_tables`` (``(table, table[positions])`` pairs of
     ``modules.self_attention.tree_rotary_table``).
     """
@@ -57,6 +58,7 @@ class TreePackedSeqParams(PackedSeqParams):
         stock = getattr(super(), "__post_init__", None)
         if stock is not None:  # megatron-core 0.19 derives seq_idx there
             stock()
+        self.host_bounds: torch.Tensor | None = None
         self.host_bounds_twin: TreePackedSeqParams | None = None
         self.local_multiplicity_rows: torch.Tensor | None = None
         self.rotary_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -110,12 +112,15 @@ class TreePackedSeqParams(PackedSeqParams):
         # GPTModel's rotary table has max(max_seqlen_q, max_seqlen_kv) rows: a tree reaches depth
         # < T, a schedule call's rows may sit deeper than its own count.
         max_len = max(max_len, plan.max_seqlen_kv)
-        cu = torch.tensor(bounds, dtype=torch.int32, device=plan.device)
+        # Built on the host and copied without waiting: torch.tensor(..., device=cuda) would
+        # drain the GPU queue once per micro-batch. The host copy serves unfused RoPE.
+        host_bounds = torch.tensor(bounds, dtype=torch.int32)
+        cu = host_bounds.to(plan.device, non_blocking=True)
         positions = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
         positions[:t] = plan.position_ids
         multiplicity = torch.zeros(t_pad, dtype=torch.long, device=plan.device)
         multiplicity[:t] = plan.multiplicity
-        return cls(
+        params = cls(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
@@ -127,6 +132,8 @@ class TreePackedSeqParams(PackedSeqParams):
             multiplicity=multiplicity,
             shared_dropout=bool(shared_dropout),
         )
+        params.host_bounds = host_bounds
+        return params
 
     def for_unfused_rope(self, device: torch.device) -> "TreePackedSeqParams":
         """These parameters with ``cu_seqlens_{q,kv}_padded`` (same values) on the host (cached),
@@ -139,8 +146,8 @@ class TreePackedSeqParams(PackedSeqParams):
         host bounds): ``self`` unchanged."""
         if device.type == "npu":
             return self
-        if self.host_bounds_twin is None:
-            host = self.cu_seqlens_q.to("cpu", copy=True)  # once per micro-batch; its own tensor
+        if self.host_bounds_twin is None:  # its own tensor; a copy made by replace() reads the device
+            host = self.host_bounds.clone() if self.host_bounds is not None else self.cu_seqlens_q.to("cpu", copy=True)
             self.host_bounds_twin = replace(self, cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host)
         return self.host_bounds_twin
 

@@ -214,7 +214,7 @@ def plan_or_stock(
     micro: MicroBatchContext | None,
     setting: PrefixSharingSetting,
     batch,
-    num_input_tokens: int,
+    count_input_tokens: Callable[[], int],
     reason: str | None,
     images=None,
 ) -> TreePlan | None:
@@ -226,7 +226,8 @@ def plan_or_stock(
             used), or None when the forward runs outside ``forward_step``.
         setting: the engine's enabled setting.
         batch: the micro-batch to plan when no plan was carried.
-        num_input_tokens: N, the micro-batch's tokens (recorded when it runs stock).
+        count_input_tokens: N, the micro-batch's tokens, called only when it runs stock (to
+            record N; a plan knows its own, and counting device tensors would sync).
         reason: why the micro-batch cannot take the tree path (None: it can).
         images: a vision-language model's image placeholder layout (plans key images by content).
 
@@ -250,7 +251,8 @@ def plan_or_stock(
             plan = None
     if micro is not None:
         if plan is None:
-            micro.record(num_input_tokens, num_input_tokens)
+            n = count_input_tokens()
+            micro.record(n, n)
         else:
             micro.record(plan.num_input_tokens, plan.num_tokens)
     return plan

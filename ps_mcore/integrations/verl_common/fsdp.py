@@ -301,10 +301,13 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
         micro = micro if micro is not None and micro.engine is self else None
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
-        n = int(sequence_lengths(source).sum())
         reason = fsdp_batch_refusal(self, source, None if micro is None else micro.loss_function)
         images = engine_image_tokens(self) if reason is None and is_vision_batch(source) else None
-        plan = plan_or_stock("FSDP", micro, setting, source, n, reason, images)
+
+        def count() -> int:
+            return int(sequence_lengths(source).sum())
+
+        plan = plan_or_stock("FSDP", micro, setting, source, count, reason, images)
         if plan is None:
             return original(self, micro_batch)
         _switch_attention(self.module, patcher)

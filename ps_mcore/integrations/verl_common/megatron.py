@@ -501,11 +501,13 @@ def tree_engine_forward(stock: Callable, fused: bool = False) -> Callable:
         model, input_ids = args["model"], args["input_ids"]
         if micro.schedule_step is not None:
             return megatron_schedule_step(model, micro, input_ids, args)
-        n = int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
+        def count() -> int:  # only for a micro-batch that runs stock: the offsets are on the device
+            return int(input_ids.offsets()[-1]) if input_ids.is_nested else int(input_ids.numel())
+
         reason = megatron_fused_refusal(model, args) if fused else None
         reason = reason or megatron_batch_refusal(model, args, micro.batch, micro.loss_function)
         images = image_tokens_of(model) if reason is None and _is_vision(model, args) else None
-        plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, n, reason, images)
+        plan = plan_or_stock("Megatron", micro, micro.setting, micro.batch, count, reason, images)
         if plan is None:
             return stock(*call_args, **call_kwargs)
         if fused:
