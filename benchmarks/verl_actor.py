@@ -84,6 +84,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -563,10 +564,31 @@ class Workers:
         engine.optimizer_step = optimizer_step
 
     def close(self) -> None:
+        for worker in (self.actor, self.ref):
+            for role in (getattr(worker, "actor", None), getattr(worker, "ref", None)):
+                _drop_grad_hooks(getattr(role, "engine", None))
         del self.actor, self.ref
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _drop_grad_hooks(engine) -> None:
+    """Let a Megatron engine's model be freed. megatron-core's DDP hooks each parameter's
+    gradient accumulator with a closure holding the DDP module, and the module reaches those
+    accumulators again through autograd's C++ nodes (``grad_accs``; an MoE token dispatcher
+    keeps its last routing probabilities with their graph): a cycle Python's collector cannot
+    see. A worker process builds one engine and never frees it; this benchmark builds one per
+    configuration, and the leaked models of earlier ones would crowd the GPU of later ones.
+    The hooks' hold on the module is cut (they never run again)."""
+    modules = getattr(engine, "module", None)
+    for module in modules if isinstance(modules, list) else []:  # Megatron's model chunks
+        accumulators = getattr(module, "grad_accs", None)
+        if isinstance(accumulators, list):
+            accumulators.clear()
+        for holder in gc.get_referrers(module):
+            if isinstance(holder, types.CellType):
+                holder.cell_contents = None
 
 
 def _gradients(engine_name: str, engine) -> list[torch.Tensor]:
