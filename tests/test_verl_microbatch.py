@@ -521,3 +521,57 @@ def test_long_shared_prefix_still_runs_as_a_schedule():
     assert scheduler.schedule is not None
     _check_partition(parts, len(data))
     assert scheduler.schedule.plan.computed_tokens == tokens(range(len(data)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_run_token_estimate_is_the_plan_where_nothing_dissolves(seed):
+    """Splits size runs of a unit's sorted members without planning: sum of lengths minus what
+    each member shares with the one before. That is the plan's count when every shared run is
+    kept (min_prefix_len=1), a lower bound when short runs are dissolved; pieces whose plan
+    exceeds the budget are split again by exact counts."""
+    from forests import branching_forest, nasty_forests, random_forest
+
+    from ps_mcore.integrations.verl_common.microbatch import _RunTokens, _Units
+
+    rng = np.random.default_rng(seed)
+    forests = [random_forest(rng, max_seqs=12), branching_forest(rng)] + list(nasty_forests(seed).values())
+    for seqs in forests:
+        seqs = [np.asarray(s, dtype=np.int64) for s in seqs if len(s)]
+        for min_prefix_len in (1, 4):
+            config = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=min_prefix_len)
+            units = _Units(seqs, config, None, None)
+            for members in units.members:
+                run = _RunTokens(units, members)
+                for a in range(len(members)):
+                    for b in range(a + 1, len(members) + 1):
+                        exact = units._tokens(members[a:b])
+                        assert run.tokens(a, b) == exact if min_prefix_len == 1 else run.tokens(a, b) <= exact
+            budget = max(int(s.size) for s in seqs) + int(rng.integers(0, 20))
+            units.split_larger_than(budget)
+            assert max(units.tokens) <= budget
+            assert units.tokens == [units._tokens(m) for m in units.members]
+            assert sorted(i for m in units.members for i in m) == list(range(len(seqs)))
+
+
+def test_pieces_the_planner_shares_less_in_are_split_again():
+    """A 4-token header binds six pairs whose own shared runs (2 tokens) are shorter than
+    min_prefix_len=4: the planner duplicates them, so a piece sized by the estimate can hold
+    more tokens than the budget; it is split again by exact counts."""
+    from ps_mcore.integrations.verl_common.microbatch import _RunTokens, _Units
+
+    rng = np.random.default_rng(0)
+    header = [1, 2, 3, 4]
+    seqs = []
+    for p in range(6):
+        pair = [10 + p, 20 + p]
+        seqs += [np.asarray(header + pair + rng.integers(30, 99, 8).tolist()) for _ in range(2)]
+    config = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=4)
+    units = _Units(seqs, config, None, None)
+    assert len(units.members) == 1
+    members = units.members[0]
+    run = _RunTokens(units, members)
+    budget = 40
+    estimated = run.fill(run.subtrees(0, len(members), budget), budget)
+    assert any(units._tokens(members[a:b]) > budget for a, b in estimated)  # the estimate alone would overflow
+    units.split_larger_than(budget)
+    assert max(units.tokens) <= budget and units.tokens == [units._tokens(m) for m in units.members]

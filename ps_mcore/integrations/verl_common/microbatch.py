@@ -123,63 +123,99 @@ class _Units:
         """Split unit ``u`` into consecutive pieces of at most ``budget`` tokens (or in two
         halves when ``budget`` is None).
 
-        Pieces are filled from single samples, or from whole subtrees (:meth:`_subtrees`: a cut
-        between two of them repeats only the prefix they hang from, e.g. the chat header every
-        GRPO group of a batch shares), each up to the budget and again into as many pieces of
-        balanced size (balanced micro-batches); the fill kept computes the fewest rows,
-        counting :data:`~ps_mcore.minibatch.CALL_OVERHEAD_FRACTION` of the budget per piece."""
+        Pieces are filled from single samples, or from whole subtrees (a cut between two of
+        them repeats only the prefix they hang from, e.g. the chat header every GRPO group of
+        a batch shares), each up to the budget and again into as many pieces of balanced size
+        (balanced micro-batches); the fill kept computes the fewest rows, counting
+        :data:`~ps_mcore.minibatch.CALL_OVERHEAD_FRACTION` of the budget per piece. Fills are
+        sized with :class:`_RunTokens` (no planning); each piece is then planned once and, in
+        the rare case the planner shares less than estimated, split again by exact counts."""
         members = self.members[u]
         if budget is None:
             pieces = [members[: len(members) // 2], members[len(members) // 2 :]]
-            tokens = [self._tokens(p) for p in pieces]
         else:
+            run = _RunTokens(self, members)
             fills = []
-            for blocks in (self._subtrees(members, budget), [[i] for i in members]):
-                full = self._fill(blocks, budget)
-                if len(full[0]) > 1:
-                    balanced = self._fill(blocks, budget, share=sum(full[1]) / len(full[0]))
-                    if len(balanced[0]) <= len(full[0]):
+            for blocks in (run.subtrees(0, len(members), budget), [(j, j + 1) for j in range(len(members))]):
+                full = run.fill(blocks, budget)
+                if len(full) > 1:
+                    balanced = run.fill(blocks, budget, share=sum(run.tokens(*p) for p in full) / len(full))
+                    if len(balanced) <= len(full):
                         fills.append(balanced)
                 fills.append(full)
             overhead = CALL_OVERHEAD_FRACTION * budget
-            pieces, tokens = min(fills, key=lambda fill: sum(fill[1]) + overhead * len(fill[0]))
+            best = min(fills, key=lambda fill: sum(run.tokens(*p) for p in fill) + overhead * len(fill))
+            pieces = [piece for a, b in best for piece in self._fit(members[a:b], budget)]
         self.members[u : u + 1] = pieces
-        self.tokens[u : u + 1] = tokens
+        self.tokens[u : u + 1] = [self._tokens(p) for p in pieces]
 
-    def _fill(self, blocks: list[list[int]], budget: int, share: float | None = None):
-        """Consecutive ``blocks`` packed into pieces of at most ``budget`` tokens (a block is
-        never cut); with ``share``, a piece closes at the block boundary nearest ``share``
-        tokens. Returns ``(pieces, tokens of each)``."""
-        pieces, tokens, current, size = [], [], [], 0
-        for block in blocks:
-            grown = self._tokens(current + block)
-            nearer_before = share is not None and grown > share and share - size < grown - share
-            if current and (grown > budget or nearer_before):
-                pieces.append(current)
-                tokens.append(size)
-                current, grown = [], self._tokens(block)
-            current = current + block
-            size = grown
-            if share is not None and size >= share:
-                pieces.append(current)
-                tokens.append(size)
-                current = []
-        if current:
-            pieces.append(current)
-            tokens.append(size)
-        return pieces, tokens
-
-    def _subtrees(self, members: list[int], budget: int) -> list[list[int]]:
-        """``members`` (consecutive in the unit's order) cut where neighbours share the least:
-        the subtrees under its shallowest branching; those larger than ``budget`` are cut
-        again the same way."""
-        if len(members) == 1:
+    def _fit(self, members: list[int], budget: int) -> list[list[int]]:
+        """``members`` as one piece if its plan fits ``budget``, else consecutive pieces filled
+        by exact counts (the planner dissolved a shared run the estimate counted once)."""
+        if self._tokens(members) <= budget:
             return [members]
-        shared = [common_prefix_len(self.seqs[a], self.seqs[b]) for a, b in zip(members, members[1:])]
-        cuts = [j + 1 for j, length in enumerate(shared) if length == min(shared)]
-        runs = [members[a:b] for a, b in zip([0] + cuts, cuts + [len(members)])]
-        return [piece for run in runs
-                for piece in (self._subtrees(run, budget) if self._tokens(run) > budget else [run])]
+        pieces, current = [], []
+        for i in members:
+            if current and self._tokens(current + [i]) > budget:
+                pieces.append(current)
+                current = []
+            current.append(i)
+        return pieces + [current]
+
+
+class _RunTokens:
+    """Estimated deduplicated tokens of consecutive members of a unit, in O(1) per run.
+
+    Consecutive members ``[a, b)`` (in the unit's order: sorted for ``arbitrary_prefix``, one
+    prompt for ``prompt_only``) hold ``sum(len) - sum(shared with the previous member)``
+    distinct tokens, as a prefix tree of sorted sequences does; the planner's
+    ``min_prefix_len`` / ``min_group_size`` may dissolve a shared run, so a piece's plan can
+    only be larger (:meth:`_Units._fit` checks)."""
+
+    def __init__(self, units: _Units, members: list[int]):
+        seqs, config = units.seqs, units.config
+        lens = np.array([seqs[i].size for i in members], dtype=np.int64)
+        if config.mode == "prompt_only":
+            shared = [int(units.prompts[i]) for i in members[1:]]
+        else:
+            shared = [common_prefix_len(seqs[a], seqs[b]) for a, b in zip(members, members[1:])]
+        self.shared = np.array(shared, dtype=np.int64)  # [n - 1]: member j+1 with member j
+        self.len_sum = np.concatenate([[0], np.cumsum(lens)])
+        self.shared_sum = np.concatenate([[0], np.cumsum(self.shared)])
+
+    def tokens(self, a: int, b: int) -> int:
+        return int(self.len_sum[b] - self.len_sum[a] - (self.shared_sum[b - 1] - self.shared_sum[a]))
+
+    def subtrees(self, a: int, b: int, budget: int) -> list[tuple[int, int]]:
+        """``[a, b)`` cut where neighbours share the least: the subtrees under its shallowest
+        branching; those larger than ``budget`` are cut again the same way."""
+        if b - a == 1:
+            return [(a, b)]
+        inner = self.shared[a : b - 1]
+        cuts = [a + 1 + j for j in np.flatnonzero(inner == inner.min()).tolist()]
+        runs = zip([a] + cuts, cuts + [b])
+        return [piece for lo, hi in runs
+                for piece in (self.subtrees(lo, hi, budget) if self.tokens(lo, hi) > budget else [(lo, hi)])]
+
+    def fill(self, blocks: list[tuple[int, int]], budget: int, share: float | None = None) -> list[tuple[int, int]]:
+        """Consecutive ``blocks`` packed into runs of at most ``budget`` tokens (a block is
+        never cut); with ``share``, a run closes at the block boundary nearest ``share``."""
+        pieces, start = [], None
+        for a, b in blocks:
+            if start is None:
+                start = a
+            elif self.tokens(start, b) > budget or (
+                share is not None and self.tokens(start, b) > share
+                and share - self.tokens(start, a) < self.tokens(start, b) - share
+            ):
+                pieces.append((start, a))
+                start = a
+            if share is not None and self.tokens(start, b) >= share:
+                pieces.append((start, b))
+                start = None
+        if start is not None:
+            pieces.append((start, blocks[-1][1]))
+        return pieces
 
 
 def split_units(
