@@ -840,10 +840,17 @@ QUICK = dict(models=["qwen2.5-1.5b"], batches=list(BATCHES), warmup=1, iters=2,
 FULL_SIZES = dict(gsm8k=16, **{"pg-4k": 4, "pg-8k": 4}, agent=4, **{"no-sharing": 16}, floor=1)
 
 
+def batch_sizes(args) -> dict[str, int]:
+    """Groups / trajectories / samples per batch: ``--quick``'s or the full sizes, times
+    ``--scale`` (the floor batch stays one sample)."""
+    sizes = QUICK["sizes"] if args.quick else FULL_SIZES
+    return {name: 1 if name == "floor" else max(1, round(n * args.scale)) for name, n in sizes.items()}
+
+
 def benchmark(args) -> int:
     settings = run_settings(args)
     start(tiny=False)
-    sizes = QUICK["sizes"] if args.quick else FULL_SIZES
+    sizes = batch_sizes(args)
     report = [f"verl 0.8.0 actor worker, one GPU ({torch.cuda.get_device_name()}), torch {torch.__version__}, "
               f"date {time.strftime('%Y-%m-%d')}, command `python {' '.join(sys.argv)}`; token budget "
               f"{args.max_token_len}, warm-up {args.warmup}, timed {args.iters} mini-batches per cell"]
@@ -1120,6 +1127,9 @@ def parse_args(argv=None):
                         "time by kind, the wall time no kernel covers, and the host syncs (GPU only)")
     p.add_argument("--quick", action="store_true",
                    help="Qwen2.5-1.5B, every batch at half size, 1 warm-up + 2 timed mini-batches per cell")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every batch's size (groups, trajectories, samples): a mini-batch several "
+                        "token budgets large, past the fixed costs of one update call")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--max-token-len", type=int, default=16384, help="ppo_max_token_len_per_gpu (and log-prob budgets)")
@@ -1140,6 +1150,8 @@ def parse_args(argv=None):
     if wrong:
         p.error(f"--models {' '.join(wrong)}: " + (f"--tiny runs {', '.join(TINY_MODELS)}" if args.tiny
                                                    else f"{', '.join(TINY_MODELS)} run with --tiny only"))
+    if not args.scale > 0:
+        p.error(f"--scale must be > 0, got {args.scale}")
     if args.profile and (args.tiny or args.curves):
         p.error("--profile times the benchmark's phases on the GPU: not with --tiny or --curves")
     if args.curves and len(args.models) != 1:

@@ -176,3 +176,17 @@ def test_closed_megatron_workers_are_freed():
     line = [x for x in proc.stdout.splitlines() if x.startswith("alive ")][-1]
     alive, total = int(line.split()[1]), int(line.split()[3])
     assert total > 0 and alive == 0, line
+
+
+def test_scale_multiplies_batch_sizes():
+    """``--scale``: every batch several times larger (a mini-batch past one call's fixed
+    costs), the floor batch still one sample; a non-positive scale is refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    quick = verl_actor.batch_sizes(verl_actor.parse_args(["--quick"]))
+    scaled = verl_actor.batch_sizes(verl_actor.parse_args(["--quick", "--scale", "4"]))
+    assert quick == verl_actor.QUICK["sizes"]
+    assert scaled == {name: 1 if name == "floor" else 4 * n for name, n in quick.items()}
+    with pytest.raises(SystemExit):
+        verl_actor.parse_args(["--scale", "0"])
