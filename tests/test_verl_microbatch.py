@@ -575,3 +575,18 @@ def test_pieces_the_planner_shares_less_in_are_split_again():
     assert any(units._tokens(members[a:b]) > budget for a, b in estimated)  # the estimate alone would overflow
     units.split_larger_than(budget)
     assert max(units.tokens) <= budget and units.tokens == [units._tokens(m) for m in units.members]
+
+
+def test_a_deeply_nested_unit_splits():
+    """A comb: 1200 samples, sample k the first k tokens of one spine and a token of its own
+    (agent steps that each branch off the trajectory), so every subtree nests in the next, deeper
+    than Python's recursion limit; about two budgets: every piece fits."""
+    from ps_mcore.integrations.verl_common.microbatch import _Units
+
+    spine = np.arange(1, 1201, dtype=np.int64)
+    seqs = [np.append(spine[:k], 5000 + k) for k in range(1, 1201)]
+    units = _Units(seqs, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=1), None, None)
+    assert len(units.members) == 1 and units.tokens[0] > 1.9 * 1210
+    units.split_larger_than(1210)
+    assert len(units.members) >= 2 and max(units.tokens) <= 1210
+    assert sorted(i for m in units.members for i in m) == list(range(1200))

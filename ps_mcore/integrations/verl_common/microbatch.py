@@ -189,13 +189,16 @@ class _RunTokens:
     def subtrees(self, a: int, b: int, budget: int) -> list[tuple[int, int]]:
         """``[a, b)`` cut where neighbours share the least: the subtrees under its shallowest
         branching; those larger than ``budget`` are cut again the same way."""
-        if b - a == 1:
-            return [(a, b)]
-        inner = self.shared[a : b - 1]
-        cuts = [a + 1 + j for j in np.flatnonzero(inner == inner.min()).tolist()]
-        runs = zip([a] + cuts, cuts + [b])
-        return [piece for lo, hi in runs
-                for piece in (self.subtrees(lo, hi, budget) if self.tokens(lo, hi) > budget else [(lo, hi)])]
+        pieces, stack = [], [(a, b)]
+        while stack:  # depth-first, in order (a step-wise chain nests as deep as it is long)
+            lo, hi = stack.pop()
+            if hi - lo == 1 or ((lo, hi) != (a, b) and self.tokens(lo, hi) <= budget):
+                pieces.append((lo, hi))
+                continue
+            inner = self.shared[lo : hi - 1]
+            cuts = [lo + 1 + j for j in np.flatnonzero(inner == inner.min()).tolist()]
+            stack.extend(reversed(list(zip([lo] + cuts, cuts + [hi]))))
+        return pieces
 
     def fill(self, blocks: list[tuple[int, int]], budget: int, share: float | None = None) -> list[tuple[int, int]]:
         """Consecutive ``blocks`` packed into runs of at most ``budget`` tokens (a block is
