@@ -190,7 +190,7 @@ class _RunTokens:
         """``[a, b)`` cut where neighbours share the least: the subtrees under its shallowest
         branching; those larger than ``budget`` are cut again the same way."""
         pieces, stack = [], [(a, b)]
-        while stack:  # depth-first, in order (a step-wise chain nests as deep as it is long)
+        while stack:  # depth-first, in order: a unit nests as deep as its chain of branchings
             lo, hi = stack.pop()
             if hi - lo == 1 or ((lo, hi) != (a, b) and self.tokens(lo, hi) <= budget):
                 pieces.append((lo, hi))
