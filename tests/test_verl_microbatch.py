@@ -485,7 +485,7 @@ def _header_bound_batch(header, budget, seed=3):
     return data, config, groups, tokens
 
 
-def test_header_bound_unit_splits_between_groups_into_balanced_pieces():
+def test_header_bound_unit_splits_between_groups_into_balanced_pieces(fresh_warnings, caplog):
     """One short chat header binds six GRPO groups into one unit larger than the budget: it is
     split between groups (each piece repeats only the header) into pieces of balanced size,
     not a budget-full piece and a small one; the schedule's kept header call would cost more."""
@@ -498,8 +498,10 @@ def test_header_bound_unit_splits_between_groups_into_balanced_pieces():
     assert budget < tokens(everyone) < 2 * budget
 
     scheduler = MiniBatchScheduler(config, training=True, kv_row_cost=0.05)
-    micro, parts = prefix_aware_prepare_micro_batches(data, config, _stock, scheduler=scheduler)
+    with caplog.at_level("INFO", logger="ps_mcore"):
+        micro, parts = prefix_aware_prepare_micro_batches(data, config, _stock, scheduler=scheduler)
     assert scheduler.schedule is None  # the pieces cost less than the schedule
+    assert [r.message for r in caplog.records if "run as pieces" in r.message and "(5 rows here)" in r.message]
     assert parts == prefix_aware_prepare_micro_batches(data, config, _stock)[1]
     _check_partition(parts, len(data))
     assert len(parts) == 2

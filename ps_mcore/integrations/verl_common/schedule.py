@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ps_mcore.integrations.patching import warn_once
+from ps_mcore.integrations.patching import info_once, warn_once
 from ps_mcore.integrations.verl_common.batch import batch_flag, batch_temperature, nested_like, plan_sequences
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
 from ps_mcore.integrations.verl_common.statistics import lm_head_batch_refusal
@@ -119,7 +119,13 @@ class MiniBatchScheduler:
         pieces = units.subset(big)
         pieces.split_larger_than(budget)
         if split_cost(pieces.tokens, _local_count(pieces, budget), budget, self.training) < plan_cost(plan):
-            return None  # the prefixes pieces repeat cost less than the schedule's kept calls
+            info_once(
+                "schedule:pieces",
+                "sharing units larger than the token budget run as pieces that repeat a short shared "
+                f"prefix ({sum(pieces.tokens) - tree.num_tokens} rows here): less than a cross-micro-batch "
+                "schedule's kept-prefix calls would cost",
+            )
+            return None
         small = units.subset([u for u in range(len(units.tokens)) if units.tokens[u] <= budget])
         k_small = _local_count(small, budget)
         k = plan.num_steps + k_small
