@@ -129,3 +129,23 @@ def test_moe_host():
     # without sharing the tree path is the unshared one: the same ops, from the same sources
     columns = ("aten ops", "ps_mcore", "megatron MoE", "megatron other")
     assert [rows[2][c] for c in columns] == [rows[3][c] for c in columns], rows
+
+
+def test_planner_micro_batching_table():
+    """``benchmarks/planner.py``'s micro-batching table: every mini-batch in micro-batches that
+    hold its samples, pieces repeating a few prefix rows only, a schedule none."""
+    pytest.importorskip("verl")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import planner
+
+    lines = [line for line in planner.micro_batching_table().splitlines() if line.startswith("|")]
+    header, _, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    rows = [dict(zip(header, r)) for r in rows]
+    assert [r["mini-batch"] for r in rows] == ["gsm8k x 16", "gsm8k x 64", "agent x 16"]
+    for r in rows:
+        n, t, repeated = int(r["N"]), int(r["T"]), int(r["rows repeated"])
+        assert t < n and int(r["micro-batches"]) >= -(-t // 16384)
+        if r["runs as"].startswith("schedule") or r["runs as"] == "units fit":
+            assert repeated == 0
+        else:
+            assert r["runs as"] == "pieces" and 0 < repeated < 0.01 * t
