@@ -53,6 +53,7 @@ change the model under both sides).
     python benchmarks/verl_actor.py --quick --engines megatron
     python benchmarks/verl_actor.py --curves 30 --plot curves.png   # training curves
     python benchmarks/verl_actor.py --quick --engines megatron --batches pg-8k --profile update   # where it goes
+    python benchmarks/verl_actor.py --quick --scale 4 --batches gsm8k agent pg-4k   # several budgets per mini-batch
     python benchmarks/verl_actor.py --tiny                          # CPU exactness check (CI)
     python benchmarks/verl_actor.py --tiny --engines megatron --models tiny-moe
     python benchmarks/verl_actor.py --tiny --curves 2 --plot curves.png
