@@ -67,7 +67,7 @@ def micro_batching_table(budget: int = 16384) -> str:
     """Host time of the prefix-aware micro-batcher on whole mini-batches, and what it chose."""
     import verl_actor
     from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
-    from ps_mcore.integrations.verl_common.microbatch import _Units, dynamic_partitions
+    from ps_mcore.integrations.verl_common.microbatch import _Units, budget_partitions
     from ps_mcore.integrations.verl_common.schedule import MiniBatchScheduler
 
     config = PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=8)
@@ -80,13 +80,9 @@ def micro_batching_table(budget: int = 16384) -> str:
 
         def prepare():
             units = _Units(seqs, config, prompts, uids)
-            scheduler = MiniBatchScheduler(config, training=True, kv_row_cost=0.03)
             fits = max(units.tokens) <= budget
-            parts = None if fits else scheduler.partitions(units, budget, {})
-            if parts is None:
-                scheduler.schedule = None
-                parts = dynamic_partitions(units, budget)
-            return parts, scheduler.schedule, fits
+            parts, scheduler = budget_partitions(units, budget, MiniBatchScheduler(config, True, kv_row_cost=0.03))
+            return parts, None if scheduler is None else scheduler.schedule, fits
 
         parts, schedule, fits = prepare()
         t = plan_prefix_tree(seqs, min_prefix_len=8).num_tokens

@@ -306,6 +306,18 @@ def dynamic_partitions(
     return partition_units(units, k, use_dynamic_bsz_balance)
 
 
+def budget_partitions(units: _Units, budget: int, scheduler=None, **options) -> tuple[list[list[int]], Any]:
+    """Sample index lists per micro-batch under a deduplicated-token budget: ``scheduler``'s
+    (the schedule's steps first) where it takes the units larger than the budget, else
+    :func:`dynamic_partitions`. Returns ``(parts, scheduler)``, the scheduler None unless its
+    schedule runs."""
+    if scheduler is not None and any(t > budget for t in units.tokens):
+        parts = scheduler.partitions(units, budget, options)
+        if parts is not None:
+            return parts, scheduler
+    return dynamic_partitions(units, budget, **options), None
+
+
 def partition_units(units: _Units, k: int, use_dynamic_bsz_balance: bool = True) -> list[list[int]]:
     """Sample index lists of ``k`` micro-batches balancing the units' deduplicated tokens."""
     samples = sum(len(m) for m in units.members)
@@ -385,12 +397,7 @@ def prefix_aware_prepare_micro_batches(
             raise ValueError(
                 f"max_token_len ({budget}) is smaller than the longest sequence ({longest})"
             )
-        parts = None
-        if scheduler is not None and any(t > budget for t in units.tokens):
-            parts = scheduler.partitions(units, budget, options)
-        if parts is None:
-            scheduler = None
-            parts = dynamic_partitions(units, budget, **options)
+        parts, scheduler = budget_partitions(units, budget, scheduler, **options)
     else:
         scheduler = None
         order = fixed_order(units)

@@ -99,7 +99,8 @@ class MiniBatchScheduler:
 
     def partitions(self, units: _Units, budget: int, options: dict) -> list[list[int]] | None:
         """Micro-batches (sample index lists): the schedule's steps, then the small units'; or
-        None where splitting the large units costs less (:func:`~ps_mcore.minibatch.split_cost`)."""
+        None where splitting the large units costs less (:func:`~ps_mcore.minibatch.split_cost`;
+        ``units`` are then left split) or the engine refuses a schedule."""
         if self.refusal is not None:
             warn_once(
                 f"schedule:{self.refusal}",
@@ -116,8 +117,10 @@ class MiniBatchScheduler:
             None if units.groups is None else [units.groups[i] for i in members],
         )
         plan = schedule_tree(tree, budget, self.kv_row_cost, self.training, state_cost=self.state_cost)
-        pieces = units.subset(big)
-        pieces.split_larger_than(budget)
+        split = units.subset(range(len(units.tokens)))
+        split.split_larger_than(budget)
+        in_big = set(members.tolist())
+        pieces = split.subset([p for p, m in enumerate(split.members) if m[0] in in_big])
         if split_cost(pieces.tokens, _local_count(pieces, budget), budget, self.training) < plan_cost(plan):
             info_once(
                 "schedule:pieces",
@@ -125,6 +128,7 @@ class MiniBatchScheduler:
                 f"prefix ({sum(pieces.tokens) - tree.num_tokens} rows here): less than a cross-micro-batch "
                 "schedule's kept-prefix calls would cost",
             )
+            units.members, units.tokens = split.members, split.tokens  # split once: the caller's finds none left
             return None
         small = units.subset([u for u in range(len(units.tokens)) if units.tokens[u] <= budget])
         k_small = _local_count(small, budget)
