@@ -581,12 +581,9 @@ def _drop_grad_hooks(engine) -> None:
     keeps its last routing probabilities with their graph): a cycle Python's collector cannot
     see. A worker process builds one engine and never frees it; this benchmark builds one per
     configuration, and the leaked models of earlier ones would crowd the GPU of later ones.
-    The hooks' hold on the module is cut (they never run again)."""
+    Emptying the closures' cells cuts the cycle (the hooks never run again)."""
     modules = getattr(engine, "module", None)
     for module in modules if isinstance(modules, list) else []:  # Megatron's model chunks
-        accumulators = getattr(module, "grad_accs", None)
-        if isinstance(accumulators, list):
-            accumulators.clear()
         for holder in gc.get_referrers(module):
             if isinstance(holder, types.CellType):
                 holder.cell_contents = None
