@@ -405,9 +405,7 @@ def plan_cost(plan: MiniBatchPlan) -> float:
     """A plan's cost in forward row passes: 3 per computed row (forward + backward; 1 forward
     only), 1 per recomputed row, and ``CALL_OVERHEAD_FRACTION * max_tokens`` rows per model
     call (kept calls included)."""
-    per_row = 3 if plan.training else 1
-    overhead = CALL_OVERHEAD_FRACTION * plan.max_tokens * len(plan.calls)
-    return per_row * (plan.computed_tokens + overhead) + plan.recomputed_tokens
+    return _row_passes(plan.computed_tokens, len(plan.calls), plan.max_tokens, plan.training) + plan.recomputed_tokens
 
 
 def split_cost(piece_tokens: Sequence[int], steps: int, max_tokens: int, training: bool = True) -> float:
@@ -418,8 +416,13 @@ def split_cost(piece_tokens: Sequence[int], steps: int, max_tokens: int, trainin
     A schedule of the same forest computes every row once but adds a call per kept prefix:
     where the prefixes the pieces repeat are shorter than that call's fixed cost (a chat
     header shared by every group), the pieces are cheaper."""
-    per_row = 3 if training else 1
-    return per_row * (float(sum(piece_tokens)) + CALL_OVERHEAD_FRACTION * max_tokens * steps)
+    return _row_passes(float(sum(piece_tokens)), steps, max_tokens, training)
+
+
+def _row_passes(rows: float, calls: int, max_tokens: int, training: bool) -> float:
+    """Forward row passes of computing ``rows`` in ``calls`` model calls: 3 per row (forward +
+    backward; 1 forward only), each call's fixed cost counted as rows."""
+    return (3 if training else 1) * (rows + CALL_OVERHEAD_FRACTION * max_tokens * calls)
 
 
 def plan_minibatch(
