@@ -760,10 +760,15 @@ def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batc
                        profiles)
         except Exception:  # one failing configuration must not lose the others' figures
             print(f"[{engine}/{model}/{config}] FAILED:\n{traceback.format_exc()}", flush=True)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        free_memory()
     return cells
+
+
+def free_memory() -> None:
+    """What a finished or failed call left behind, given back to the GPU."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp,
@@ -775,38 +780,59 @@ def run_config(engine, model, model_dir, config, batches, plans, args, settings,
     with patchsets(config), prefix_grouper_driving(config):
         workers = Workers(engine, model_dir, config, settings, ref="ref" in args.phases)
         print(f"[{engine}/{model}/{config}] built in {time.perf_counter() - t0:.0f} s", flush=True)
-        old = {}
-        for phase in [p for p in PHASES if p in args.phases]:  # all old log-probs before any update
-            for batch in batches:
-                n, t, ideal = plans[batch.name]
-                if phase == "old":
-                    fn = lambda b=batch: workers.old_log_prob(b)  # noqa: E731
-                elif phase == "ref":
-                    fn = lambda b=batch: workers.ref_log_prob(b)  # noqa: E731
-                else:
-                    lp = old.get(batch.name, (None,))[0]
-                    fn = lambda b=batch, lp=lp: workers.update(b, lp)  # noqa: E731
-                seconds, peak, result = timed(fn, args.warmup, args.iters, settings.device)
-                cell = Cell(model, batch.name, config, phase, n, t, seconds, peak, ideal)
-                if phase == "old":
-                    old[batch.name] = result
-                    mask = response_mask(batch)
-                    if config == "stock":
-                        stock_lp[batch.name] = result[0]
-                    elif batch.name in stock_lp:
-                        cell.vs_stock = response_diff(result[0], stock_lp[batch.name], mask)
-                    ref = refs.get(batch.name)
-                    if ref is not None:
-                        s = ref.size(0)
-                        cell.vs_fp32 = response_diff(result[0][:s, : ref.size(1)], ref, mask[:s, : ref.size(1)])
-                cells.append(cell)
-                print(f"  {batch.name:>10} {config:>5} {PHASE_NAMES[phase]:>20}: {seconds:.3f} s "
-                      f"({n / seconds:,.0f} tok/s, peak {peak:.1f} GiB)", flush=True)
-                if phase in args.profile:
-                    profiles.append(profile_steps({config: fn}, f"profile: {engine} {model} {batch.name} "
-                                                  f"{PHASE_NAMES[phase]}, {config}", iters=1))
-                    print(profiles[-1], flush=True)
-        workers.close()
+        try:  # a failing configuration frees its model too, or the next one starts on a full GPU
+            run_phases(workers, model, config, batches, plans, args, settings.device, refs, stock_lp, cells,
+                       profiles, f"{engine} {model}")
+        finally:
+            workers.close()
+
+
+def run_phases(workers, model, config, batches, plans, args, device, refs, stock_lp, cells: list[Cell],
+               profiles: list[str], label: str) -> None:
+    """Every phase of every batch on one configuration's ``workers``. A cell that runs out of
+    GPU memory is kept as such (its ``seconds`` NaN) and the next one runs: one batch too
+    large for the card must not lose the others' figures."""
+    old = {}
+    for phase in [p for p in PHASES if p in args.phases]:  # all old log-probs before any update
+        for batch in batches:
+            n, t, ideal = plans[batch.name]
+            if phase == "old":
+                fn = lambda b=batch: workers.old_log_prob(b)  # noqa: E731
+            elif phase == "ref":
+                fn = lambda b=batch: workers.ref_log_prob(b)  # noqa: E731
+            else:
+                lp = old.get(batch.name, (None,))[0]
+                fn = lambda b=batch, lp=lp: workers.update(b, lp)  # noqa: E731
+            try:
+                seconds, peak, result = timed(fn, args.warmup, args.iters, device)
+            except torch.OutOfMemoryError as e:
+                oom = str(e).split(". ")[0]  # left outside the handler, so its frames are freed first
+            else:
+                oom = None
+            if oom:
+                print(f"  {batch.name:>10} {config:>5} {PHASE_NAMES[phase]:>20}: {oom}", flush=True)
+                free_memory()
+                cells.append(Cell(model, batch.name, config, phase, n, t, math.nan, math.nan, ideal))
+                continue
+            cell = Cell(model, batch.name, config, phase, n, t, seconds, peak, ideal)
+            if phase == "old":
+                old[batch.name] = result
+                mask = response_mask(batch)
+                if config == "stock":
+                    stock_lp[batch.name] = result[0]
+                elif batch.name in stock_lp:
+                    cell.vs_stock = response_diff(result[0], stock_lp[batch.name], mask)
+                ref = refs.get(batch.name)
+                if ref is not None:
+                    s = ref.size(0)
+                    cell.vs_fp32 = response_diff(result[0][:s, : ref.size(1)], ref, mask[:s, : ref.size(1)])
+            cells.append(cell)
+            print(f"  {batch.name:>10} {config:>5} {PHASE_NAMES[phase]:>20}: {seconds:.3f} s "
+                  f"({n / seconds:,.0f} tok/s, peak {peak:.1f} GiB)", flush=True)
+            if phase in args.profile:
+                profiles.append(profile_steps({config: fn}, f"profile: {label} {batch.name} "
+                                              f"{PHASE_NAMES[phase]}, {config}", iters=1))
+                print(profiles[-1], flush=True)
 
 
 def floor_counted_ideal(stock_s: float, floor_s: float, ideal: float) -> float:
@@ -818,7 +844,7 @@ def floor_counted_ideal(stock_s: float, floor_s: float, ideal: float) -> float:
 
 
 def table(cells: list[Cell]) -> str:
-    stock = {(c.model, c.batch, c.phase): c.seconds for c in cells if c.config == "stock"}
+    stock = {(c.model, c.batch, c.phase): c.seconds for c in cells if c.config == "stock" and not math.isnan(c.seconds)}
     rows = []
     for c in cells:
         base = stock.get((c.model, c.batch, c.phase))
@@ -826,7 +852,8 @@ def table(cells: list[Cell]) -> str:
         speedup = base / c.seconds if base else float("nan")
         shared = c.config != "stock" and base  # stock is the baseline: no measured/ideal of its own
         counted = speedup / floor_counted_ideal(base, floor, c.ideal) if shared and floor else float("nan")
-        rows.append([c.model, c.batch, c.config, PHASE_NAMES[c.phase], c.n, c.t, c.seconds, c.n / c.seconds,
+        seconds = "out of memory" if math.isnan(c.seconds) else c.seconds
+        rows.append([c.model, c.batch, c.config, PHASE_NAMES[c.phase], c.n, c.t, seconds, c.n / c.seconds,
                      c.peak, speedup, c.ideal, speedup / c.ideal if shared else float("nan"),
                      float("nan") if floor is None else floor, counted,
                      c.vs_stock, c.vs_fp32])

@@ -10,12 +10,14 @@ megatron process-wide."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("verl")
 pytest.importorskip("megatron.core")
@@ -190,3 +192,61 @@ def test_scale_multiplies_batch_sizes():
     assert scaled == {name: 1 if name == "floor" else 4 * n for name, n in quick.items()}
     with pytest.raises(SystemExit):
         verl_actor.parse_args(["--scale", "0"])
+
+
+class FakeWorkers:
+    """Workers whose update runs out of memory on the batch named ``big`` and fails outright
+    on ``broken``; records which configurations were closed."""
+
+    closed: list[str] = []
+
+    def __init__(self, engine, model_dir, config, settings, ref):
+        self.config = config
+
+    def update(self, batch, lp):
+        if batch.name == "big":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.35 GiB. GPU 0 has ...")
+        if batch.name == "broken":
+            raise RuntimeError("engine broke")
+        return {}
+
+    def close(self):
+        FakeWorkers.closed.append(self.config)
+
+
+def test_out_of_memory_cell_and_failed_configuration(monkeypatch):
+    """A batch too large for the card is kept as an out-of-memory cell and the next batch still
+    runs; a configuration that fails still closes its workers (or its model stays on the GPU
+    under the next configuration's)."""
+    import contextlib
+    import types
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    monkeypatch.setattr(verl_actor, "Workers", FakeWorkers)
+    monkeypatch.setattr(verl_actor, "patchsets", lambda config: contextlib.nullcontext())
+    monkeypatch.setattr(verl_actor, "prefix_grouper_driving", lambda config: contextlib.nullcontext())
+    args = types.SimpleNamespace(phases=["update"], warmup=0, iters=1, profile=[])
+    settings = types.SimpleNamespace(device="cpu")
+    batches = [types.SimpleNamespace(name=n) for n in ("big", "small")]
+    plans = {"big": (100, 50, 2.0), "small": (10, 5, 2.0)}
+    FakeWorkers.closed.clear()
+    every = []
+    for config in ("stock", "ps"):
+        cells = []
+        verl_actor.run_config("fsdp", "m", "dir", config, batches, plans, args, settings, {}, {}, cells, [])
+        assert [(c.batch, math.isnan(c.seconds)) for c in cells] == [("big", True), ("small", False)]
+        every += cells
+    assert FakeWorkers.closed == ["stock", "ps"]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in verl_actor.table(every).splitlines()]
+    big_ps = next(r for r in rows if r[1:3] == ["big", "ps"])
+    assert big_ps[verl_actor.HEADERS.index("s")] == "out of memory"
+    assert big_ps[verl_actor.HEADERS.index("speedup")] == "-"
+    small_ps = next(r for r in rows if r[1:3] == ["small", "ps"])
+    assert small_ps[verl_actor.HEADERS.index("speedup")] != "-"
+
+    with pytest.raises(RuntimeError, match="engine broke"):
+        verl_actor.run_config("fsdp", "m", "dir", "ps", [types.SimpleNamespace(name="broken")],
+                              {"broken": (1, 1, 1.0)}, args, settings, {}, {}, [], [])
+    assert FakeWorkers.closed[-1] == "ps" and len(FakeWorkers.closed) == 3
