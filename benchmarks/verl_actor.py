@@ -25,6 +25,10 @@ Configurations, each in the same run on the same weights and batches:
 * ``ps``: ``use_prefix_grouper: true`` with ``prefix_grouper.mode=arbitrary_prefix``, the
   patchsets installed by ``ps_mcore.setup.install()``; the token budget counts deduplicated
   tokens.
+* ``ps-pieces`` (not run unless named in ``--configs``): ``ps`` with
+  ``prefix_grouper.cross_microbatch: false``, so sharing units larger than the budget always
+  run as pieces that repeat their shared prefix, never as a cross-micro-batch schedule: the
+  two side by side show which the planner should have chosen.
 
 Per engine one table: per (model, batch, config, phase) wall time (median of ``--iters``
 after ``--warmup`` calls; each call is one mini-batch), tokens/s (raw tokens N), peak memory,
@@ -330,7 +334,9 @@ def ideal_speedup(batch: Batch, shape: DecoderShape, min_prefix_len: int = 8) ->
 # ----------------------------------------------------------------------------- verl config
 
 
-CONFIGS = {"fsdp": ("stock", "pg", "ps"), "megatron": ("stock", "ps")}
+CONFIGS = {"fsdp": ("stock", "pg", "ps", "ps-pieces"), "megatron": ("stock", "ps", "ps-pieces")}
+# ps-mcore's configurations: the ``prefix_grouper`` options each sets
+PS_CONFIGS = {"ps": {}, "ps-pieces": {"cross_microbatch": False}}
 
 
 @dataclass
@@ -370,8 +376,8 @@ def compose_config(engine: str, model_dir: str, config: str, settings: RunSettin
         arr.actor.optim.lr = settings.lr
         arr.actor.optim.total_training_steps = 10_000
         arr.actor.use_prefix_grouper = config != "stock"
-        if config == "ps":
-            arr.actor.prefix_grouper = {"mode": "arbitrary_prefix", "min_prefix_len": 8}
+        if config in PS_CONFIGS:
+            arr.actor.prefix_grouper = {"mode": "arbitrary_prefix", "min_prefix_len": 8, **PS_CONFIGS[config]}
         if engine == "fsdp":
             arr.actor.strategy = arr.ref.strategy = "fsdp2"
             arr.model.override_config = {"attn_implementation": verl_flash_fallback.ATTN_NAME}
@@ -401,13 +407,13 @@ def compose_config(engine: str, model_dir: str, config: str, settings: RunSettin
 
 @contextlib.contextmanager
 def patchsets(config: str):
-    """ps-mcore's patchsets installed for ``ps`` (uninstalled otherwise and afterwards)."""
+    """ps-mcore's patchsets installed for its configurations (uninstalled otherwise and afterwards)."""
     from ps_mcore import setup
     from ps_mcore.integrations.verl_common.config import reset_actor_setting
 
     setup.uninstall()
     reset_actor_setting()
-    if config == "ps":
+    if config in PS_CONFIGS:
         setup.install()
     try:
         yield
@@ -1140,7 +1146,7 @@ def tiny(args) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", nargs="+", default=["fsdp", "megatron"], choices=list(CONFIGS))
-    p.add_argument("--configs", nargs="+", default=["stock", "pg", "ps"], choices=["stock", "pg", "ps"],
+    p.add_argument("--configs", nargs="+", default=["stock", "pg", "ps"], choices=["stock", "pg", *PS_CONFIGS],
                    help="configurations to run (stock is the baseline of every ratio)")
     p.add_argument("--models", nargs="+", choices=list(MODELS),
                    help=f"default: every GPU model ({', '.join(GPU_MODELS)}); --quick: qwen2.5-1.5b; "

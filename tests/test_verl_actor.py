@@ -250,3 +250,20 @@ def test_out_of_memory_cell_and_failed_configuration(monkeypatch):
         verl_actor.run_config("fsdp", "m", "dir", "ps", [types.SimpleNamespace(name="broken")],
                               {"broken": (1, 1, 1.0)}, args, settings, {}, {}, [], [])
     assert FakeWorkers.closed[-1] == "ps" and len(FakeWorkers.closed) == 3
+
+
+def test_ps_pieces_configuration_turns_schedules_off():
+    """``ps-pieces`` is ``ps`` with cross-micro-batch schedules off, in the config verl's
+    workers receive (so the two can be timed side by side); ``ps`` keeps the default."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+    from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
+
+    settings = verl_actor.RunSettings(device="cpu", max_token_len=4096, tiny=True)
+    model_dir = verl_actor.write_model_dir("tiny", "cpu", weights=False)
+    seen = {}
+    for config in ("ps", "ps-pieces"):
+        arr = verl_actor.compose_config("megatron", model_dir, config, settings)
+        assert arr.actor.use_prefix_grouper
+        seen[config] = PrefixGrouperConfig.from_any(arr.actor.prefix_grouper).cross_microbatch
+    assert seen == {"ps": True, "ps-pieces": False}
