@@ -525,6 +525,33 @@ def test_long_shared_prefix_still_runs_as_a_schedule():
     assert scheduler.schedule.plan.computed_tokens == tokens(range(len(data)))
 
 
+def test_scheduler_walks_the_model_only_for_a_unit_over_the_budget():
+    """The refusal and the cost estimates walk the model: an engine step whose units all fit
+    the budget calls none of them; one with a unit over it calls each once."""
+    from ps_mcore.integrations.verl_common.schedule import scheduler_for
+
+    calls = []
+
+    def counted(name, value):
+        return lambda: calls.append(name) or value
+
+    def scheduler(config):
+        return scheduler_for(config, True, counted("estimate", 0.05), counted("refusal", None),
+                             counted("states", 0.0))
+
+    data, config, _, tokens = _header_bound_batch(header=200, budget=900)
+    assert tokens(range(len(data))) > 900
+    over = scheduler(config)
+    prefix_aware_prepare_micro_batches(data, config, _stock, scheduler=over)
+    assert over.schedule is not None and sorted(calls) == ["estimate", "refusal", "states"]
+
+    calls.clear()
+    data, config, _, _ = _header_bound_batch(header=200, budget=10**6)
+    fits = scheduler(config)
+    prefix_aware_prepare_micro_batches(data, config, _stock, scheduler=fits)
+    assert fits.schedule is None and calls == []
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_run_token_estimate_is_the_plan_where_nothing_dissolves(seed):
     """Splits size runs of a unit's sorted members without planning: sum of lengths minus what

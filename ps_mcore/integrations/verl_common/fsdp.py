@@ -432,7 +432,7 @@ def fsdp_scheduler(step, setting, data):
     dtype_bytes = 4 if getattr(engine, "_autocast_dtype", torch.bfloat16) == torch.float32 else 2
     return scheduler_for(
         setting.config, training, lambda: hf_kv_row_cost(engine.module, training, dtype_bytes),
-        fsdp_schedule_refusal(engine, data),
+        lambda: fsdp_schedule_refusal(engine, data),
     )
 
 

@@ -453,7 +453,7 @@ def megatron_scheduler(step, setting, data):
 
     return scheduler_for(
         setting.config, training, lambda: gpt_kv_row_cost(model, training),
-        megatron_schedule_refusal(step.engine, model, data),
+        lambda: megatron_schedule_refusal(step.engine, model, data),
         lambda: recurrent_state_cost(model, training),
     )
 

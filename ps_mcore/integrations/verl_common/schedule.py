@@ -86,16 +86,37 @@ class MiniBatchScheduler:
             then split, with one warning), or None.
         state_cost: budget tokens per kept node's recurrent states (hybrid models; see
             :func:`~ps_mcore.minibatch.schedule_tree`).
+
+    Each of the three may be given as a function of no arguments, called at most once and only
+    when a unit is larger than the budget: finding them walks the model, which most engine
+    steps, whose units all fit, need not pay for.
     """
 
-    def __init__(self, config: PrefixGrouperConfig, training: bool, kv_row_cost: float, refusal: str | None = None,
-                 state_cost: float = 0.0):
+    def __init__(self, config: PrefixGrouperConfig, training: bool, kv_row_cost: float | Callable[[], float],
+                 refusal: str | None | Callable[[], str | None] = None,
+                 state_cost: float | Callable[[], float] = 0.0):
         self.config = config
         self.training = training
-        self.kv_row_cost = kv_row_cost
-        self.refusal = refusal
-        self.state_cost = state_cost
+        self._given = dict(kv_row_cost=kv_row_cost, refusal=refusal, state_cost=state_cost)
         self.schedule: VerlSchedule | None = None
+
+    def _value(self, name: str):
+        value = self._given[name]
+        if callable(value):
+            value = self._given[name] = value()
+        return value
+
+    @property
+    def refusal(self) -> str | None:
+        return self._value("refusal")
+
+    @property
+    def kv_row_cost(self) -> float:
+        return self._value("kv_row_cost")
+
+    @property
+    def state_cost(self) -> float:
+        return self._value("state_cost")
 
     def partitions(self, units: _Units, budget: int, options: dict) -> list[list[int]] | None:
         """Micro-batches (sample index lists): the schedule's steps, then the small units'; or
@@ -155,15 +176,16 @@ class MiniBatchScheduler:
 
 
 def scheduler_for(config: PrefixGrouperConfig, training: bool, estimate: Callable[[], float],
-                  refusal: str | None, state_cost: Callable[[], float] | None = None) -> MiniBatchScheduler | None:
+                  refusal: Callable[[], str | None], state_cost: Callable[[], float] | None = None
+                  ) -> MiniBatchScheduler | None:
     """The scheduler of one engine step (None when ``cross_microbatch`` is off).
-    ``estimate``: the model's ``kv_row_cost``; ``state_cost``: its kept recurrent state cost
-    (hybrid models), both called only when a schedule can run."""
+    ``estimate``: the model's ``kv_row_cost``; ``refusal``: why the engine cannot schedule;
+    ``state_cost``: the model's kept recurrent state cost (hybrid models). Each is called only
+    when a unit is larger than the budget, the costs only where the engine can schedule."""
     if not config.cross_microbatch:
         return None
-    cost = config.kv_row_cost if config.kv_row_cost is not None else (estimate() if refusal is None else 1.0)
-    states = state_cost() if state_cost is not None and refusal is None else 0.0
-    return MiniBatchScheduler(config, training, cost, refusal, states)
+    cost = config.kv_row_cost if config.kv_row_cost is not None else estimate
+    return MiniBatchScheduler(config, training, cost, refusal, 0.0 if state_cost is None else state_cost)
 
 
 def schedule_temperature(data) -> float | torch.Tensor:
