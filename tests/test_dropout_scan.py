@@ -1,0 +1,43 @@
+"""ps_mcore.dropout's scan of a model's active dropouts: exact per mode, once per model and mode."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from ps_mcore import dropout
+from ps_mcore.dropout import active_dropouts
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.hidden_dropout = 0.2  # a functional dropout's rate, as Megatron's layers keep it
+
+
+def test_active_dropouts_found_once_per_mode_and_model_freed(monkeypatch):
+    """The verl glue asks before every micro-batch: the scan (every attribute of every module)
+    runs once per model and mode; eval mode, train mode again and an added module each give
+    the exact answer; the cache does not keep a model alive."""
+    scans = []
+    scan = dropout._scan_rates
+    monkeypatch.setattr(dropout, "_scan_rates", lambda m: scans.append(1) or scan(m))
+    model = torch.nn.Sequential(Block(), torch.nn.Dropout(0.1), torch.nn.Linear(4, 4))
+
+    train = active_dropouts(model)
+    assert [(s.name, s.p) for s in train] == [("0.hidden_dropout", 0.2), ("1", 0.1)]
+    assert active_dropouts(model) == train and len(scans) == 1
+    assert active_dropouts(model.eval()) == [] and len(scans) == 2
+    assert active_dropouts(model.train()) == train and len(scans) == 2
+    model[0].eval()  # one module's mode: a mode of its own
+    assert [s.name for s in active_dropouts(model)] == ["1"] and len(scans) == 3
+    model.train().add_module("3", torch.nn.Dropout(0.3))
+    assert [s.name for s in active_dropouts(model)] == ["0.hidden_dropout", "1", "3"] and len(scans) == 4
+
+    freed = weakref.ref(model)
+    del model
+    gc.collect()
+    assert freed() is None
