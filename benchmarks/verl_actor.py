@@ -812,7 +812,7 @@ def run_phases(workers, model, config, batches, plans, args, device, refs, stock
             try:
                 seconds, peak, result = timed(fn, args.warmup, args.iters, device)
             except torch.OutOfMemoryError as e:
-                oom = str(e).split(". ")[0]  # left outside the handler, so its frames are freed first
+                oom = ". ".join(str(e).split(". ")[:2])  # used outside the handler, once its frames are freed
             else:
                 oom = None
             if oom:
