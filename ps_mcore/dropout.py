@@ -80,7 +80,7 @@ def active_dropouts(
     ]
 
 
-# model -> {the train / eval flags of its modules: (site name, holder, p) active in that mode}
+# model -> {its modules' (identity, train / eval flag): (site name, holder, p) active in that mode}
 _FOUND: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -88,10 +88,10 @@ def _active_rates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, fl
     """(site name, module holding it, p) of every active dropout of ``model``, found once per
     model and mode. The scan reads every attribute of every module (milliseconds on a 28-layer
     model) and the verl glue asks before every micro-batch; rates are set when a model is
-    built, and what changes after, ``train()`` / ``eval()`` and modules added or removed, is
-    in the key: every module's flag, in order. Holders are kept as weak references, so the
-    entry never keeps ``model`` alive."""
-    mode = tuple(m.training for m in model.modules())
+    built, and what changes after, ``train()`` / ``eval()`` and modules added, removed or
+    replaced, is in the key: every module's identity and flag, in order. Holders are kept as
+    weak references, so the entry never keeps ``model`` alive."""
+    mode = tuple((id(m), m.training) for m in model.modules())
     by_mode = _FOUND.setdefault(model, {})
     found = by_mode.get(mode)
     if found is None:

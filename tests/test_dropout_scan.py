@@ -20,8 +20,8 @@ class Block(torch.nn.Module):
 
 def test_active_dropouts_found_once_per_mode_and_model_freed(monkeypatch):
     """The verl glue asks before every micro-batch: the scan (every attribute of every module)
-    runs once per model and mode; eval mode, train mode again and an added module each give
-    the exact answer; the cache does not keep a model alive."""
+    runs once per model and mode; eval mode, train mode again, an added and a replaced module
+    each give the exact answer; the cache does not keep a model alive."""
     scans = []
     scan = dropout._scan_rates
     monkeypatch.setattr(dropout, "_scan_rates", lambda m: scans.append(1) or scan(m))
@@ -36,6 +36,8 @@ def test_active_dropouts_found_once_per_mode_and_model_freed(monkeypatch):
     assert [s.name for s in active_dropouts(model)] == ["1"] and len(scans) == 3
     model.train().add_module("3", torch.nn.Dropout(0.3))
     assert [s.name for s in active_dropouts(model)] == ["0.hidden_dropout", "1", "3"] and len(scans) == 4
+    model[1] = torch.nn.Dropout(0.5)  # a module replaced: same count, same flags, a new rate
+    assert [(s.name, s.p) for s in active_dropouts(model)][1] == ("1", 0.5) and len(scans) == 5
 
     freed = weakref.ref(model)
     del model
