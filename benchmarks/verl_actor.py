@@ -870,6 +870,7 @@ def table(cells: list[Cell]) -> str:
 
 QUICK = dict(models=["qwen2.5-1.5b"], batches=list(BATCHES), warmup=1, iters=2,
              sizes=dict(gsm8k=8, **{"pg-4k": 2, "pg-8k": 2}, agent=2, **{"no-sharing": 8}, floor=1))
+DEFAULT_REPEATS = dict(warmup=1, iters=3)
 FULL_SIZES = dict(gsm8k=16, **{"pg-4k": 4, "pg-8k": 4}, agent=4, **{"no-sharing": 16}, floor=1)
 
 
@@ -1159,12 +1160,13 @@ def parse_args(argv=None):
                    help="after timing these phases, one more call of each under the CUDA profiler: kernel "
                         "time by kind, the wall time no kernel covers, and the host syncs (GPU only)")
     p.add_argument("--quick", action="store_true",
-                   help="Qwen2.5-1.5B, every batch at half size, 1 warm-up + 2 timed mini-batches per cell")
+                   help="Qwen2.5-1.5B, every batch at half size, 1 warm-up + 2 timed mini-batches per cell "
+                        "(--warmup / --iters, when given, still apply)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every batch's size (groups, trajectories, samples): a mini-batch several "
                         "token budgets large, past the fixed costs of one update call")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=None, help="untimed mini-batches per cell (default 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed mini-batches per cell (default 3; --quick: 2)")
     p.add_argument("--max-token-len", type=int, default=16384, help="ppo_max_token_len_per_gpu (and log-prob budgets)")
     p.add_argument("--pg-groups", type=int, default=1, help="PrefixGrouper: groups per fixed micro-batch")
     p.add_argument("--ref-samples", type=int, default=8, help="sequences per batch in the fp32 reference (0: none)")
@@ -1193,8 +1195,9 @@ def parse_args(argv=None):
         p.error(f"--models {' '.join(args.models)}: MoE models run on the megatron engine only (--engines)")
     if args.lr is None:  # --tiny --curves: the tiny model's weights (std 0.02) move visibly in a few steps
         args.lr = (1e-3 if args.tiny else 1e-5) if args.curves else 1e-6
-    if args.quick:
-        args.warmup, args.iters = QUICK["warmup"], QUICK["iters"]
+    defaults = QUICK if args.quick else DEFAULT_REPEATS
+    args.warmup = defaults["warmup"] if args.warmup is None else args.warmup
+    args.iters = defaults["iters"] if args.iters is None else args.iters
     return args
 
 

@@ -194,6 +194,19 @@ def test_scale_multiplies_batch_sizes():
         verl_actor.parse_args(["--scale", "0"])
 
 
+def test_quick_keeps_explicit_repeats():
+    """``--quick`` sets the warm-up and timed mini-batches only where they are not given."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    quick = verl_actor.parse_args(["--quick"])
+    assert (quick.warmup, quick.iters) == (verl_actor.QUICK["warmup"], verl_actor.QUICK["iters"])
+    given = verl_actor.parse_args(["--quick", "--warmup", "2", "--iters", "5"])
+    assert (given.warmup, given.iters) == (2, 5)
+    plain = verl_actor.parse_args([])
+    assert (plain.warmup, plain.iters) == (1, 3)
+
+
 class FakeWorkers:
     """Workers whose update runs out of memory on the batch named ``big`` and fails outright
     on ``broken``; records which configurations were closed."""
