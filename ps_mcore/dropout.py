@@ -80,8 +80,16 @@ def active_dropouts(
     ]
 
 
-# model -> {its modules' (identity, train / eval flag): (site name, holder, p) active in that mode}
-_FOUND: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+@dataclass
+class _Scans:
+    """The scans of one model: its modules when scanned (weak references, in order) and, per
+    tuple of their train / eval flags, (site name, weak holder, p) of every active dropout."""
+
+    modules: list[weakref.ref]
+    by_flags: dict
+
+
+_FOUND: "weakref.WeakKeyDictionary[torch.nn.Module, _Scans]" = weakref.WeakKeyDictionary()
 
 
 def _active_rates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, float]]:
@@ -89,13 +97,19 @@ def _active_rates(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, fl
     model and mode. The scan reads every attribute of every module (milliseconds on a 28-layer
     model) and the verl glue asks before every micro-batch; rates are set when a model is
     built, and what changes after, ``train()`` / ``eval()`` and modules added, removed or
-    replaced, is in the key: every module's identity and flag, in order. Holders are kept as
-    weak references, so the entry never keeps ``model`` alive."""
-    mode = tuple((id(m), m.training) for m in model.modules())
-    by_mode = _FOUND.setdefault(model, {})
-    found = by_mode.get(mode)
+    replaced, is checked on every call: the modules must be the very objects scanned (weak
+    references, so an address reused by a new module is not taken for the old one), and each
+    tuple of flags has its own scan. Nothing here keeps ``model`` alive."""
+    modules = list(model.modules())
+    scans = _FOUND.get(model)
+    if scans is None or len(scans.modules) != len(modules) or any(
+        ref() is not module for ref, module in zip(scans.modules, modules)
+    ):
+        scans = _FOUND[model] = _Scans([weakref.ref(m) for m in modules], {})
+    flags = tuple(m.training for m in modules)
+    found = scans.by_flags.get(flags)
     if found is None:
-        found = by_mode[mode] = [(name, weakref.ref(holder), p) for name, holder, p in _scan_rates(model)]
+        found = scans.by_flags[flags] = [(name, weakref.ref(holder), p) for name, holder, p in _scan_rates(model)]
     return [(name, holder(), p) for name, holder, p in found]
 
 

@@ -43,3 +43,15 @@ def test_active_dropouts_found_once_per_mode_and_model_freed(monkeypatch):
     del model
     gc.collect()
     assert freed() is None
+
+
+def test_a_module_at_a_reused_address_is_scanned_again():
+    """A module freed and a new one made at its address must not be taken for the old one:
+    the cache holds the scanned modules themselves (weakly), not their addresses."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.0))
+    assert active_dropouts(model) == []
+    scans = dropout._FOUND[model]
+    # what an address-keyed cache would see after the dropout is replaced by one at its address
+    scans.modules[2] = weakref.ref(torch.nn.Dropout(0.0))  # dead at once: the old module is gone
+    model[1].p = 0.4  # the module at that position now drops
+    assert [(s.name, s.p) for s in active_dropouts(model)] == [("1", 0.4)]
