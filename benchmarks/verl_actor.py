@@ -756,19 +756,24 @@ class Cell:
 
 def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batch], args, settings,
                      refs: dict, profiles: list[str]) -> list[Cell]:
-    """Every configuration of ``engine`` on ``model``: the phases of every batch."""
+    """Every configuration of ``engine`` on ``model``, in ``--configs``' order (so a timing
+    that depends on what ran before in the process shows up by running them the other way
+    round): the phases of every batch."""
     shape = decoder_shape(model)
     plans = {b.name: ideal_speedup(b, shape) for b in batches}
-    cells, stock_lp = [], {}
-    for config in CONFIGS[engine]:
-        if config not in args.configs:
-            continue
+    cells, old_lp = [], {}
+    for config in [c for c in args.configs if c in CONFIGS[engine]]:
         try:  # cells fills as it goes: a configuration that fails keeps what it measured
-            run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp, cells,
+            run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, old_lp, cells,
                        profiles)
         except Exception:  # one failing configuration must not lose the others' figures
             print(f"[{engine}/{model}/{config}] FAILED:\n{traceback.format_exc()}", flush=True)
         free_memory()
+    masks = {b.name: response_mask(b) for b in batches}
+    for cell in cells:  # once every configuration ran: stock need not run first
+        stock, mine = old_lp.get(("stock", cell.batch)), old_lp.get((cell.config, cell.batch))
+        if cell.phase == "old" and cell.config != "stock" and stock is not None and mine is not None:
+            cell.vs_stock = response_diff(mine, stock, masks[cell.batch])
     return cells
 
 
@@ -779,7 +784,7 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, stock_lp,
+def run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, old_lp,
                cells: list[Cell], profiles: list[str]) -> None:
     """One configuration's workers through every phase of every batch, appending to ``cells``
     (and, for the phases in ``--profile``, where one call's time goes to ``profiles``)."""
@@ -789,15 +794,16 @@ def run_config(engine, model, model_dir, config, batches, plans, args, settings,
         workers = Workers(engine, model_dir, config, settings, ref="ref" in args.phases)
         print(f"[{engine}/{model}/{config}] built in {time.perf_counter() - t0:.0f} s", flush=True)
         try:  # a failing configuration frees its model too, or the next one starts on a full GPU
-            run_phases(workers, model, config, batches, plans, args, settings.device, refs, stock_lp, cells,
+            run_phases(workers, model, config, batches, plans, args, settings.device, refs, old_lp, cells,
                        profiles, f"{engine} {model}")
         finally:
             workers.close()
 
 
-def run_phases(workers, model, config, batches, plans, args, device, refs, stock_lp, cells: list[Cell],
+def run_phases(workers, model, config, batches, plans, args, device, refs, old_lp, cells: list[Cell],
                profiles: list[str], label: str) -> None:
-    """Every phase of every batch on one configuration's ``workers``. A cell that runs out of
+    """Every phase of every batch on one configuration's ``workers``; each old log-prob call's
+    ``[B, R]`` log-probs go to ``old_lp[config, batch]``. A cell that runs out of
     GPU memory is kept as such (its ``seconds`` NaN) and the next one runs: one batch too
     large for the card must not lose the others' figures."""
     old = {}
@@ -825,11 +831,8 @@ def run_phases(workers, model, config, batches, plans, args, device, refs, stock
             cell = Cell(model, batch.name, config, phase, n, t, seconds, peak, ideal)
             if phase == "old":
                 old[batch.name] = result
+                old_lp[config, batch.name] = result[0]
                 mask = response_mask(batch)
-                if config == "stock":
-                    stock_lp[batch.name] = result[0]
-                elif batch.name in stock_lp:
-                    cell.vs_stock = response_diff(result[0], stock_lp[batch.name], mask)
                 ref = refs.get(batch.name)
                 if ref is not None:
                     s = ref.size(0)
@@ -1150,7 +1153,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", nargs="+", default=["fsdp", "megatron"], choices=list(CONFIGS))
     p.add_argument("--configs", nargs="+", default=["stock", "pg", "ps"], choices=["stock", "pg", *PS_CONFIGS],
-                   help="configurations to run (stock is the baseline of every ratio)")
+                   help="configurations to run, in this order (stock is the baseline of every ratio)")
     p.add_argument("--models", nargs="+", choices=list(MODELS),
                    help=f"default: {', '.join(GPU_MODELS)}; --quick: qwen2.5-1.5b; "
                         f"--curves: qwen2.5-0.5b; --tiny: tiny (--tiny runs {', '.join(TINY_MODELS)} only)")

@@ -223,6 +223,11 @@ class FakeWorkers:
             raise RuntimeError("engine broke")
         return {}
 
+    def old_log_prob(self, batch):
+        """``[1, 2]`` log-probs that differ by configuration: ps's are 0.25 above stock's."""
+        logp = torch.tensor([[-1.0, -2.0]]) + (0.25 if self.config == "ps" else 0.0)
+        return logp, torch.zeros_like(logp)
+
     def close(self):
         FakeWorkers.closed.append(self.config)
 
@@ -263,6 +268,30 @@ def test_out_of_memory_cell_and_failed_configuration(monkeypatch):
         verl_actor.run_config("fsdp", "m", "dir", "ps", [types.SimpleNamespace(name="broken")],
                               {"broken": (1, 1, 1.0)}, args, settings, {}, {}, [], [])
     assert FakeWorkers.closed[-1] == "ps" and len(FakeWorkers.closed) == 3
+
+
+def test_configurations_run_in_the_order_given(monkeypatch):
+    """``--configs ps stock`` runs ps first (an order effect in one process shows up by running
+    both orders), and ps's log-probs are still compared with stock's once stock has run."""
+    import contextlib
+    import types
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    monkeypatch.setattr(verl_actor, "Workers", FakeWorkers)
+    monkeypatch.setattr(verl_actor, "patchsets", lambda config: contextlib.nullcontext())
+    monkeypatch.setattr(verl_actor, "prefix_grouper_driving", lambda config: contextlib.nullcontext())
+    monkeypatch.setattr(verl_actor, "ideal_speedup", lambda batch, shape: (2, 2, 1.0))
+    monkeypatch.setattr(verl_actor, "response_mask", lambda batch: torch.tensor([[0, 1]]))
+    args = types.SimpleNamespace(phases=["old"], warmup=0, iters=1, profile=[], configs=["ps", "stock"])
+    settings = types.SimpleNamespace(device="cpu")
+    FakeWorkers.closed.clear()
+    cells = verl_actor.run_engine_model("fsdp", "qwen2.5-0.5b", "dir", [types.SimpleNamespace(name="b")], args,
+                                        settings, {}, [])
+    assert FakeWorkers.closed == ["ps", "stock"]
+    assert [c.config for c in cells] == ["ps", "stock"]
+    assert cells[0].vs_stock == pytest.approx(0.25) and math.isnan(cells[1].vs_stock)
 
 
 def test_ps_pieces_configuration_turns_schedules_off():
