@@ -30,7 +30,8 @@ pytestmark = pytest.mark.usefixtures("fresh_warnings")  # each test sees its own
 
 from verl_batches import (  # noqa: E402
     DISTILLATION_KEYS, RTOL, VOCAB, WORKLOADS, add_value_targets, assert_grads, assert_outputs, distillation_loss,
-    long_units, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, with_statistics,
+    forbid, long_units, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, unshared_samples,
+    with_statistics,
 )
 from verl_helpers import fsdp_patchset  # noqa: E402
 
@@ -292,15 +293,38 @@ def test_engine_without_setting_is_bit_identical(impl):
 
 
 def test_fallback_when_savings_too_small(impl):
+    """Two of three samples share 3 tokens of 70 (under the default 5%): verl's forward, with
+    the step's token counts recorded."""
     model = make_model()
     rng = np.random.default_rng(6)
-    samples = [(rng.integers(1, VOCAB, 6).tolist(), rng.integers(1, VOCAB, 4).tolist(), f"u{i}") for i in range(3)]
+    head = rng.integers(1, VOCAB, 3).tolist()
+    samples = [(head + rng.integers(1, VOCAB, 19).tolist(), rng.integers(1, VOCAB, 2).tolist(), f"u{i}") for i in range(2)]
+    samples.append((rng.integers(1, VOCAB, 20).tolist(), rng.integers(1, VOCAB, 2).tolist(), "u2"))
     data = make_batch(samples, rng)
-    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix"))  # default threshold 5%
+    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3))
     stock, _ = _run(impl, model, data, setting, False)
     tree, _ = _run(impl, model, data, setting, True)
     _bit_identical(stock, tree)
-    assert step_tokens(tree) == (30, 30)
+    assert step_tokens(tree) == (70, 70)
+
+
+def test_a_batch_sharing_nothing_is_verls_own_run(impl, monkeypatch):
+    """No two samples share a token: verl's micro-batches and forward, unplanned and unchecked
+    (no host work of ours per micro-batch), bit for bit, with each micro-batch's token counts."""
+    model = make_model()
+    rng = np.random.default_rng(6)
+    data = make_batch(unshared_samples(rng, VOCAB), rng, use_dynamic_bsz=True, max_token_len_per_gpu=30)
+    setting = _setting("arbitrary_prefix")
+    stock, _ = _run(impl, model, data, setting, False)
+    stock_train, g_stock = _run(impl, model, data, setting, False, _ppo())
+    forbid(monkeypatch, fsdp_glue, "plan_or_stock", "fsdp_batch_refusal")
+    tree, _ = _run(impl, model, data, setting, True)
+    tree_train, g_tree = _run(impl, model, data, setting, True, _ppo())
+    _bit_identical(stock, tree)
+    _bit_identical(stock_train, tree_train, g_stock, g_tree)
+    per_micro = list(zip(tree["metrics"][TOKENS_IN], tree["metrics"][TOKENS_PACKED]))
+    n = int(data["input_ids"].offsets()[-1])
+    assert len(per_micro) >= 2 and all(a == b for a, b in per_micro) and step_tokens(tree) == (n, n)
 
 
 def _fallback_case(impl, model, data, setting, match, engine_setup=None, cls=None):

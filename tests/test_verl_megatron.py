@@ -26,8 +26,8 @@ from megatron_shims import (  # noqa: E402
 )
 from verl_batches import (  # noqa: E402
     DISTILLATION_KEYS, RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func,
-    distillation_loss, engine_shell, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, tiny_critic,
-    with_statistics,
+    distillation_loss, engine_shell, forbid, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss,
+    tiny_critic, unshared_samples, with_statistics,
 )
 from verl_helpers import megatron_patchset  # noqa: E402
 
@@ -180,17 +180,44 @@ def test_micro_batched_outputs_restored_in_batch_order(env, dynamic):
     assert t < n and len(tree_i["metrics"][TOKENS_IN]) >= 2  # several micro-batches, all sharing
 
 
+def _ints(rng, n):
+    return [int(x) for x in rng.integers(1, 128, n)]
+
+
 def test_fallback_when_savings_too_small(env):
+    """Two of three samples share 3 tokens of 70 (under the default 5%): verl's forward."""
     impl, model = env
     rng = np.random.default_rng(6)
-    samples = [([int(x) for x in rng.integers(1, 128, 6)], [int(x) for x in rng.integers(1, 128, 4)], f"u{i}") for i in range(3)]
+    head = _ints(rng, 3)
+    samples = [(head + _ints(rng, 19), _ints(rng, 2), f"u{i}") for i in range(2)] + [(_ints(rng, 20), _ints(rng, 2), "u2")]
     data = make_batch(samples, rng)
-    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix"))
+    setting = PrefixSharingSetting(True, PrefixGrouperConfig(mode="arbitrary_prefix", min_prefix_len=3))
     stock, _ = _run(impl, model, data, setting, False)
     tree, _ = _run(impl, model, data, setting, True)
     assert torch.equal(stock["model_output"]["log_probs"].values(), tree["model_output"]["log_probs"].values())
     n, t = step_tokens(tree)
-    assert n == t == 30
+    assert n == t == 70
+
+
+def test_a_batch_sharing_nothing_is_verls_own_run(env, monkeypatch):
+    """No two samples share a token: verl's micro-batches and forward, unplanned and unchecked,
+    bit for bit (outputs, loss, every gradient), with each micro-batch's token counts."""
+    from ps_mcore.integrations.verl_common import megatron as glue
+
+    impl, model = env
+    rng = np.random.default_rng(6)
+    data = make_batch(unshared_samples(rng, 128), rng, use_dynamic_bsz=True, max_token_len_per_gpu=30)
+    setting = _setting("arbitrary_prefix")
+    stock, _ = _run(impl, model, data, setting, False)
+    stock_train, g_stock = _run(impl, model, data, setting, False, _ppo())
+    forbid(monkeypatch, glue, "plan_or_stock", "megatron_batch_refusal")
+    tree, _ = _run(impl, model, data, setting, True)
+    tree_train, g_tree = _run(impl, model, data, setting, True, _ppo())
+    assert torch.equal(stock["model_output"]["log_probs"].values(), tree["model_output"]["log_probs"].values())
+    assert [float(x) for x in tree_train["loss"]] == [float(x) for x in stock_train["loss"]]
+    assert all(torch.equal(a, b) for a, b in zip(g_stock, g_tree) if a is not None)
+    n = int(data["input_ids"].offsets()[-1])
+    assert len(tree["metrics"][TOKENS_IN]) >= 2 and step_tokens(tree) == (n, n)
 
 
 @pytest.mark.parametrize("workload", ["grpo", "tree"])

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("verl")
 
-from verl_batches import WORKLOADS, driver_batch, make_batch  # noqa: E402
+from verl_batches import WORKLOADS, driver_batch, make_batch, unshared_samples  # noqa: E402
 
 from ps_mcore.integrations.verl_common.batch import plan_sequences, sequences  # noqa: E402
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig  # noqa: E402
@@ -619,3 +619,27 @@ def test_a_deeply_nested_unit_splits():
     units.split_larger_than(1210)
     assert len(units.members) >= 2 and max(units.tokens) <= 1210
     assert sorted(i for m in units.members for i in m) == list(range(1200))
+
+
+@pytest.mark.parametrize("use_dynamic_bsz", [True, False])
+@pytest.mark.parametrize("mode", ["prompt_only", "arbitrary_prefix"])
+def test_a_batch_sharing_nothing_gets_verls_micro_batches(mode, use_dynamic_bsz):
+    """Nothing to share: verl's own micro-batches (same samples, same order), each listed in
+    ``unshared`` with its input tokens; a batch that shares lists none."""
+    rng = np.random.default_rng(3)
+    options = dict(max_token_len_per_gpu=30) if use_dynamic_bsz else dict(micro_batch_size_per_gpu=2)
+    data = make_batch(unshared_samples(rng, 100, count=6), rng, use_dynamic_bsz=use_dynamic_bsz, **options)
+    config = PrefixGrouperConfig(mode=mode, min_prefix_len=1)
+    unshared = {}
+    micro, parts = prefix_aware_prepare_micro_batches(data, config, _stock, plans={}, unshared=unshared)
+    stock_micro, stock_parts = _stock(data=data)
+    assert parts == stock_parts and len(micro) == len(stock_micro) > 1
+    lengths = [len(s) for s in sequences(data)]
+    chunks = parts if parts is not None else np.array_split(np.arange(len(lengths)), len(micro))
+    for batch, stock_batch, chunk in zip(micro, stock_micro, chunks):
+        assert _uids(batch) == _uids(stock_batch)
+        assert unshared[id(batch)] == (batch, sum(lengths[i] for i in chunk))
+    sharing = make_batch(WORKLOADS["grpo"](rng, prompts=2, group=3), rng, use_dynamic_bsz=use_dynamic_bsz, **options)
+    unshared = {}
+    prefix_aware_prepare_micro_batches(sharing, config, _stock, unshared=unshared)
+    assert unshared == {}

@@ -305,6 +305,23 @@ def assert_grads(g_stock, g_tree):
         torch.testing.assert_close(b, a, rtol=RTOL, atol=RTOL * float(a.abs().max()))
 
 
+def unshared_samples(rng, vocab, count=5, prompt=8, response=4):
+    """(prompt, response, uid) samples no two of which share a first token: nothing to share at
+    any ``min_prefix_len``."""
+    firsts = rng.permutation(np.arange(1, vocab))[:count]
+    return [([int(f)] + rng.integers(1, vocab, prompt - 1).tolist(), rng.integers(1, vocab, response).tolist(), f"u{i}")
+            for i, f in enumerate(firsts)]
+
+
+def forbid(monkeypatch, module, *names):
+    """Replace ``module``'s functions ``names`` by ones that fail the test when called."""
+    def called(*args, **kwargs):
+        raise AssertionError(f"one of {names} was called")
+
+    for name in names:
+        monkeypatch.setattr(module, name, called)
+
+
 def step_tokens(out):
     """(tokens in, tokens packed) summed over a step's prefix-sharing metrics."""
     from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED

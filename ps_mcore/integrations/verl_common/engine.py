@@ -39,6 +39,7 @@ class MicroBatchContext:
     plan: TreePlan | None = None  # made while sizing micro-batches, when the micro-batcher ran
     schedule_step: int | None = None  # the cross-micro-batch schedule step this batch runs
     loss_function: Any = None  # the step's loss (verl's logits processor for distillation)
+    unshared: bool = False  # its mini-batch shares nothing: verl's forward runs it, unplanned
 
     def record(self, n: int, t: int) -> None:
         self.tokens = (int(n), int(t))
@@ -52,6 +53,8 @@ class EngineStep:
         engine: the engine running it.
         plans: ``id(micro-batch) -> (micro-batch, TreePlan)`` made by the micro-batcher while
             sizing (:meth:`carried_plan` checks the identity).
+        unshared: ``id(micro-batch) -> (micro-batch, N)`` for the micro-batches of a mini-batch
+            that shares nothing (verl's own micro-batches; N their input tokens).
         micro: the micro-batch whose ``forward_step`` runs now (None between steps).
         forward_only: the step computes no gradients (a log-prob pass).
         schedule: the cross-micro-batch schedule of the units larger than the token budget
@@ -62,6 +65,7 @@ class EngineStep:
 
     engine: Any
     plans: dict[int, tuple[Any, TreePlan]] = field(default_factory=dict)
+    unshared: dict[int, tuple[Any, int]] = field(default_factory=dict)
     micro: MicroBatchContext | None = None
     forward_only: bool = False
     schedule: Any = None
@@ -70,6 +74,11 @@ class EngineStep:
     def carried_plan(self, batch) -> TreePlan | None:
         """The plan the micro-batcher made for exactly this micro-batch object (or None)."""
         entry = self.plans.get(id(batch))
+        return entry[1] if entry is not None and entry[0] is batch else None
+
+    def unshared_tokens(self, batch) -> int | None:
+        """N of exactly this micro-batch when its mini-batch shares nothing (else None)."""
+        entry = self.unshared.get(id(batch))
         return entry[1] if entry is not None and entry[0] is batch else None
 
 
@@ -139,7 +148,8 @@ def prefix_aware(
         images = None if images_of is None else images_of(step.engine)
         scheduler = None if scheduler_for is None else scheduler_for(step, setting, data)
         result = prefix_aware_prepare_micro_batches(
-            data, setting.config, stock, plans=step.plans, images=images, scheduler=scheduler, **options
+            data, setting.config, stock, plans=step.plans, images=images, scheduler=scheduler,
+            unshared=step.unshared, **options
         )
         if scheduler is not None and scheduler.schedule is not None and scheduler.schedule.batches:
             step.schedule = scheduler.schedule
@@ -188,6 +198,10 @@ def run_step_with_context(engine, batch_iter, call: Callable[[Any], tuple]):
     if step is None or step.engine is not engine:  # a forward_step called on its own
         step = EngineStep(engine=engine)
     micro = MicroBatchContext(engine=engine, batch=batch, setting=setting, plan=step.carried_plan(batch))
+    unshared = step.unshared_tokens(batch)
+    if unshared is not None:  # no refusal checks, no plan: nothing would be shared
+        micro.unshared = True
+        micro.record(unshared, unshared)
     if step.schedule is not None:
         micro.schedule_step = step.schedule.step_of(batch)
     previous = step.micro

@@ -31,9 +31,10 @@ vs. a padded ``[B, S]`` batch); the tree path is packed either way and returns t
 layout. ``use_dynamic_bsz``: verl's ``prepare_micro_batches`` in the FSDP engine module is
 replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl_common.microbatch`).
 
-Per micro-batch, verl's stock code runs instead (warning once per reason) when the plan
-saves less than ``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's
-rule) and for what the tree path does not support: top-k distillation behind a logits
+A mini-batch with nothing to share is verl's own run (verl's micro-batches and forward, no
+checks or plans per micro-batch). Otherwise, per micro-batch, verl's stock code runs instead
+(warning once per reason) when the plan saves less than
+``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's rule) and for what the tree path does not support: top-k distillation behind a logits
 processor other than verl's ``distillation_ppo_loss``, position ids other than ``0..len-1``, active dropout of a training model
 (attention dropout always; residual / classifier / LoRA dropouts unless
 ``prefix_grouper.shared_dropout``), trl value-head wrappers, engine subclasses that override
@@ -299,6 +300,8 @@ def fsdp_prepare_model_inputs(original: Callable, patcher) -> Callable:
             return original(self, micro_batch)
         micro = current_micro_batch()
         micro = micro if micro is not None and micro.engine is self else None
+        if micro is not None and micro.unshared:
+            return original(self, micro_batch)
         # plan from forward_step's batch (before its .to(device)): no device sync
         source = micro.batch if micro is not None else micro_batch
         reason = fsdp_batch_refusal(self, source, None if micro is None else micro.loss_function)

@@ -30,9 +30,10 @@ rank's loss reaches only its own rows). Pipeline stages (PP, VPP) each plan the 
 themselves; :func:`megatron_prepare` checks with one all-reduce per group, before the
 schedule, that every TP / PP / CP rank holds the same plans.
 
-Per micro-batch it runs verl's own forward instead (warning once per reason) when the plan
-saves less than ``prefix_grouper.min_saved_fraction`` (default 5%) of the tokens, when the
-model was not built with tree specs, and for what the tree path does not support: dynamic
+A mini-batch with nothing to share is verl's own run: verl's micro-batches and forward, no
+checks or plans per micro-batch. Otherwise, per micro-batch it runs verl's own forward instead
+(warning once per reason) when the plan saves less than ``prefix_grouper.min_saved_fraction``
+(default 5%) of the tokens, when the model was not built with tree specs, and for what the tree path does not support: dynamic
 context parallelism (``local_cp_size``), VLM inputs other than a Megatron-Bridge Qwen2.5-VL's
 images (videos, mbridge's VLM models, a VLM under CP / PP / SP), MTP training outside what
 :mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE or hybrid-pattern MTP layers), FP8 attention or
@@ -493,7 +494,7 @@ def tree_engine_forward(stock: Callable, fused: bool = False) -> Callable:
 
     def forward(*call_args, **call_kwargs):
         micro = current_micro_batch()
-        if micro is None or not prefix_sharing_enabled():
+        if micro is None or micro.unshared or not prefix_sharing_enabled():
             return stock(*call_args, **call_kwargs)
         bound = signature.bind(*call_args, **call_kwargs)
         bound.apply_defaults()

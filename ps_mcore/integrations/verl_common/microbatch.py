@@ -34,6 +34,7 @@ from ps_mcore.integrations.verl_common.batch import (
     group_ids,
     plan_sequences,
     prompt_lengths,
+    sequence_lengths,
     sharing_sequences,
 )
 from ps_mcore.integrations.verl_common.config import PrefixGrouperConfig
@@ -353,9 +354,11 @@ def prefix_aware_prepare_micro_batches(
     plans: dict | None = None,
     images=None,
     scheduler=None,
+    unshared: dict | None = None,
     **options,
 ):
-    """Drop-in for verl's ``prepare_micro_batches`` keeping sharing units together.
+    """Drop-in for verl's ``prepare_micro_batches`` keeping sharing units together; a batch
+    whose samples share nothing gets verl's own micro-batches.
 
     Args:
         data: the worker batch (TensorDict).
@@ -372,6 +375,9 @@ def prefix_aware_prepare_micro_batches(
             cross-micro-batch schedule (its ``partitions(units, budget, options)`` returns the
             micro-batches, the schedule's steps first, or None to split those units as before;
             ``bind(micro_batches)`` is told the micro-batches built from them).
+        unshared: when given and the batch has nothing to share (no unit's plan saves a
+            token), ``id(micro_batch) -> (micro_batch, N)`` is filled for verl's own
+            micro-batches, N their input tokens: the forward runs them as verl does, unplanned.
         options: verl's keywords: ``dp_group``, ``num_batches_divided_by``,
             ``same_micro_num_in_dp``, ``min_num_micro_batch``, ``use_dynamic_bsz_balance``.
 
@@ -388,6 +394,15 @@ def prefix_aware_prepare_micro_batches(
     if config.mode == "prompt_only" and prompts is None:
         return stock(**stock_args)
     units = _Units(seqs, config, prompts, group_ids(data))
+    if sum(units.tokens) == sum(int(s.size) for s in seqs):  # nothing to share: verl's run
+        micro_batches, indices = stock(**stock_args)
+        if unshared is not None:
+            lengths = sequence_lengths(data)
+            parts = indices if indices is not None else np.split(
+                np.arange(len(lengths)), np.cumsum([len(b) for b in micro_batches])[:-1])
+            for batch, part in zip(micro_batches, parts):
+                unshared[id(batch)] = batch, int(lengths[list(part)].sum())
+        return micro_batches, indices
     use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
     if use_dynamic_bsz:
         sp_size = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
