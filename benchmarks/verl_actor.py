@@ -58,6 +58,7 @@ change the model under both sides).
     python benchmarks/verl_actor.py --curves 30 --plot curves.png   # training curves
     python benchmarks/verl_actor.py --quick --engines megatron --batches pg-8k --profile update   # where it goes
     python benchmarks/verl_actor.py --quick --scale 4 --batches gsm8k agent pg-4k   # several budgets per mini-batch
+    python benchmarks/verl_actor.py --quick --configs stock ps --both-orders --batches no-sharing floor   # no order bias
     python benchmarks/verl_actor.py --tiny                          # CPU exactness check (CI)
     python benchmarks/verl_actor.py --tiny --engines megatron --models tiny-moe
     python benchmarks/verl_actor.py --tiny --curves 2 --plot curves.png
@@ -90,7 +91,7 @@ import tempfile
 import time
 import traceback
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -758,23 +759,45 @@ def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batc
                      refs: dict, profiles: list[str]) -> list[Cell]:
     """Every configuration of ``engine`` on ``model``, in ``--configs``' order (so a timing
     that depends on what ran before in the process shows up by running them the other way
-    round): the phases of every batch."""
+    round; ``--both-orders`` runs them in that order and then reversed, each cell the mean of
+    its two runs): the phases of every batch."""
     shape = decoder_shape(model)
     plans = {b.name: ideal_speedup(b, shape) for b in batches}
     cells, old_lp = [], {}
-    for config in [c for c in args.configs if c in CONFIGS[engine]]:
+    order = [c for c in args.configs if c in CONFIGS[engine]]
+    for config in order + order[::-1] if args.both_orders else order:
         try:  # cells fills as it goes: a configuration that fails keeps what it measured
             run_config(engine, model, model_dir, config, batches, plans, args, settings, refs, old_lp, cells,
                        profiles)
         except Exception:  # one failing configuration must not lose the others' figures
             print(f"[{engine}/{model}/{config}] FAILED:\n{traceback.format_exc()}", flush=True)
         free_memory()
+    cells = mean_of_runs(cells)
     masks = {b.name: response_mask(b) for b in batches}
     for cell in cells:  # once every configuration ran: stock need not run first
         stock, mine = old_lp.get(("stock", cell.batch)), old_lp.get((cell.config, cell.batch))
         if cell.phase == "old" and cell.config != "stock" and stock is not None and mine is not None:
             cell.vs_stock = response_diff(mine, stock, masks[cell.batch])
     return cells
+
+
+def mean_of_runs(cells: list[Cell]) -> list[Cell]:
+    """One cell per (model, batch, configuration, phase): the mean time of the runs that did not
+    run out of memory (NaN if all did), the largest peak and error; first-run order."""
+    runs: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        runs.setdefault((c.model, c.batch, c.config, c.phase), []).append(c)
+    merged = []
+    for same in runs.values():
+        times = [c.seconds for c in same if not math.isnan(c.seconds)]
+        merged.append(replace(same[0], seconds=float(np.mean(times)) if times else math.nan,
+                              peak=_largest(c.peak for c in same), vs_fp32=_largest(c.vs_fp32 for c in same)))
+    return merged
+
+
+def _largest(values) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return max(values) if values else math.nan
 
 
 def free_memory() -> None:
@@ -1165,6 +1188,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="Qwen2.5-1.5B, every batch at half size, 1 warm-up + 2 timed mini-batches per cell "
                         "(--warmup / --iters, when given, still apply)")
+    p.add_argument("--both-orders", action="store_true",
+                   help="run the configurations in --configs' order, then reversed, and report each cell's mean: "
+                        "what running first or second in the process costs cancels out (twice the time)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every batch's size (groups, trajectories, samples): a mini-batch several "
                         "token budgets large, past the fixed costs of one update call")

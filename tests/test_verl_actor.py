@@ -272,7 +272,8 @@ def test_out_of_memory_cell_and_failed_configuration(monkeypatch):
 
 def test_configurations_run_in_the_order_given(monkeypatch):
     """``--configs ps stock`` runs ps first (an order effect in one process shows up by running
-    both orders), and ps's log-probs are still compared with stock's once stock has run."""
+    both orders), and ps's log-probs are still compared with stock's once stock has run;
+    ``--both-orders`` runs them there and back and averages each cell."""
     import contextlib
     import types
 
@@ -284,14 +285,25 @@ def test_configurations_run_in_the_order_given(monkeypatch):
     monkeypatch.setattr(verl_actor, "prefix_grouper_driving", lambda config: contextlib.nullcontext())
     monkeypatch.setattr(verl_actor, "ideal_speedup", lambda batch, shape: (2, 2, 1.0))
     monkeypatch.setattr(verl_actor, "response_mask", lambda batch: torch.tensor([[0, 1]]))
-    args = types.SimpleNamespace(phases=["old"], warmup=0, iters=1, profile=[], configs=["ps", "stock"])
+    args = types.SimpleNamespace(phases=["old"], warmup=0, iters=1, profile=[], configs=["ps", "stock"],
+                                 both_orders=False)
     settings = types.SimpleNamespace(device="cpu")
     FakeWorkers.closed.clear()
-    cells = verl_actor.run_engine_model("fsdp", "qwen2.5-0.5b", "dir", [types.SimpleNamespace(name="b")], args,
-                                        settings, {}, [])
+    batches = [types.SimpleNamespace(name="b")]
+    cells = verl_actor.run_engine_model("fsdp", "qwen2.5-0.5b", "dir", batches, args, settings, {}, [])
     assert FakeWorkers.closed == ["ps", "stock"]
     assert [c.config for c in cells] == ["ps", "stock"]
     assert cells[0].vs_stock == pytest.approx(0.25) and math.isnan(cells[1].vs_stock)
+
+    # --both-orders: ps, stock, stock, ps; each cell the mean of its two runs
+    seconds = iter([1.0, 2.0, 4.0, 3.0])
+    monkeypatch.setattr(verl_actor, "timed", lambda fn, warmup, iters, device: (next(seconds), 0.5, fn()))
+    args.both_orders = True
+    FakeWorkers.closed.clear()
+    cells = verl_actor.run_engine_model("fsdp", "qwen2.5-0.5b", "dir", batches, args, settings, {}, [])
+    assert FakeWorkers.closed == ["ps", "stock", "stock", "ps"]
+    assert [(c.config, c.seconds) for c in cells] == [("ps", 2.0), ("stock", 3.0)]
+    assert cells[0].vs_stock == pytest.approx(0.25)
 
 
 def test_ps_pieces_configuration_turns_schedules_off():
