@@ -73,13 +73,17 @@ class EngineStep:
 
     def carried_plan(self, batch) -> TreePlan | None:
         """The plan the micro-batcher made for exactly this micro-batch object (or None)."""
-        entry = self.plans.get(id(batch))
-        return entry[1] if entry is not None and entry[0] is batch else None
+        return _carried(self.plans, batch)
 
     def unshared_tokens(self, batch) -> int | None:
         """N of exactly this micro-batch when its mini-batch shares nothing (else None)."""
-        entry = self.unshared.get(id(batch))
-        return entry[1] if entry is not None and entry[0] is batch else None
+        return _carried(self.unshared, batch)
+
+
+def _carried(table: dict, batch):
+    """``table[id(batch)]``'s value when its entry holds this very object (ids are reused)."""
+    entry = table.get(id(batch))
+    return entry[1] if entry is not None and entry[0] is batch else None
 
 
 _STEP: contextvars.ContextVar[EngineStep | None] = contextvars.ContextVar("ps_mcore_engine_step", default=None)

@@ -34,8 +34,9 @@ replaced by the shared prefix-aware one (:mod:`ps_mcore.integrations.verl_common
 A mini-batch with nothing to share is verl's own run (verl's micro-batches and forward, no
 checks or plans per micro-batch). Otherwise, per micro-batch, verl's stock code runs instead
 (warning once per reason) when the plan saves less than
-``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's rule) and for what the tree path does not support: top-k distillation behind a logits
-processor other than verl's ``distillation_ppo_loss``, position ids other than ``0..len-1``, active dropout of a training model
+``prefix_grouper.min_saved_fraction`` of the tokens (the Megatron glue's rule) and for what
+the tree path does not support: top-k distillation behind a logits processor other than
+verl's ``distillation_ppo_loss``, position ids other than ``0..len-1``, active dropout of a training model
 (attention dropout always; residual / classifier / LoRA dropouts unless
 ``prefix_grouper.shared_dropout``), trl value-head wrappers, engine subclasses that override
 these seams (VeOmni), VLM inputs other than Qwen2-VL / Qwen2.5-VL images, and fused kernels

@@ -33,9 +33,9 @@ schedule, that every TP / PP / CP rank holds the same plans.
 A mini-batch with nothing to share is verl's own run: verl's micro-batches and forward, no
 checks or plans per micro-batch. Otherwise, per micro-batch it runs verl's own forward instead
 (warning once per reason) when the plan saves less than ``prefix_grouper.min_saved_fraction``
-(default 5%) of the tokens, when the model was not built with tree specs, and for what the tree path does not support: dynamic
-context parallelism (``local_cp_size``), VLM inputs other than a Megatron-Bridge Qwen2.5-VL's
-images (videos, mbridge's VLM models, a VLM under CP / PP / SP), MTP training outside what
+(default 5%) of the tokens, when the model was not built with tree specs, and for what the
+tree path does not support: dynamic context parallelism (``local_cp_size``), VLM inputs
+other than a Megatron-Bridge Qwen2.5-VL's images (videos, mbridge's VLM models, a VLM under CP / PP / SP), MTP training outside what
 :mod:`~ps_mcore.integrations.verl_common.mtp` runs (TP/CP/PP, MoE or hybrid-pattern MTP layers), FP8 attention or
 FP8 with MoE (FP8 linears run on the tree: rows padded as verl pads FP8 THD, see
 :mod:`ps_mcore.layer_specs.fp8`), top-k distillation behind a logits processor other than
