@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("fresh_warnings")  # each test sees its own
 
 from verl_batches import (  # noqa: E402
     DISTILLATION_KEYS, RTOL, VOCAB, WORKLOADS, add_value_targets, assert_grads, assert_outputs, distillation_loss,
-    forbid, long_units, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, unshared_samples,
+    forbid, long_units, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, unshared_batch,
     with_statistics,
 )
 from verl_helpers import fsdp_patchset  # noqa: E402
@@ -312,8 +312,7 @@ def test_a_batch_sharing_nothing_is_verls_own_run(impl, monkeypatch):
     """No two samples share a token: verl's micro-batches and forward, unplanned and unchecked
     (no host work of ours per micro-batch), bit for bit, with each micro-batch's token counts."""
     model = make_model()
-    rng = np.random.default_rng(6)
-    data = make_batch(unshared_samples(rng, VOCAB), rng, use_dynamic_bsz=True, max_token_len_per_gpu=30)
+    data = unshared_batch(VOCAB)
     setting = _setting("arbitrary_prefix")
     stock, _ = _run(impl, model, data, setting, False)
     stock_train, g_stock = _run(impl, model, data, setting, False, _ppo())

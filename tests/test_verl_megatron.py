@@ -27,7 +27,7 @@ from megatron_shims import (  # noqa: E402
 from verl_batches import (  # noqa: E402
     DISTILLATION_KEYS, RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func,
     distillation_loss, engine_shell, forbid, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss,
-    tiny_critic, unshared_samples, with_statistics,
+    tiny_critic, unshared_batch, with_statistics,
 )
 from verl_helpers import megatron_patchset  # noqa: E402
 
@@ -205,8 +205,7 @@ def test_a_batch_sharing_nothing_is_verls_own_run(env, monkeypatch):
     from ps_mcore.integrations.verl_common import megatron as glue
 
     impl, model = env
-    rng = np.random.default_rng(6)
-    data = make_batch(unshared_samples(rng, 128), rng, use_dynamic_bsz=True, max_token_len_per_gpu=30)
+    data = unshared_batch(128)
     setting = _setting("arbitrary_prefix")
     stock, _ = _run(impl, model, data, setting, False)
     stock_train, g_stock = _run(impl, model, data, setting, False, _ppo())

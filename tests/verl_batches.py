@@ -313,6 +313,13 @@ def unshared_samples(rng, vocab, count=5, prompt=8, response=4):
             for i, f in enumerate(firsts)]
 
 
+def unshared_batch(vocab, seed=6):
+    """A worker batch of 5 samples that share nothing, split by a 30-token budget into several
+    micro-batches."""
+    rng = np.random.default_rng(seed)
+    return make_batch(unshared_samples(rng, vocab), rng, use_dynamic_bsz=True, max_token_len_per_gpu=30)
+
+
 def forbid(monkeypatch, module, *names):
     """Replace ``module``'s functions ``names`` by ones that fail the test when called."""
     def called(*args, **kwargs):
