@@ -224,8 +224,10 @@ def test_packed_params_through_fsdp_input_cast(models):
 
 
 def test_unfused_rope_reads_host_bounds(models, monkeypatch):
-    """Megatron's unfused THD RoPE reads its bounds with .tolist()/.item() (a device sync each on
-    a GPU): a tree batch hands it the same bounds on the host, and nothing else changes."""
+    """Where Megatron's unfused THD RoPE runs on a tree batch (here: replaced by a wrapper, as a
+    framework may replace it, so tree RoPE leaves it to Megatron), it reads its bounds with
+    .tolist()/.item() (a device sync each on a GPU): it gets the same bounds on the host, and
+    nothing else changes."""
     from megatron.core.models.common.embeddings import rope_utils
 
     _, _, tree = models
@@ -252,6 +254,56 @@ def test_unfused_rope_reads_host_bounds(models, monkeypatch):
         assert cu is host.cu_seqlens_q_padded and cu.device.type == "cpu"
         assert torch.equal(cu, psp.cu_seqlens_q.cpu())
     torch.testing.assert_close(logits.detach(), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("interleaved,rotary_percent", [(False, 1.0), (True, 1.0), (False, 0.5)])
+def test_packed_rope_is_megatrons_unfused_rope_bit_for_bit(monkeypatch, interleaved, rotary_percent):
+    """Tree RoPE applied after the QKV projection with cos/sin computed once per micro-batch
+    (the path an unfused-RoPE tree batch takes) gives exactly the logits and gradients of
+    Megatron's own unfused THD RoPE on the same table, and matches the stock per-sequence runs;
+    interleaved rotation and a partial rotary dim included."""
+    from ps_mcore.layer_specs.modules import self_attention
+
+    cfg = tiny_config("qwen2", rotary_interleaved=interleaved)
+    stock = build_gpt(cfg, stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg)), rotary_percent=rotary_percent)
+    randomize_(stock, seed=5)
+    tree = build_gpt(cfg, get_gpt_layer_local_tree_spec(**layer_spec_args(cfg)), rotary_percent=rotary_percent)
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    seqs = FORESTS["random3"]
+    plan = _plan(seqs)
+    w_tok = _weights(seqs, seed=6)[1]
+
+    def run(packed: bool):
+        monkeypatch.setattr(self_attention, "_unfused_rope_is_megatrons", lambda: packed)
+        tree.zero_grad(set_to_none=True)
+        psp = TreePackedSeqParams.from_plan(plan, 8)
+        logits = tree(input_ids=psp.pad_rows(plan.input_ids)[None], position_ids=psp.position_ids[None],
+                      attention_mask=None, packed_seq_params=psp)[0]
+        lp, _ = token_logprobs(logits, plan)
+        (w_tok * lp).sum().backward()
+        d_rot = int(cfg.kv_channels * rotary_percent)
+        assert [(c.shape[-1], dtype) for _, dtype, _, c, _ in psp.rotary_cos_sin] == ([(d_rot, torch.float32)] if packed else [])
+        return logits.detach(), grads_of(tree)
+
+    packed_logits, packed_grads = run(True)
+    megatron_logits, megatron_grads = run(False)
+    torch.testing.assert_close(packed_logits, megatron_logits, rtol=0, atol=0)
+    for name, g in megatron_grads.items():
+        torch.testing.assert_close(packed_grads[name], g, rtol=0, atol=0, msg=name)
+    ref_logits = _stock_logits(stock, seqs)
+    torch.testing.assert_close(plan.unpack(packed_logits[: plan.num_tokens]), torch.cat(ref_logits), **TOL)
+
+
+def test_tree_rope_not_applied_is_an_error(models, monkeypatch):
+    """A megatron-core whose attention forward no longer goes through get_query_key_value_tensors
+    would skip the tree RoPE prepared for it: an error, not a silently unrotated run."""
+    from megatron.core.transformer.attention import Attention
+
+    _, _, tree = models
+    plan = _plan(FORESTS["random2"])
+    monkeypatch.setattr(Attention, "forward", lambda self, hidden_states, *a, **k: (hidden_states, None))
+    with pytest.raises(RuntimeError, match="never called get_query_key_value_tensors"):
+        _tree_logits(tree, plan)
 
 
 def test_softmax_scale_and_layer_scaling_as_megatron():

@@ -40,12 +40,13 @@ class TreePackedSeqParams(PackedSeqParams):
             (:mod:`ps_mcore.layer_specs.modules.dropout`).
 
     Megatron hands this one object to every layer of the micro-batch, so what the layers
-    derive from it is kept on it, in four attributes set by ``__post_init__`` (not dataclass
+    derive from it is kept on it, in five attributes set by ``__post_init__`` (not dataclass
     fields: a copy made by ``dataclasses.replace``, as torch's input casting makes, derives
     them again): ``host_bounds`` (the host copy of ``cu_seqlens_q`` :meth:`from_plan` built it
     from), ``host_bounds_twin`` (:meth:`for_unfused_rope`), ``local_multiplicity_rows``
-    (:meth:`local_multiplicity`) and ``rotary_tables`` (``(table, table[positions])`` pairs of
-    ``modules.self_attention.tree_rotary_table``).
+    (:meth:`local_multiplicity`), ``rotary_tables`` (``(table, table[positions])`` pairs of
+    ``modules.self_attention.tree_rotary_table``) and ``rotary_cos_sin`` (``(table, dtype,
+    mscale, cos, sin)`` entries of ``modules.self_attention.PackedRope``).
     """
 
     plan: TreePlan | ContextPlan | None = None
@@ -62,6 +63,7 @@ class TreePackedSeqParams(PackedSeqParams):
         self.host_bounds_twin: TreePackedSeqParams | None = None
         self.local_multiplicity_rows: torch.Tensor | None = None
         self.rotary_tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.rotary_cos_sin: list[tuple] = []
 
     @classmethod
     def from_plan(

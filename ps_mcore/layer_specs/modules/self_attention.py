@@ -10,6 +10,14 @@ rotates row j of a sequence by table row j, reads exactly the per-token table to
 parallelism the table still covers all T_pad rows (global order) and Megatron's THD RoPE takes
 this rank's 2*cp chunks of it, so each local row gets its global tree position.
 
+Where Megatron would run its unfused RoPE (``apply_rope_fusion=False``, as verl sets it) on a
+tree batch without context parallelism, on CUDA or the CPU, ``TreeSelfAttention`` rotates q and k
+itself, right after the QKV projection where Megatron's forward would (:class:`PackedRope`): the
+same arithmetic as Megatron's unfused THD path, bit for bit, but the table's cos/sin are computed
+once per micro-batch instead of in every call. That path costs about 20 host-side tensor ops a
+call, two calls a layer; on a micro-batch of a few thousand rows the GPU finishes a layer's
+forward before the host has issued it, and sits idle behind them.
+
 Multimodal RoPE (``mrope_section``: Qwen2-VL / Qwen2.5-VL) has no 1-D position to index by:
 the caller passes GPTModel the temporal / height / width positions of every packed row
 (``position_ids [3, 1, T_pad]``), so GPTModel's table already holds one row per packed row and
@@ -19,8 +27,11 @@ is used as it is.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer import attention as megatron_attention
 from megatron.core.transformer.attention import SelfAttention
 
 from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention
@@ -95,6 +106,78 @@ def _tree_rope(rope, psp: TreePackedSeqParams, per_row: bool = False):
     return tuple(None if r is None else done[id(r)] for r in rope)
 
 
+# Megatron's unfused RoPE, whose arithmetic PackedRope repeats: checked to be Megatron's own code
+# at every call (a framework that replaces it, as MindSpeed does on NPUs, keeps Megatron's path).
+_UNFUSED_ROPE = ((megatron_attention, "apply_rotary_pos_emb"), (rope_utils, "_apply_rotary_pos_emb_thd"),
+                 (rope_utils, "_apply_rotary_pos_emb_bshd"), (rope_utils, "_rotate_half"))
+
+
+def _unfused_rope_is_megatrons() -> bool:
+    return all(getattr(getattr(module, name, None), "__module__", None) == rope_utils.__name__
+               for module, name in _UNFUSED_ROPE)
+
+
+def _yarn_mscale(module: SelfAttention) -> float | None:
+    """The RoPE ``mscale`` Megatron's forward passes (YaRN's concentration factor, else 1);
+    None where this megatron-core keeps it elsewhere."""
+    factor = getattr(module, "_yarn_concentration_factor", None)  # megatron-core 0.19
+    if factor is None:
+        try:  # megatron-core 0.16: computed from the config in every forward
+            from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+                _yarn_get_concentration_factor_from_config,
+            )
+        except ImportError:
+            return None
+        factor = _yarn_get_concentration_factor_from_config(module.config)
+    return float(factor)
+
+
+@dataclass(frozen=True)
+class PackedRope:
+    """The tree RoPE of one layer call, applied to q and k right after the QKV projection.
+
+    Megatron's unfused arithmetic (``rope_utils._apply_rotary_pos_emb_bshd``) on the first
+    ``d_rot`` lanes: ``t * cos + rotate_half(t) * sin`` with ``cos = (cos(table) * mscale)`` in
+    t's dtype, the rest of t passed through. cos/sin are computed once per micro-batch, table
+    and dtype and kept on the packed params (``psp.rotary_cos_sin``).
+
+    Attributes:
+        q_table, k_table: ``[T_pad, 1, 1, d_rot]`` per-row tables (``tree_rotary_table``), or
+            None (that tensor is not rotated, as in Megatron).
+        psp: the micro-batch's packed params (holds the cos/sin).
+        mscale, interleaved: Megatron's ``mscale`` and ``config.rotary_interleaved``.
+    """
+
+    q_table: torch.Tensor | None
+    k_table: torch.Tensor | None
+    psp: TreePackedSeqParams
+    mscale: float
+    interleaved: bool
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T_pad, 1, Hq, D]``, k ``[T_pad, 1, Hkv, D]`` (sbhd, b = 1) -> the same, rotated."""
+        return self._rotate(query, self.q_table), self._rotate(key, self.k_table)
+
+    def _rotate(self, t: torch.Tensor, table: torch.Tensor | None) -> torch.Tensor:
+        if table is None:
+            return t
+        cos, sin = self._cos_sin(table, t.dtype)
+        d_rot = cos.size(-1)
+        whole = d_rot == t.size(-1)
+        x = t if whole else t[..., :d_rot]
+        x = x * cos + rope_utils._rotate_half(x, self.interleaved) * sin
+        return x if whole else torch.cat((x, t[..., d_rot:]), dim=-1)
+
+    def _cos_sin(self, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        for kept, kept_dtype, mscale, cos, sin in self.psp.rotary_cos_sin:
+            if kept is table and kept_dtype == dtype and mscale == self.mscale:
+                return cos, sin
+        cos = (torch.cos(table) * self.mscale).to(dtype)
+        sin = (torch.sin(table) * self.mscale).to(dtype)
+        self.psp.rotary_cos_sin.append((table, dtype, self.mscale, cos, sin))
+        return cos, sin
+
+
 class TreeSelfAttention(SelfAttention):
     """``SelfAttention`` that applies tree RoPE for :class:`TreePackedSeqParams` batches.
 
@@ -151,10 +234,56 @@ class TreeSelfAttention(SelfAttention):
     def _mrope(self) -> bool:
         return getattr(self.config, "mrope_section", None) is not None
 
+    # The tree RoPE this forward applies in get_query_key_value_tensors (None: none, or Megatron's).
+    _pending_rope: PackedRope | None = None
+
     def forward(self, *args, **kwargs):
         """Same arguments as ``SelfAttention.forward``; returns ``(output, bias)``."""
         args, kwargs = self._tree_arguments(args, kwargs)
-        return super().forward(*args, **kwargs)
+        out = super().forward(*args, **kwargs)
+        self._check_rope_applied()
+        return out
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        """The parent's q/k/v, q and k rotated by this call's :class:`PackedRope` if it has one."""
+        return self._rotate_packed(super().get_query_key_value_tensors(*args, **kwargs))
+
+    @torch.compiler.disable
+    def _rotate_packed(self, qkv: tuple) -> tuple:
+        packed, self._pending_rope = self._pending_rope, None
+        if packed is None:
+            return qkv
+        query, key = packed.apply(qkv[0], qkv[1])
+        return (query, key, *qkv[2:])
+
+    @torch.compiler.disable
+    def _check_rope_applied(self) -> None:
+        if self._pending_rope is not None:
+            self._pending_rope = None
+            raise RuntimeError(
+                "TreeSelfAttention prepared tree RoPE but SelfAttention.forward never called "
+                "get_query_key_value_tensors: this megatron-core is not supported (tested: "
+                "0.16.1-0.19.x)"
+            )
+
+    def _packed_rope(self, tables, psp: TreePackedSeqParams, device: torch.device) -> PackedRope | None:
+        """This call's :class:`PackedRope`, or None where RoPE stays Megatron's: fused RoPE (TE's
+        kernel already reads the per-row table in one call), context parallelism (Megatron cuts
+        the table into this rank's chunks), MLA's or the fused-QKV RoPE, devices other than CUDA
+        and the CPU, a replaced unfused RoPE, or a subclass with its own QKV projection."""
+        config = self.config
+        if (config.apply_rope_fusion or getattr(config, "multi_latent_attention", False)
+                or getattr(config, "fused_single_qkv_rope", False) or psp.cp_size > 1
+                or device.type not in ("cuda", "cpu") or not _unfused_rope_is_megatrons()
+                or type(self).get_query_key_value_tensors is not TreeSelfAttention.get_query_key_value_tensors):
+            return None
+        mscale = self.__dict__.get("_rope_mscale", False)
+        if mscale is False:
+            mscale = self.__dict__["_rope_mscale"] = _yarn_mscale(self)
+        if mscale is None:
+            return None
+        q_table, k_table = tables if isinstance(tables, tuple) else (tables, tables)
+        return PackedRope(q_table, k_table, psp, mscale, bool(config.rotary_interleaved))
 
     # Eager under torch.compile (signature binding, checks, the per-batch RoPE cache); the
     # parent's forward, which it feeds, compiles.
@@ -178,11 +307,18 @@ class TreeSelfAttention(SelfAttention):
             )
         # The MoE router of this layer never sees packed_seq_params: it reads them from here.
         set_current_tree_batch(psp if isinstance(psp, TreePackedSeqParams) else None)
+        self._pending_rope = None
         if isinstance(psp, TreePackedSeqParams):
             self._check_tree_batch(psp, arg["hidden_states"])
             rope = arg.get("rotary_pos_emb")
             if rope is not None:
-                arg["rotary_pos_emb"] = _tree_rope(rope, psp, per_row=self._mrope)
-                if not self.config.apply_rope_fusion:  # bounds on the host: no device syncs
-                    arg["packed_seq_params"] = psp.for_unfused_rope(arg["hidden_states"].device)
+                tables = _tree_rope(rope, psp, per_row=self._mrope)
+                device = arg["hidden_states"].device
+                self._pending_rope = self._packed_rope(tables, psp, device)
+                if self._pending_rope is not None:  # applied in get_query_key_value_tensors
+                    arg["rotary_pos_emb"] = None
+                else:
+                    arg["rotary_pos_emb"] = tables
+                    if not self.config.apply_rope_fusion:  # bounds on the host: no device syncs
+                        arg["packed_seq_params"] = psp.for_unfused_rope(device)
         return bound.args[1:], bound.kwargs
