@@ -77,11 +77,15 @@ class PlanMemo:
             FlexAttention's ``BlockMask`` of the plan.
         recurrent_trees: ``recurrent.tree.recurrent_tree`` per row count (``T_pad``): the
             chains and levels every recurrent layer of the micro-batch scans.
+        backend_choices: ``attention.tree_attention``: the backend a name resolved to per
+            ``(name, device, dtype, Hq, D, variant features, grad)``, so the layers after the
+            first skip the availability checks and the kernel-choice rule.
     """
 
     __slots__ = (
         "host", "moved", "max_token_id", "fingerprint", "cascade_layouts", "kv_copies_csr",
-        "windowed_contexts", "kernel_choice_shape", "flex_block_masks", "recurrent_trees", "source",
+        "windowed_contexts", "kernel_choice_shape", "flex_block_masks", "recurrent_trees", "backend_choices",
+        "source",
     )
 
     def __init__(self) -> None:
@@ -95,6 +99,7 @@ class PlanMemo:
         self.kernel_choice_shape: tuple | None = None
         self.flex_block_masks: dict[tuple[torch.device, int | None], Any] = {}
         self.recurrent_trees: dict[int, Any] = {}
+        self.backend_choices: dict[tuple, str] = {}
         self.source: tuple | None = None
 
     def belongs_to(self, values: tuple) -> bool:

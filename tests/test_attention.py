@@ -148,6 +148,32 @@ def test_auto_on_cpu_is_exact_math():
     assert resolve_backend("auto", q) == "chunked"
 
 
+def test_backend_resolved_once_per_plan_and_input_kind(monkeypatch):
+    """Every layer of a micro-batch runs tree_attention on one plan with the same kind of
+    inputs: the backend is resolved (checks, kernel-choice rule) for the first and kept on the
+    plan; another dtype, head count, variant or plan resolves again, and an explicit name that
+    cannot run still raises at every call."""
+    import ps_mcore.attention as attention
+
+    calls = []
+    resolve = attention.resolve_backend
+    monkeypatch.setattr(attention, "resolve_backend", lambda *a, **k: calls.append(a[0]) or resolve(*a, **k))
+    plan = plan_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 5]], min_prefix_len=1)
+    q, k, v = random_qkv(plan, 4, 2, 8, torch.float32)
+    outs = [tree_attention(q, k, v, plan) for _ in range(3)]
+    assert calls == ["auto"]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    tree_attention(q.double(), k.double(), v.double(), plan)
+    tree_attention(q[:, :2], k, v, plan)
+    tree_attention(q, k, v, plan, window=2)
+    tree_attention(q, k, v, plan_prefix_tree([[1, 2, 3, 4], [1, 2, 3, 5]], min_prefix_len=1))
+    assert calls == ["auto"] * 5
+    for _ in range(2):
+        with pytest.raises(ValueError, match="varlen"):
+            tree_attention(q, k, v, plan, backend="varlen")
+    assert calls == ["auto"] * 5 + ["varlen"] * 2
+
+
 def test_flash_head_dims():
     from ps_mcore.attention.gather_kv import flash_head_dim_refusal
 

@@ -131,7 +131,18 @@ def tree_attention(
         if variant.window is not None and variant.window >= plan.max_seqlen_kv:
             # a window at least as long as every context masks nothing: plain causal attention
             variant = AttentionVariant(None, variant.sinks, variant.softcap)
-        return ATTENTION_BACKENDS[resolve_backend(backend, q, plan, variant)](q, k, v, plan, scale, variant)
+        return ATTENTION_BACKENDS[_resolved_backend(backend, q, plan, variant)](q, k, v, plan, scale, variant)
+
+
+def _resolved_backend(backend: str, q: torch.Tensor, plan: TreePlan, variant: AttentionVariant) -> str:
+    """:func:`resolve_backend`, kept on the plan: every layer of a micro-batch asks the same."""
+    key = (backend, q.device, q.dtype, q.size(1), q.size(2), variant.features,
+           torch.is_grad_enabled() and q.requires_grad)
+    choices = plan.memo.backend_choices
+    name = choices.get(key)
+    if name is None:
+        name = choices[key] = resolve_backend(backend, q, plan, variant)
+    return name
 
 
 def _no_autocast(device: str):
