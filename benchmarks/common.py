@@ -244,7 +244,7 @@ def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iter
     )
 
 
-PROJECT_FRAMES = ("ps_mcore/", "megatron/", "benchmarks/", "fla/", "transformer_engine/")
+PROJECT_FRAMES = ("ps_mcore/", "prefix_sharing/", "verl/", "megatron/", "benchmarks/", "fla/", "transformer_engine/")
 
 
 def host_syncs(step: Callable[[], object]) -> list[tuple[str, int]]:
