@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import datetime
+import json
+import math
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -275,6 +282,116 @@ def host_syncs(step: Callable[[], object]) -> list[tuple[str, int]]:
             torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return sorted(counts.items(), key=lambda kv: -kv[1])
+
+
+@contextlib.contextmanager
+def profiler_ranges(module_prefixes: tuple[str, ...]):
+    """Inside the block, every Python function of the loaded modules whose names start with one
+    of ``module_prefixes`` (module-level functions, wherever they were imported to, and the
+    methods of the classes defined there) runs inside a profiler range named after it
+    (``module.function`` or ``Class.method``). The originals are back on exit."""
+    restore = []
+    wrapped: dict[int, Callable] = {}
+    ours = [m for name, m in list(sys.modules.items()) if m is not None and name.startswith(module_prefixes)]
+    for module in ours:
+        for name, obj in list(vars(module).items()):
+            if isinstance(obj, types.FunctionType) and obj.__module__ == module.__name__:
+                wrapped.setdefault(id(obj), _ranged(obj, f"{module.__name__.rsplit('.', 1)[-1]}.{name}"))
+            elif isinstance(obj, type) and obj.__module__ == module.__name__:
+                for attr, fn in list(vars(obj).items()):
+                    if isinstance(fn, types.FunctionType) and not attr.startswith("__"):
+                        restore.append((obj, attr, fn))
+                        setattr(obj, attr, _ranged(fn, f"{obj.__name__}.{attr}"))
+    with warnings.catch_warnings():  # some modules hold deprecated aliases that warn when touched
+        warnings.simplefilter("ignore")
+        for module in list(sys.modules.values()):  # every name a wrapped function was imported under
+            if not isinstance(module, types.ModuleType):
+                continue
+            for name, obj in list(getattr(module, "__dict__", {}).items()):
+                if isinstance(obj, types.FunctionType) and id(obj) in wrapped and wrapped[id(obj)].__wrapped__ is obj:
+                    restore.append((module, name, obj))
+                    setattr(module, name, wrapped[id(obj)])
+    try:
+        yield
+    finally:
+        for owner, name, fn in reversed(restore):
+            setattr(owner, name, fn)
+
+
+def _ranged(fn: Callable, label: str) -> Callable:
+    record = torch.autograd.profiler.record_function
+
+    def ranged(*args, **kwargs):
+        with record(label):
+            return fn(*args, **kwargs)
+
+    ranged.__wrapped__ = fn
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(ranged, attr, getattr(fn, attr, None))
+    return ranged
+
+
+def gpu_idle_by_function(step: Callable[[], object], module_prefixes: tuple[str, ...], title: str,
+                         top: int = 30) -> str:
+    """Where the GPU waits for the host in one run of ``step`` (after one unprofiled run): the
+    functions of ``module_prefixes`` (:func:`profiler_ranges`) by the GPU idle time while they
+    run on the host (inclusive, ms), with their host time (ms) and calls. Sources of idle time
+    the profiler cannot see (the profiler's own cost, unwrapped code) show at the callers."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step()
+    torch.cuda.synchronize()
+    with profiler_ranges(module_prefixes), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    ranges = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "user_annotation"]
+    if not ranges:
+        return f"{title}: no profiled function ran"
+    busy = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    window, idle_total, by_name = idle_by_range(ranges, busy)
+    names = sorted(by_name, key=lambda n: -by_name[n][0])[:top]
+    rows = [[n, by_name[n][0] / 1e3, by_name[n][1] / 1e3, by_name[n][2]] for n in names]
+    return (f"{title}: {window / 1e3:.0f} ms, GPU idle {idle_total / 1e3:.0f} ms (ms in the call)\n\n"
+            + markdown_table(["function", "GPU idle", "host", "calls"], rows))
+
+
+def idle_by_range(ranges: list[tuple[str, float, float]], busy: list[tuple[float, float]]
+                  ) -> tuple[float, float, dict[str, tuple[float, float, int]]]:
+    """``ranges``: host ``(name, start, end)``; ``busy``: GPU ``(start, end)`` (one clock).
+    Returns the window the ranges span, the GPU's idle time in it, and per name ``(idle time
+    inside its calls, host time, calls)``; a call inside a running call of the same name
+    (recursion) is not counted again."""
+    ranges = sorted(ranges, key=lambda r: r[1])
+    lo, hi = ranges[0][1], max(end for _, _, end in ranges)
+    gaps, reached = [], lo
+    for start, stop in sorted(busy):
+        if start > reached:
+            gaps.append((reached, min(start, hi)))
+        reached = max(reached, stop)
+    gaps = [(a, b) for a, b in gaps + [(reached, hi)] if b > a]
+    starts, before = [a for a, _ in gaps], [0.0]  # idle time before each gap
+    for a, b in gaps:
+        before.append(before[-1] + b - a)
+
+    def idle_until(t: float) -> float:
+        i = bisect.bisect_right(starts, t)
+        return before[i] - (max(0.0, gaps[i - 1][1] - t) if i else 0.0)
+
+    by_name: dict[str, tuple[float, float, int]] = {}
+    open_until: dict[str, float] = {}
+    for name, a, b in ranges:
+        if open_until.get(name, -math.inf) >= b:
+            continue
+        open_until[name] = b
+        idle, host, calls = by_name.get(name, (0.0, 0.0, 0))
+        by_name[name] = (idle + idle_until(b) - idle_until(a), host + b - a, calls + 1)
+    return hi - lo, before[-1], by_name
 
 
 def _short(path: str) -> str:

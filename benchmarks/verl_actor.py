@@ -57,6 +57,7 @@ change the model under both sides).
     python benchmarks/verl_actor.py --quick --engines megatron
     python benchmarks/verl_actor.py --curves 30 --plot curves.png   # training curves
     python benchmarks/verl_actor.py --quick --engines megatron --batches pg-8k --profile update   # where it goes
+    python benchmarks/verl_actor.py --quick --scale 4 --engines megatron --batches agent --profile-idle update   # what the GPU waits for
     python benchmarks/verl_actor.py --quick --scale 4 --batches gsm8k agent pg-4k   # several budgets per mini-batch
     python benchmarks/verl_actor.py --quick --configs stock ps --both-orders --batches no-sharing floor   # no order bias
     python benchmarks/verl_actor.py --tiny                          # CPU exactness check (CI)
@@ -102,7 +103,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import gsm8k_like  # noqa: E402
-from common import profile_steps  # noqa: E402
+from common import gpu_idle_by_function, profile_steps  # noqa: E402
 import verl_flash_fallback  # noqa: E402
 
 from ps_mcore.flops import DecoderShape  # noqa: E402
@@ -867,6 +868,18 @@ def run_phases(workers, model, config, batches, plans, args, device, refs, old_l
                 profiles.append(profile_steps({config: fn}, f"profile: {label} {batch.name} "
                                               f"{PHASE_NAMES[phase]}, {config}", iters=1))
                 print(profiles[-1], flush=True)
+            if phase in args.profile_idle:
+                profiles.append(gpu_idle_by_function(fn, IDLE_MODULES, f"GPU idle by host function: {label} "
+                                                     f"{batch.name} {PHASE_NAMES[phase]}, {config}"))
+                print(profiles[-1], flush=True)
+
+
+# --profile-idle: the host code whose functions get profiler ranges (verl's workers and engines,
+# the layers, the optimizer, tensordict; ps-mcore and its wiring)
+IDLE_MODULES = ("verl.workers", "verl.utils.tensordict_utils", "verl.utils.seqlen_balancing", "verl.models.mcore",
+                "verl.trainer.ppo.core_algos", "verl.utils.torch_functional", "ps_mcore", "prefix_sharing",
+                "megatron.core.models", "megatron.core.transformer", "megatron.core.pipeline_parallel",
+                "megatron.core.optimizer", "tensordict.base", "tensordict._td", "transformers.models")
 
 
 def floor_counted_ideal(stock_s: float, floor_s: float, ideal: float) -> float:
@@ -1185,6 +1198,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", nargs="+", default=[], choices=PHASES, metavar="PHASE",
                    help="after timing these phases, one more call of each under the CUDA profiler: kernel "
                         "time by kind, the wall time no kernel covers, and the host syncs (GPU only)")
+    p.add_argument("--profile-idle", nargs="+", default=[], choices=PHASES, metavar="PHASE",
+                   help="after timing these phases, one more call of each with profiler ranges on the host "
+                        "functions: the GPU's idle time while each runs (GPU only)")
     p.add_argument("--quick", action="store_true",
                    help="Qwen2.5-1.5B, every batch at half size, 1 warm-up + 2 timed mini-batches per cell "
                         "(--warmup / --iters, when given, still apply)")
@@ -1216,8 +1232,9 @@ def parse_args(argv=None):
                                                    else f"{', '.join(TINY_MODELS)} run with --tiny only"))
     if not args.scale > 0:
         p.error(f"--scale must be > 0, got {args.scale}")
-    if args.profile and (args.tiny or args.curves):
-        p.error("--profile times the benchmark's phases on the GPU: not with --tiny or --curves")
+    for name, given in (("--profile", args.profile), ("--profile-idle", args.profile_idle)):
+        if given and (args.tiny or args.curves):
+            p.error(f"{name} times the benchmark's phases on the GPU: not with --tiny or --curves")
     if args.curves and len(args.models) != 1:
         p.error("--curves runs one model: give one to --models")
     if not any(model_engines(m, args.engines) for m in args.models):

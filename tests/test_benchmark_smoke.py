@@ -112,6 +112,31 @@ def test_cross_microbatch():
             assert int(r["tokens"].split(" + ")[0]) <= int(split["tokens"]), (r, split)
 
 
+def test_gpu_idle_split_among_the_host_functions_running():
+    """``--profile-idle``'s arithmetic: each function is charged the GPU idle time inside its
+    calls (a recursive call once), and the profiler ranges come off the functions afterwards."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    busy = [(0.0, 10.0), (20.0, 30.0), (25.0, 28.0)]  # idle: 10-20 and 30-40
+    ranges = [("step", 0.0, 40.0), ("loss", 5.0, 25.0), ("walk", 32.0, 38.0), ("walk", 33.0, 34.0),
+              ("loss", 35.0, 36.0)]
+    window, idle, by_name = common.idle_by_range(ranges, busy)
+    assert (window, idle) == (40.0, 20.0)
+    assert by_name == {"step": (20.0, 40.0, 1), "loss": (11.0, 21.0, 2), "walk": (6.0, 6.0, 1)}
+
+    import ps_mcore
+    import ps_mcore.attention as attention
+    from ps_mcore.attention import backends
+
+    plain, method = attention.tree_attention, backends.AttentionBackend.variant_refusal
+    with common.profiler_ranges(("ps_mcore.attention",)):
+        assert attention.tree_attention.__wrapped__ is plain and ps_mcore.tree_attention is attention.tree_attention
+        assert backends.AttentionBackend.variant_refusal.__wrapped__ is method
+    assert attention.tree_attention is plain and ps_mcore.tree_attention is plain
+    assert backends.AttentionBackend.variant_refusal is method
+
+
 def test_profile_options_need_the_gpu():
     """``--profile`` (CUDA profiler) is refused by name in the CPU runs."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

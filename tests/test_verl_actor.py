@@ -89,14 +89,16 @@ def test_tiny_training_curves_match_stock(tmp_path):
     assert table.rstrip().splitlines()[-1].startswith("OK")
 
 
-def test_profile_is_a_gpu_benchmark_option():
-    """``--profile`` profiles the timed phases on the GPU: refused by name with ``--tiny`` (and
-    ``--curves``), and its tables follow the engines' tables in the report."""
+@pytest.mark.parametrize("option", ["--profile", "--profile-idle"])
+def test_profile_is_a_gpu_benchmark_option(option):
+    """``--profile`` and ``--profile-idle`` profile the timed phases on the GPU: refused by name
+    with ``--tiny`` (and ``--curves``), and their tables follow the engines' tables in the
+    report."""
     for extra in (["--tiny"], ["--curves", "2"]):
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), *extra,
-                               "--profile", "update"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                               option, "update"], capture_output=True, text=True, cwd=ROOT, timeout=120,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert proc.returncode == 2 and "--profile" in proc.stderr, proc.stderr[-2000:]
+        assert proc.returncode == 2 and f"{option} times" in proc.stderr, proc.stderr[-2000:]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import verl_actor
 
@@ -245,7 +247,7 @@ def test_out_of_memory_cell_and_failed_configuration(monkeypatch):
     monkeypatch.setattr(verl_actor, "Workers", FakeWorkers)
     monkeypatch.setattr(verl_actor, "patchsets", lambda config: contextlib.nullcontext())
     monkeypatch.setattr(verl_actor, "prefix_grouper_driving", lambda config: contextlib.nullcontext())
-    args = types.SimpleNamespace(phases=["update"], warmup=0, iters=1, profile=[])
+    args = types.SimpleNamespace(phases=["update"], warmup=0, iters=1, profile=[], profile_idle=[])
     settings = types.SimpleNamespace(device="cpu")
     batches = [types.SimpleNamespace(name=n) for n in ("big", "small")]
     plans = {"big": (100, 50, 2.0), "small": (10, 5, 2.0)}
@@ -285,7 +287,7 @@ def test_configurations_run_in_the_order_given(monkeypatch):
     monkeypatch.setattr(verl_actor, "prefix_grouper_driving", lambda config: contextlib.nullcontext())
     monkeypatch.setattr(verl_actor, "ideal_speedup", lambda batch, shape: (2, 2, 1.0))
     monkeypatch.setattr(verl_actor, "response_mask", lambda batch: torch.tensor([[0, 1]]))
-    args = types.SimpleNamespace(phases=["old"], warmup=0, iters=1, profile=[], configs=["ps", "stock"],
+    args = types.SimpleNamespace(phases=["old"], warmup=0, iters=1, profile=[], profile_idle=[], configs=["ps", "stock"],
                                  both_orders=False)
     settings = types.SimpleNamespace(device="cpu")
     FakeWorkers.closed.clear()
