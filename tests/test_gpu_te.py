@@ -176,6 +176,34 @@ def test_fused_rope_equals_unfused_on_tree_batches():
     assert float((a.float() - b.float()).abs().max()) < 0.05
 
 
+def test_packed_rope_is_megatrons_unfused_rope_bit_for_bit_in_bf16(monkeypatch):
+    """Unfused RoPE on a tree batch runs through TreeSelfAttention's packed RoPE (cos/sin once
+    per micro-batch): on the TE spec in bf16, log-probs equal those of Megatron's own unfused
+    THD RoPE on the same table bit for bit, and every gradient differs from Megatron's path by
+    no more than that path differs from itself in a second run (0 where the backward kernels
+    are deterministic)."""
+    from ps_mcore.layer_specs.modules import self_attention
+
+    _, _, _, tree = _pair(fusion=False)
+    seqs = _forest()
+    weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
+    applied, apply = [], self_attention.PackedRope.apply
+    monkeypatch.setattr(self_attention.PackedRope, "apply", lambda rope, q, k: applied.append(1) or apply(rope, q, k))
+    runs = []
+    for packed in (True, False, False):
+        monkeypatch.setattr(self_attention, "_unfused_rope_is_megatrons", lambda: packed)
+        tree.zero_grad(set_to_none=True)
+        lp = _tree_logprobs(tree, seqs)
+        (lp.float() * weights).sum().backward()
+        runs.append((lp.detach(), {n: p.grad.float() for n, p in tree.named_parameters()}))
+        assert len(applied) == tree.config.num_layers  # once per layer, in the packed run only
+    (lp_packed, g_packed), (lp_megatron, g_megatron), (_, g_again) = runs
+    torch.testing.assert_close(lp_packed, lp_megatron, rtol=0, atol=0)
+    for name, g in g_megatron.items():
+        own = float((g_again[name] - g).abs().max())
+        assert float((g_packed[name] - g).abs().max()) <= own, (name, own)
+
+
 # ----------------------------------------------------------------------------- windows and sinks
 
 
