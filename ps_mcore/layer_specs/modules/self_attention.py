@@ -188,6 +188,7 @@ class TreeSelfAttention(SelfAttention):
     def __init__(self, config, *args, **kwargs):
         _check_forward_signature(_FORWARD_SIGNATURE)
         super().__init__(config, *args, **kwargs)
+        self._rope_mscale = _yarn_mscale(self)  # None: tree RoPE stays Megatron's
 
     def _tp_world_size(self) -> int:
         # megatron 0.16+ stores Attention.world_size; 0.15 does not.
@@ -277,13 +278,10 @@ class TreeSelfAttention(SelfAttention):
                 or device.type not in ("cuda", "cpu") or not _unfused_rope_is_megatrons()
                 or type(self).get_query_key_value_tensors is not TreeSelfAttention.get_query_key_value_tensors):
             return None
-        mscale = self.__dict__.get("_rope_mscale", False)
-        if mscale is False:
-            mscale = self.__dict__["_rope_mscale"] = _yarn_mscale(self)
-        if mscale is None:
+        if self._rope_mscale is None:
             return None
         q_table, k_table = tables if isinstance(tables, tuple) else (tables, tables)
-        return PackedRope(q_table, k_table, psp, mscale, bool(config.rotary_interleaved))
+        return PackedRope(q_table, k_table, psp, self._rope_mscale, bool(config.rotary_interleaved))
 
     # Eager under torch.compile (signature binding, checks, the per-batch RoPE cache); the
     # parent's forward, which it feeds, compiles.
