@@ -30,8 +30,8 @@ pytestmark = pytest.mark.usefixtures("fresh_warnings")  # each test sees its own
 
 from verl_batches import (  # noqa: E402
     DISTILLATION_KEYS, RTOL, VOCAB, WORKLOADS, add_value_targets, assert_grads, assert_outputs, distillation_loss,
-    forbid, long_units, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss, unshared_batch,
-    with_statistics,
+    forbid, long_units, make_batch, sample_temperatures, step_tokens, stock_then_ours, sum_pi_squared_loss,
+    unshared_batch, with_statistics,
 )
 from verl_helpers import fsdp_patchset  # noqa: E402
 
@@ -311,14 +311,10 @@ def test_fallback_when_savings_too_small(impl):
 def test_a_batch_sharing_nothing_is_verls_own_run(impl, monkeypatch):
     """No two samples share a token: verl's micro-batches and forward, unplanned and unchecked
     (no host work of ours per micro-batch), bit for bit, with each micro-batch's token counts."""
-    model = make_model()
     data = unshared_batch(VOCAB)
-    setting = _setting("arbitrary_prefix")
-    stock, _ = _run(impl, model, data, setting, False)
-    stock_train, g_stock = _run(impl, model, data, setting, False, _ppo())
-    forbid(monkeypatch, fsdp_glue, "plan_or_stock", "fsdp_batch_refusal")
-    tree, _ = _run(impl, model, data, setting, True)
-    tree_train, g_tree = _run(impl, model, data, setting, True, _ppo())
+    (stock, stock_train, g_stock), (tree, tree_train, g_tree) = stock_then_ours(
+        partial(_run, impl, make_model()), data, _setting("arbitrary_prefix"), _ppo,
+        lambda: forbid(monkeypatch, fsdp_glue, "plan_or_stock", "fsdp_batch_refusal"))
     _bit_identical(stock, tree)
     _bit_identical(stock_train, tree_train, g_stock, g_tree)
     per_micro = list(zip(tree["metrics"][TOKENS_IN], tree["metrics"][TOKENS_PACKED]))

@@ -26,8 +26,8 @@ from megatron_shims import (  # noqa: E402
 )
 from verl_batches import (  # noqa: E402
     DISTILLATION_KEYS, RTOL, WORKLOADS, add_value_targets, assert_grads, assert_outputs, cpu_forward_backward_func,
-    distillation_loss, engine_shell, forbid, make_batch, sample_temperatures, step_tokens, sum_pi_squared_loss,
-    tiny_critic, unshared_batch, with_statistics,
+    distillation_loss, engine_shell, forbid, make_batch, sample_temperatures, step_tokens, stock_then_ours,
+    sum_pi_squared_loss, tiny_critic, unshared_batch, with_statistics,
 )
 from verl_helpers import megatron_patchset  # noqa: E402
 
@@ -206,12 +206,9 @@ def test_a_batch_sharing_nothing_is_verls_own_run(env, monkeypatch):
 
     impl, model = env
     data = unshared_batch(128)
-    setting = _setting("arbitrary_prefix")
-    stock, _ = _run(impl, model, data, setting, False)
-    stock_train, g_stock = _run(impl, model, data, setting, False, _ppo())
-    forbid(monkeypatch, glue, "plan_or_stock", "megatron_batch_refusal")
-    tree, _ = _run(impl, model, data, setting, True)
-    tree_train, g_tree = _run(impl, model, data, setting, True, _ppo())
+    (stock, stock_train, g_stock), (tree, tree_train, g_tree) = stock_then_ours(
+        partial(_run, impl, model), data, _setting("arbitrary_prefix"), _ppo,
+        lambda: forbid(monkeypatch, glue, "plan_or_stock", "megatron_batch_refusal"))
     assert torch.equal(stock["model_output"]["log_probs"].values(), tree["model_output"]["log_probs"].values())
     assert [float(x) for x in tree_train["loss"]] == [float(x) for x in stock_train["loss"]]
     assert all(torch.equal(a, b) for a, b in zip(g_stock, g_tree) if a is not None)

@@ -329,6 +329,20 @@ def forbid(monkeypatch, module, *names):
         monkeypatch.setattr(module, name, called)
 
 
+def stock_then_ours(run, data, setting, loss, before_ours):
+    """``run(data, setting, patched, loss=None) -> (output, grads)`` of one engine: verl's
+    log-prob call and training step (a fresh ``loss()`` each), then ``before_ours()``, then
+    ours. Returns ``((stock, stock_train, stock_grads), (ours, ours_train, ours_grads))``."""
+    runs = []
+    for patched in (False, True):
+        if patched:
+            before_ours()
+        out, _ = run(data, setting, patched)
+        train, grads = run(data, setting, patched, loss())
+        runs.append((out, train, grads))
+    return tuple(runs)
+
+
 def step_tokens(out):
     """(tokens in, tokens packed) summed over a step's prefix-sharing metrics."""
     from ps_mcore.integrations.verl_common.trainer import TOKENS_IN, TOKENS_PACKED
