@@ -180,8 +180,11 @@ def test_packed_rope_is_megatrons_unfused_rope_bit_for_bit_in_bf16(monkeypatch):
     """Unfused RoPE on a tree batch runs through TreeSelfAttention's packed RoPE (cos/sin once
     per micro-batch): on the TE spec in bf16, log-probs equal those of Megatron's own unfused
     THD RoPE on the same table bit for bit, and every gradient differs from Megatron's path by
-    no more than that path differs from itself in a second run (0 where the backward kernels
-    are deterministic)."""
+    no more than that path differs from itself over repeated runs, or one bf16 step at the
+    parameter's largest gradient. The attention backward accumulates dq with atomics, so
+    repeated runs of either path differ in a few elements by a bf16 step (seen on an H100:
+    linear_qkv in most runs, the embedding in some); a wrong rotation differs by the size of
+    the gradient itself. The CPU test holds the arithmetic to rtol=atol=0."""
     from ps_mcore.layer_specs.modules import self_attention
 
     _, _, _, tree = _pair(fusion=False)
@@ -190,18 +193,20 @@ def test_packed_rope_is_megatrons_unfused_rope_bit_for_bit_in_bf16(monkeypatch):
     applied, apply = [], self_attention.PackedRope.apply
     monkeypatch.setattr(self_attention.PackedRope, "apply", lambda rope, q, k: applied.append(1) or apply(rope, q, k))
     runs = []
-    for packed in (True, False, False):
+    for packed in (True, False, False, False):
         monkeypatch.setattr(self_attention, "_unfused_rope_is_megatrons", lambda: packed)
         tree.zero_grad(set_to_none=True)
         lp = _tree_logprobs(tree, seqs)
         (lp.float() * weights).sum().backward()
         runs.append((lp.detach(), {n: p.grad.float() for n, p in tree.named_parameters()}))
         assert len(applied) == tree.config.num_layers  # once per layer, in the packed run only
-    (lp_packed, g_packed), (lp_megatron, g_megatron), (_, g_again) = runs
+    (lp_packed, g_packed), (lp_megatron, g_megatron), *again = runs
     torch.testing.assert_close(lp_packed, lp_megatron, rtol=0, atol=0)
+    step = torch.finfo(torch.bfloat16).eps
     for name, g in g_megatron.items():
-        own = float((g_again[name] - g).abs().max())
-        assert float((g_packed[name] - g).abs().max()) <= own, (name, own)
+        own = max(float((g_run[name] - g).abs().max()) for _, g_run in again)
+        bound = max(own, step * float(g.abs().max()))
+        assert float((g_packed[name] - g).abs().max()) <= bound, (name, own, bound)
 
 
 # ----------------------------------------------------------------------------- windows and sinks
