@@ -388,6 +388,77 @@ def test_tree_model_on_standard_thd_batches_matches_stock(models, pad_each):
         torch.testing.assert_close(got, torch.cat(_stock_logits(stock, seqs)), **TOL)
 
 
+def _te_like_pair(**overrides):
+    """(stock, tree) models whose stock core attention is the CPU stand-in of TE's (THD and sbhd,
+    TE's checkpoint keys): the tree model keeps it for the batches that are not trees."""
+    from te_cpu_shims import TEDotProductAttentionCPU
+
+    cfg = tiny_config("qwen3", **overrides)
+    layer = stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg))
+    attn = dataclasses.replace(_attn(layer), submodules=dataclasses.replace(
+        _attn(layer).submodules, core_attention=TEDotProductAttentionCPU))
+    spec = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
+    stock = build_gpt(cfg, spec)
+    randomize_(stock, seed=8)
+    tree = build_gpt(cfg, to_tree_spec(spec))
+    tree.load_state_dict(stock.state_dict(), strict=True)
+    return stock, tree
+
+
+def test_batches_that_are_not_trees_run_the_stock_core_attention(monkeypatch):
+    """An ordinary THD batch and an sbhd batch run the replaced core attention, built as
+    megatron-core builds it: logits and every gradient equal the stock model's bit for bit. It
+    adds no parameter or checkpoint key and follows train / eval and dtype moves; a tree batch
+    never reaches it. Megatron's local core attention (no THD) and learnable sinks (the
+    parameter is ours) keep ps-mcore's kernels."""
+    from te_cpu_shims import TEDotProductAttentionCPU
+
+    stock, tree = _te_like_pair()
+    cores = [layer.self_attention.core_attention for layer in tree.decoder.layers]
+    assert all(type(c.stock_core_attention) is TEDotProductAttentionCPU for c in cores)
+    assert list(tree.state_dict()) == list(stock.state_dict())
+    assert sum(p.numel() for p in tree.parameters()) == sum(p.numel() for p in stock.parameters())
+    seqs = FORESTS["no_sharing"] + FORESTS["duplicates"]
+    lens = [len(s) for s in seqs]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                          max_seqlen_kv=max(lens))
+    ids = torch.as_tensor(np.concatenate(seqs), dtype=torch.long)[None]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    n = min(lens)
+    rows = torch.as_tensor(np.stack([s[:n] for s in seqs]), dtype=torch.long)
+    batches = [dict(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp),
+               dict(input_ids=rows, position_ids=torch.arange(n)[None].expand(len(seqs), n),
+                    attention_mask=causal_mask(n))]
+    for batch in batches:
+        out = {}
+        for name, model in (("stock", stock), ("tree", tree)):
+            model.zero_grad(set_to_none=True)
+            logits = model(**batch)
+            (logits * torch.linspace(-1, 1, logits.size(-1))).sum().backward()
+            out[name] = logits.detach(), grads_of(model)
+        (logits, grads), (ref, ref_grads) = out["tree"], out["stock"]
+        assert torch.equal(logits, ref) and grads.keys() == ref_grads.keys()
+        assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    calls = []
+    monkeypatch.setattr(TEDotProductAttentionCPU, "forward", lambda *a, **k: calls.append(1))
+    with torch.no_grad():
+        _tree_logits(tree, _plan(FORESTS["random0"]))
+    assert calls == []
+    tree.eval()
+    assert not any(c.stock_core_attention.training for c in cores)
+    tree.train()
+    assert all(c.stock_core_attention.training for c in cores)
+    probe = torch.zeros(1)
+    cores[0].stock_core_attention.register_buffer("probe", probe)
+    tree.double()
+    assert cores[0].stock_core_attention.probe.dtype == torch.float64
+    _, sinks = _te_like_pair(softmax_type="learnable")
+    assert all(layer.self_attention.core_attention.stock_core_attention is None for layer in sinks.decoder.layers)
+    local = build_gpt(tiny_config("qwen3"), get_gpt_layer_local_tree_spec(**layer_spec_args(tiny_config("qwen3"))))
+    assert all(layer.self_attention.core_attention.stock_core_attention is None for layer in local.decoder.layers)
+
+
 def test_thd_batch_memo_follows_the_bounds_tensor():
     """An ordinary THD batch's segment plan is derived once per params object (every layer
     reads the same one) and derived again when its bounds tensor is replaced: the memo holds

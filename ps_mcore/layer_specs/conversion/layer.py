@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
@@ -47,6 +48,14 @@ def _carries_extra_state(core_spec: Any) -> bool:
     )
 
 
+def _is_local_core_attention(core_spec: Any) -> bool:
+    """Megatron's local ``DotProductAttention``: it takes no THD batch, and on sbhd it reads
+    neither verl's ``[b, s]`` key-padding masks nor a missing mask off the GPU; our kernels keep
+    serving those batches on the local spec."""
+    cls = spec_class(core_spec)
+    return isinstance(cls, type) and issubclass(cls, DotProductAttention)
+
+
 def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> ModuleSpec:
     """Our core attention, with TE's checkpoint keys where it replaces one that has them;
     ``layer_config``: the per-layer config rewrite of a known self-attention subclass."""
@@ -54,8 +63,16 @@ def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> 
         refusal = bridge_core_attention_refusal(spec_class(stock_core))
         if refusal is not None:
             raise NotImplementedError(f"cannot convert {refusal}")
+    converted = spec_class(stock_core)
+    if isinstance(converted, type) and issubclass(converted, TreeCoreAttention):  # a tree spec again
+        params = dict(getattr(stock_core, "params", None) or {})
+        if backend is not None:
+            params["backend"] = backend
+        return ModuleSpec(module=converted, params=params)
     cls = TreeCoreAttentionTEState if _carries_extra_state(stock_core) else TreeCoreAttention
     params = {} if backend is None else {"backend": backend}
+    if not _is_local_core_attention(stock_core):
+        params["stock_core_attention"] = stock_core  # runs the batches that are not trees
     if layer_config is not None:
         params["layer_config"] = layer_config
     return ModuleSpec(module=cls, params=params)

@@ -6,9 +6,15 @@ One module serves every batch a GPT model sees:
   a cross-micro-batch schedule (a :class:`~ps_mcore.minibatch.ContextPlan`), its rows against
   the kept context K/V plus their own (:func:`~ps_mcore.attention.context.context_attention`,
   keyed by ``layer_number``).
-* ordinary THD ``PackedSeqParams``: per-sequence causal attention through the same varlen
-  kernels (a plan without sharing whose nodes are the sequences).
-* no packed params (sbhd): causal SDPA, plus the boolean ``attention_mask`` if one is given.
+* any other batch (ordinary THD ``PackedSeqParams``, or no packed params: sbhd) goes to the
+  stock core attention the spec had (``to_tree_spec`` hands it over as ``stock_core_attention``;
+  built with the same arguments, kept outside the module tree: no parameters, no checkpoint
+  keys), so a batch that is not a tree runs exactly as in the stock model (Transformer
+  Engine's core attention, Megatron-Bridge's, MindSpeed's). Where there is none (a
+  ``TreeCoreAttention`` built directly, megatron's local core attention, learnable sinks, whose
+  parameter is this module's), ps-mcore's own kernels run it: THD as per-sequence causal attention through the same varlen kernels (a plan
+  without sharing whose nodes are the sequences), sbhd as causal SDPA plus the boolean
+  ``attention_mask`` if one is given.
 
 Every batch kind applies the layer's sliding window and attention sinks as megatron-core's own
 core attention reads them from the config (``window_size``, ``window_attn_skip_freq``,
@@ -37,6 +43,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
 
 from ps_mcore.attention import tree_attention
 from ps_mcore.attention.backends import check_backend_name, cp_backend_names
@@ -159,6 +166,21 @@ def _cp_group(config, pg_collection, kwargs):
     return group
 
 
+def _stock_core_attention(spec, args: dict) -> torch.nn.Module | None:
+    """The replaced core attention, built as megatron-core builds it. None without a spec, with
+    learnable sinks (their parameter is ours; the stock module would hold another one), and
+    where the stock module refuses this config (the stock model could not run such a batch
+    either)."""
+    if spec is None or getattr(args["config"], "softmax_type", "vanilla") == "learnable":
+        return None
+    if args["attention_dropout"] is None:
+        del args["attention_dropout"]  # not a keyword megatron-core passes
+    try:
+        return build_module(spec, **args)
+    except (AssertionError, NotImplementedError, ValueError):
+        return None
+
+
 class TreeCoreAttention(MegatronModule):
     """Core attention for prefix trees, packed batches and plain causal batches.
 
@@ -176,6 +198,9 @@ class TreeCoreAttention(MegatronModule):
         layer_config: ``layer_config(config, layer_number) -> config``, the config this layer's
             stock core attention really runs with, for stock core attentions that rewrite it per
             layer (Megatron-Bridge's Gemma 3: ``to_tree_spec`` sets it); None: ``config``.
+        stock_core_attention: the spec (class, ``ModuleSpec`` or partial) of the core attention
+            this module replaces (``to_tree_spec`` sets it): built with the same arguments, it
+            runs every batch that is not a tree (module docstring). None: our kernels run them.
 
     Variants, as megatron-core's own core attention reads them from the config:
     ``window_size`` / ``window_attn_skip_freq`` give this layer's sliding window
@@ -202,8 +227,13 @@ class TreeCoreAttention(MegatronModule):
         pg_collection=None,
         backend: str | None = None,
         layer_config=None,
+        stock_core_attention=None,
         **kwargs,
     ):
+        stock_args = dict(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+                          attention_type=attention_type, attention_dropout=attention_dropout,
+                          softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
+                          pg_collection=pg_collection, **kwargs)
         if layer_config is not None:
             config = layer_config(config, layer_number)
         super().__init__(config=config)
@@ -229,6 +259,27 @@ class TreeCoreAttention(MegatronModule):
                 f"tree attention backend {backend!r} cannot run under context parallelism "
                 f"(cp={self.cp_size}): it needs a gather-KV kernel; use one of {cp_backend_names()}"
             )
+        # Not a submodule: its state stays out of state_dict and parameters(); train() and
+        # _apply() below carry mode and device moves over to it.
+        object.__setattr__(self, "stock_core_attention", _stock_core_attention(stock_core_attention, stock_args))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.stock_core_attention is not None:
+            self.stock_core_attention.train(mode)
+        return self
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        if self.stock_core_attention is not None:
+            self.stock_core_attention._apply(fn, recurse)
+        return self
+
+    def _stock_for(self, packed_seq_params) -> torch.nn.Module | None:
+        """The stock core attention where it runs this batch: any batch but a tree."""
+        if isinstance(packed_seq_params, TreePackedSeqParams) or getattr(packed_seq_params, "plan", None) is not None:
+            return None
+        return self.stock_core_attention
 
     @property
     def tp_group(self):
@@ -297,6 +348,10 @@ class TreeCoreAttention(MegatronModule):
         """thd: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``;
         sbhd: q ``[s, b, np, hn]``, k/v ``[s, b, ng, hn]`` -> ``[s, b, np*hn]``.
         v may have its own head dim ``hv`` (MLA): the output is then ``np*hv`` wide."""
+        stock = self._stock_for(packed_seq_params)
+        if stock is not None:  # not a tree: exactly the stock model's attention
+            return stock(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                         attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by TreeCoreAttention")
         if attn_mask_type is not None and attn_mask_type not in _CAUSAL_TYPES:
