@@ -176,15 +176,49 @@ def test_fused_rope_equals_unfused_on_tree_batches():
     assert float((a.float() - b.float()).abs().max()) < 0.05
 
 
+@pytest.mark.parametrize("fusion", [True, False])
+def test_batches_that_are_not_trees_run_te_attention_bit_for_bit(fusion):
+    """An ordinary THD batch (what verl's stock forward hands a tree model when a micro-batch
+    shares nothing) runs TE's own core attention, built as the stock spec builds it: log-probs
+    equal the stock TE model's bit for bit, gradients within the stock model's own run-to-run
+    difference (:func:`_assert_grads_within_run_to_run`)."""
+    _, _, stock, tree = _pair(fusion)
+    assert all(type(layer.self_attention.core_attention.stock_core_attention).__name__ == "TEDotProductAttention"
+               for layer in tree.decoder.layers)
+    seqs = _forest()
+    weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
+    runs = []
+    for model in (tree, stock, stock, stock):
+        model.zero_grad(set_to_none=True)
+        lp = _stock_thd_logprobs(model, seqs)
+        (lp.float() * weights).sum().backward()
+        runs.append((lp.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (lp_tree, g_tree), (lp_stock, g_stock), *again = runs
+    assert torch.equal(lp_tree, lp_stock)
+    _assert_grads_within_run_to_run(g_tree, g_stock, [g for _, g in again])
+
+
+def _assert_grads_within_run_to_run(got: dict, ref: dict, repeats: list[dict]) -> None:
+    """Every gradient in ``got`` differs from ``ref`` by no more than ``ref``'s own runs differ
+    (``repeats``), or one bf16 step at the parameter's largest gradient. The attention backward
+    accumulates dq with atomics, so repeated runs differ in a few elements by a bf16 step (seen
+    on an H100: linear_qkv in most runs, the embedding in some); a wrong computation differs by
+    the size of the gradient itself."""
+    assert got.keys() == ref.keys()
+    step = torch.finfo(torch.bfloat16).eps
+    for name, g in ref.items():
+        own = max(float((r[name] - g).abs().max()) for r in repeats)
+        bound = max(own, step * float(g.abs().max()))
+        assert float((got[name] - g).abs().max()) <= bound, (name, own, bound)
+
+
 def test_packed_rope_is_megatrons_unfused_rope_bit_for_bit_in_bf16(monkeypatch):
     """Unfused RoPE on a tree batch runs through TreeSelfAttention's packed RoPE (cos/sin once
     per micro-batch): on the TE spec in bf16, log-probs equal those of Megatron's own unfused
     THD RoPE on the same table bit for bit, and every gradient differs from Megatron's path by
-    no more than that path differs from itself over repeated runs, or one bf16 step at the
-    parameter's largest gradient. The attention backward accumulates dq with atomics, so
-    repeated runs of either path differ in a few elements by a bf16 step (seen on an H100:
-    linear_qkv in most runs, the embedding in some); a wrong rotation differs by the size of
-    the gradient itself. The CPU test holds the arithmetic to rtol=atol=0."""
+    no more than that path differs from itself over repeated runs
+    (:func:`_assert_grads_within_run_to_run`). The CPU test holds the arithmetic to
+    rtol=atol=0."""
     from ps_mcore.layer_specs.modules import self_attention
 
     _, _, _, tree = _pair(fusion=False)
@@ -202,11 +236,7 @@ def test_packed_rope_is_megatrons_unfused_rope_bit_for_bit_in_bf16(monkeypatch):
         assert len(applied) == tree.config.num_layers  # once per layer, in the packed run only
     (lp_packed, g_packed), (lp_megatron, g_megatron), *again = runs
     torch.testing.assert_close(lp_packed, lp_megatron, rtol=0, atol=0)
-    step = torch.finfo(torch.bfloat16).eps
-    for name, g in g_megatron.items():
-        own = max(float((g_run[name] - g).abs().max()) for _, g_run in again)
-        bound = max(own, step * float(g.abs().max()))
-        assert float((g_packed[name] - g).abs().max()) <= bound, (name, own, bound)
+    _assert_grads_within_run_to_run(g_packed, g_megatron, [g for _, g in again])
 
 
 # ----------------------------------------------------------------------------- windows and sinks
