@@ -10,11 +10,11 @@ One module serves every batch a GPT model sees:
   stock core attention the spec had (``to_tree_spec`` hands it over as ``stock_core_attention``;
   built with the same arguments, kept outside the module tree: no parameters, no checkpoint
   keys), so a batch that is not a tree runs exactly as in the stock model (Transformer
-  Engine's core attention, Megatron-Bridge's, MindSpeed's). Where there is none (a
-  ``TreeCoreAttention`` built directly, megatron's local core attention, learnable sinks, whose
-  parameter is this module's), ps-mcore's own kernels run it: THD as per-sequence causal attention through the same varlen kernels (a plan
-  without sharing whose nodes are the sequences), sbhd as causal SDPA plus the boolean
-  ``attention_mask`` if one is given.
+  Engine's core attention, Megatron-Bridge's). Where there is none (a ``TreeCoreAttention``
+  built directly, megatron's local core attention, learnable sinks, whose parameter is this
+  module's), ps-mcore's own kernels run it: THD as per-sequence causal attention through the
+  same varlen kernels (a plan without sharing whose nodes are the sequences), sbhd as causal
+  SDPA plus the boolean ``attention_mask`` if one is given.
 
 Every batch kind applies the layer's sliding window and attention sinks as megatron-core's own
 core attention reads them from the config (``window_size``, ``window_attn_skip_freq``,
@@ -22,9 +22,10 @@ core attention reads them from the config (``window_size``, ``window_attn_skip_f
 
 Under context parallelism (K/V all-gathered over the CP group, local queries against the
 global rows: :mod:`ps_mcore.layer_specs.parallel.context_parallel`) tree batches run in one 2*cp chunk
-layout over all packed rows; ordinary THD batches in Megatron's / verl's per-sequence chunk
-layout (``cu_seqlens_q_padded``), so a verl micro-batch that falls back to the stock forward
-still runs on a tree-spec model; sbhd batches are refused.
+layout over all packed rows; ordinary THD batches that no stock core attention takes, in
+Megatron's / verl's per-sequence chunk layout (``cu_seqlens_q_padded``), so a verl micro-batch
+that falls back to the stock forward still runs on a tree-spec model; sbhd batches are
+refused there.
 
 megatron-core (pinned and tested: 0.16) builds core attention with keywords ``config,
 layer_number, attn_mask_type, attention_type, cp_comm_type, softmax_scale`` and
