@@ -31,7 +31,9 @@ Configurations, each in the same run on the same weights and batches:
   two side by side show which the planner should have chosen.
 
 Per engine one table: per (model, batch, config, phase) wall time (median of ``--iters``
-after ``--warmup`` calls; each call is one mini-batch), tokens/s (raw tokens N), peak memory,
+after ``--warmup`` calls; each call is one mini-batch), the micro-batches the engine ran per call
+(its ``forward_step`` calls: a deduplicated budget holds more samples, so ps-mcore's are fewer),
+tokens/s (raw tokens N), peak memory,
 speedup vs stock, the FLOP-weighted ideal speedup of the mini-batch (``ps_mcore.flops`` on the
 plan of the whole mini-batch), measured/ideal, the same with the call's floor counted (the
 ``floor`` batch, one sample of about 80 tokens, times what a call costs whatever its tokens: the
@@ -563,6 +565,10 @@ class Workers:
         out = self.actor.update_actor(td)
         return tu.get(out, "metrics")
 
+    def engine_for(self, phase: str):
+        """The engine a phase runs on: the ref worker's for ``ref``, the actor's otherwise."""
+        return (self.ref.ref if phase == "ref" else self.actor.actor).engine
+
     def capture_grads(self) -> None:
         """Keep every gradient of the next optimizer step in ``self.grads`` (before the step)."""
         engine = self.actor.actor.engine
@@ -582,6 +588,26 @@ class Workers:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def counted_calls(obj, name: str):
+    """Count the calls of method ``name`` of ``obj`` while the block runs (an instance attribute
+    wraps it, removed afterwards); yields the list that gets one entry per call."""
+    calls, method, own = [], getattr(obj, name), name in vars(obj)
+
+    def counting(*args, **kwargs):
+        calls.append(None)
+        return method(*args, **kwargs)
+
+    setattr(obj, name, counting)
+    try:
+        yield calls
+    finally:
+        if own:
+            setattr(obj, name, method)
+        else:
+            delattr(obj, name)
 
 
 def _drop_grad_hooks(engine) -> None:
@@ -737,7 +763,7 @@ def response_mask(batch: Batch) -> torch.Tensor:
 
 PHASES = ("old", "ref", "update")
 PHASE_NAMES = {"old": "compute_log_prob", "ref": "compute_ref_log_prob", "update": "update_actor"}
-HEADERS = ["model", "batch", "config", "phase", "N", "T", "s", "tok/s", "peak GiB", "speedup", "ideal",
+HEADERS = ["model", "batch", "config", "phase", "N", "T", "micro-batches", "s", "tok/s", "peak GiB", "speedup", "ideal",
            "meas/ideal", "floor s", "meas/ideal, floor counted", "max|dlogp| vs stock", "max|dlogp| vs fp32"]
 
 
@@ -754,6 +780,7 @@ class Cell:
     ideal: float
     vs_stock: float = float("nan")
     vs_fp32: float = float("nan")
+    micro_batches: float = float("nan")  # forward_step calls per timed call
 
 
 def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batch], args, settings,
@@ -842,7 +869,8 @@ def run_phases(workers, model, config, batches, plans, args, device, refs, old_l
                 lp = old.get(batch.name, (None,))[0]
                 fn = lambda b=batch, lp=lp: workers.update(b, lp)  # noqa: E731
             try:
-                seconds, peak, result = timed(fn, args.warmup, args.iters, device)
+                with counted_calls(workers.engine_for(phase), "forward_step") as steps:
+                    seconds, peak, result = timed(fn, args.warmup, args.iters, device)
             except torch.OutOfMemoryError as e:
                 oom = ". ".join(str(e).split(". ")[:2])  # used outside the handler, once its frames are freed
             else:
@@ -852,7 +880,8 @@ def run_phases(workers, model, config, batches, plans, args, device, refs, old_l
                 free_memory()
                 cells.append(Cell(model, batch.name, config, phase, n, t, math.nan, math.nan, ideal))
                 continue
-            cell = Cell(model, batch.name, config, phase, n, t, seconds, peak, ideal)
+            cell = Cell(model, batch.name, config, phase, n, t, seconds, peak, ideal,
+                        micro_batches=len(steps) / (args.warmup + args.iters))
             if phase == "old":
                 old[batch.name] = result
                 old_lp[config, batch.name] = result[0]
@@ -900,7 +929,8 @@ def table(cells: list[Cell]) -> str:
         shared = c.config != "stock" and base  # stock is the baseline: no measured/ideal of its own
         counted = speedup / floor_counted_ideal(base, floor, c.ideal) if shared and floor else float("nan")
         seconds = "out of memory" if math.isnan(c.seconds) else c.seconds
-        rows.append([c.model, c.batch, c.config, PHASE_NAMES[c.phase], c.n, c.t, seconds, c.n / c.seconds,
+        rows.append([c.model, c.batch, c.config, PHASE_NAMES[c.phase], c.n, c.t, c.micro_batches, seconds,
+                     c.n / c.seconds,
                      c.peak, speedup, c.ideal, speedup / c.ideal if shared else float("nan"),
                      float("nan") if floor is None else floor, counted,
                      c.vs_stock, c.vs_fp32])
@@ -1116,10 +1146,11 @@ def tiny_run(engine: str, config: str, model_dir: str, batches: list[Batch], set
         for b in batches:
             lp, ent = workers.old_log_prob(b)
             ref = workers.ref_log_prob(b)
-            metrics = workers.update(b, lp)
+            with counted_calls(workers.engine_for("update"), "forward_step") as steps:
+                metrics = workers.update(b, lp)
             out[b.name] = dict(log_probs=lp, entropy=ent, ref=ref, loss=float(np.sum(metrics["loss"])),
                                grad_norm=float(np.mean(metrics["grad_norm"])), grads=workers.grads,
-                               tokens=packed_tokens(metrics, b))
+                               tokens=packed_tokens(metrics, b), micro_batches=len(steps))
         workers.close()
     return out
 
@@ -1149,9 +1180,10 @@ def tiny_compare(stock: dict, other: dict, batches: list[Batch], config: str) ->
         # the sharing path really ran (PrefixGrouper shares only groups of one prompt)
         shared = o["tokens"] < b.num_tokens or (config == "pg" and b.group_size == 1)
         good = (shared and max(d.values()) <= TINY_ATOL and loss <= TINY_RTOL and gnorm <= TINY_RTOL and grad <= TINY_RTOL
-                and len(o["grads"]) == len(s["grads"]))
+                and len(o["grads"]) == len(s["grads"]) and min(o["micro_batches"], s["micro_batches"]) >= 1)
         ok &= good
-        rows.append([b.name, b.num_tokens, o["tokens"], d["log_probs"], d["entropy"], d["ref"], loss, gnorm, grad, "ok" if good else "FAIL"])
+        rows.append([b.name, b.num_tokens, o["tokens"], f"{s['micro_batches']} / {o['micro_batches']}", d["log_probs"],
+                     d["entropy"], d["ref"], loss, gnorm, grad, "ok" if good else "FAIL"])
     return rows, ok
 
 
@@ -1160,8 +1192,8 @@ def tiny(args) -> int:
     # lr 1e-12: Adam moves every weight by ~lr whatever its gradient, so a larger lr would turn
     # fp32 gradient noise into different weights for the next batch
     settings = run_settings(args, lr=1e-12)
-    headers = ["model", "engine", "config", "batch", "N", "T", "max|dlogp|", "max|dentropy|", "max|dref|", "loss rel",
-               "grad-norm rel", "max grad rel", ""]
+    headers = ["model", "engine", "config", "batch", "N", "T", "update micro-batches, stock / config", "max|dlogp|",
+               "max|dentropy|", "max|dref|", "loss rel", "grad-norm rel", "max grad rel", ""]
     rows, ok = [], True
     for model in args.models:
         model_dir = write_model_dir(model, "cpu", weights=not is_moe(model))

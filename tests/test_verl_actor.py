@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -217,12 +218,18 @@ class FakeWorkers:
 
     def __init__(self, engine, model_dir, config, settings, ref):
         self.config = config
+        self.engine = types.SimpleNamespace(forward_step=lambda: None)
+
+    def engine_for(self, phase):
+        return self.engine
 
     def update(self, batch, lp):
         if batch.name == "big":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.35 GiB. GPU 0 has ...")
         if batch.name == "broken":
             raise RuntimeError("engine broke")
+        for _ in range(2 if self.config == "ps" else 5):  # its micro-batches
+            self.engine.forward_step()
         return {}
 
     def old_log_prob(self, batch):
@@ -232,6 +239,30 @@ class FakeWorkers:
 
     def close(self):
         FakeWorkers.closed.append(self.config)
+
+
+def test_counted_calls_counts_and_restores():
+    """The micro-batches column counts an engine's ``forward_step`` calls through an instance
+    attribute that goes away afterwards (a method of the class) or gives the attribute back."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    class Engine:
+        def forward_step(self, x):
+            return 2 * x
+
+    engine = Engine()
+    with verl_actor.counted_calls(engine, "forward_step") as calls:
+        assert [engine.forward_step(i) for i in range(3)] == [0, 2, 4]
+    assert len(calls) == 3 and "forward_step" not in vars(engine) and engine.forward_step(5) == 10
+    original = lambda: "own"  # noqa: E731
+    own = types.SimpleNamespace(forward_step=original)
+    with verl_actor.counted_calls(own, "forward_step") as calls:
+        assert own.forward_step() == "own" and own.forward_step is not original
+    assert len(calls) == 1 and own.forward_step is original
+    with pytest.raises(ValueError), verl_actor.counted_calls(engine, "forward_step"):
+        raise ValueError
+    assert "forward_step" not in vars(engine)
 
 
 def test_out_of_memory_cell_and_failed_configuration(monkeypatch):
@@ -265,6 +296,9 @@ def test_out_of_memory_cell_and_failed_configuration(monkeypatch):
     assert big_ps[verl_actor.HEADERS.index("speedup")] == "-"
     small_ps = next(r for r in rows if r[1:3] == ["small", "ps"])
     assert small_ps[verl_actor.HEADERS.index("speedup")] != "-"
+    small_stock = next(r for r in rows if r[1:3] == ["small", "stock"])
+    column = verl_actor.HEADERS.index("micro-batches")
+    assert (small_ps[column], small_stock[column], big_ps[column]) == ("2", "5", "-")
 
     with pytest.raises(RuntimeError, match="engine broke"):
         verl_actor.run_config("fsdp", "m", "dir", "ps", [types.SimpleNamespace(name="broken")],
