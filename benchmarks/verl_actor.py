@@ -763,8 +763,8 @@ def response_mask(batch: Batch) -> torch.Tensor:
 
 PHASES = ("old", "ref", "update")
 PHASE_NAMES = {"old": "compute_log_prob", "ref": "compute_ref_log_prob", "update": "update_actor"}
-HEADERS = ["model", "batch", "config", "phase", "N", "T", "micro-batches", "s", "tok/s", "peak GiB", "speedup", "ideal",
-           "meas/ideal", "floor s", "meas/ideal, floor counted", "max|dlogp| vs stock", "max|dlogp| vs fp32"]
+HEADERS = ["model", "batch", "config", "phase", "N", "T", "micro-batches", "s", "tok/s", "peak GiB", "speedup",
+           "ideal", "meas/ideal", "floor s", "meas/ideal, floor counted", "max|dlogp| vs stock", "max|dlogp| vs fp32"]
 
 
 @dataclass
@@ -930,8 +930,7 @@ def table(cells: list[Cell]) -> str:
         counted = speedup / floor_counted_ideal(base, floor, c.ideal) if shared and floor else float("nan")
         seconds = "out of memory" if math.isnan(c.seconds) else c.seconds
         rows.append([c.model, c.batch, c.config, PHASE_NAMES[c.phase], c.n, c.t, c.micro_batches, seconds,
-                     c.n / c.seconds,
-                     c.peak, speedup, c.ideal, speedup / c.ideal if shared else float("nan"),
+                     c.n / c.seconds, c.peak, speedup, c.ideal, speedup / c.ideal if shared else float("nan"),
                      float("nan") if floor is None else floor, counted,
                      c.vs_stock, c.vs_fp32])
     return format_table(HEADERS, rows)

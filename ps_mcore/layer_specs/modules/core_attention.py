@@ -212,8 +212,10 @@ class TreeCoreAttention(MegatronModule):
     construction (:func:`megatron_attention_refusal`).
 
     Context parallelism: tree batches (``TreePackedSeqParams.from_plan(..., cp_size=,
-    cp_rank=)``) and ordinary THD batches in the per-sequence chunk layout; K/V are all-gathered over the CP group whatever ``cp_comm_type`` says, and
-    the local queries attend to the global rows (:mod:`ps_mcore.layer_specs.parallel.context_parallel`).
+    cp_rank=)``) and, where no stock core attention runs them, ordinary THD batches in the
+    per-sequence chunk layout; K/V are all-gathered over the CP group whatever ``cp_comm_type``
+    says, and the local queries attend to the global rows
+    (:mod:`ps_mcore.layer_specs.parallel.context_parallel`).
     """
 
     def __init__(
