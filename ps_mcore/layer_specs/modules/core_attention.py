@@ -178,7 +178,7 @@ def _stock_core_attention(spec, args: dict) -> torch.nn.Module | None:
         del args["attention_dropout"]  # not a keyword megatron-core passes
     try:
         return build_module(spec, **args)
-    except (AssertionError, NotImplementedError, ValueError):
+    except (AssertionError, NotImplementedError, ValueError, RuntimeError, ImportError):
         return None
 
 
