@@ -410,17 +410,20 @@ def te_like_core_attention():
     return TELikeDotProductAttention
 
 
-def te_like_layer_spec(**kwargs):
-    """``get_gpt_layer_local_spec(**kwargs)`` whose core attention keys are TE's."""
+def with_core_attention(layer_spec, core):
+    """A GPT layer spec whose self attention's core attention is ``core`` (the rest shared)."""
     import dataclasses
 
+    attn = layer_spec.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=core))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attn))
+
+
+def te_like_layer_spec(**kwargs):
+    """``get_gpt_layer_local_spec(**kwargs)`` whose core attention keys are TE's."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(**kwargs)
-    attn = spec.submodules.self_attention
-    attn = dataclasses.replace(attn, submodules=dataclasses.replace(
-        attn.submodules, core_attention=te_like_core_attention()))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
+    return with_core_attention(get_gpt_layer_local_spec(**kwargs), te_like_core_attention())
 
 
 def enable_cpu_sliding_window() -> None:

@@ -20,7 +20,7 @@ from conftest import assert_grads_close, grads_of  # noqa: E402
 from forests import branching_forest  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, build_gpt, causal_mask, init_cpu_megatron, layer_spec_args, randomize_,
-    reference_logprobs, stock_forward, tiny_config,
+    reference_logprobs, stock_forward, tiny_config, with_core_attention,
 )
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -394,10 +394,7 @@ def _te_like_pair(**overrides):
     from te_cpu_shims import TEDotProductAttentionCPU
 
     cfg = tiny_config("qwen3", **overrides)
-    layer = stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg))
-    attn = dataclasses.replace(_attn(layer), submodules=dataclasses.replace(
-        _attn(layer).submodules, core_attention=TEDotProductAttentionCPU))
-    spec = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
+    spec = with_core_attention(stock_specs.get_gpt_layer_local_spec(**layer_spec_args(cfg)), TEDotProductAttentionCPU)
     stock = build_gpt(cfg, spec)
     randomize_(stock, seed=8)
     tree = build_gpt(cfg, to_tree_spec(spec))

@@ -27,7 +27,7 @@ from forests import nasty_forests, window_forest  # noqa: E402
 from megatron_shims import (  # noqa: E402
     VOCAB, allow_local_expert_bias_backward, build_gpt, causal_mask, enable_cpu_moe,
     enable_cpu_sliding_window, init_cpu_megatron, randomize_, reference_logprobs, stock_forward,
-    te_like_core_attention, tiny_config,
+    te_like_core_attention, tiny_config, with_core_attention,
 )
 
 from ps_mcore import plan_prefix_tree  # noqa: E402
@@ -59,13 +59,7 @@ def _block_spec(cfg, te_like: bool = False):
     if not te_like:
         return spec
     core = te_like_core_attention()  # TE's checkpoint behaviour on megatron's local attention
-
-    def te_layer(layer):
-        attn = layer.submodules.self_attention
-        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules, core_attention=core))
-        return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn))
-
-    return dataclasses.replace(spec, layer_specs=[te_layer(layer) for layer in spec.layer_specs])
+    return dataclasses.replace(spec, layer_specs=[with_core_attention(layer, core) for layer in spec.layer_specs])
 
 
 def _pair(kind: str, dtype=torch.float32, te_like: bool = False, seed: int = 3, **overrides):
