@@ -37,42 +37,35 @@ def is_identity(spec: Any) -> bool:
     return isinstance(cls, type) and issubclass(cls, IdentityOp)
 
 
-def _carries_extra_state(core_spec: Any) -> bool:
-    """Whether the stock core attention has a ``_extra_state`` checkpoint key (TE's
+def _carries_extra_state(cls: Any) -> bool:
+    """Whether the stock core attention class has a ``_extra_state`` checkpoint key (TE's
     DotProductAttention does; Megatron's local one does not)."""
-    cls = spec_class(core_spec)
-    return (
-        isinstance(cls, type)
-        and issubclass(cls, torch.nn.Module)
-        and cls.get_extra_state is not torch.nn.Module.get_extra_state
-    )
-
-
-def _is_local_core_attention(core_spec: Any) -> bool:
-    """Megatron's local ``DotProductAttention``: it takes no THD batch, and on sbhd it reads
-    neither verl's ``[b, s]`` key-padding masks nor a missing mask off the GPU; our kernels keep
-    serving those batches on the local spec."""
-    cls = spec_class(core_spec)
-    return isinstance(cls, type) and issubclass(cls, DotProductAttention)
+    return isinstance(cls, type) and issubclass(cls, torch.nn.Module) and (
+        cls.get_extra_state is not torch.nn.Module.get_extra_state)
 
 
 def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> ModuleSpec:
-    """Our core attention, with TE's checkpoint keys where it replaces one that has them;
-    ``layer_config``: the per-layer config rewrite of a known self-attention subclass."""
-    if layer_config is None:  # a known self-attention subclass vouches for its core attention
-        refusal = bridge_core_attention_refusal(spec_class(stock_core))
-        if refusal is not None:
-            raise NotImplementedError(f"cannot convert {refusal}")
-    converted = spec_class(stock_core)
-    if isinstance(converted, type) and issubclass(converted, TreeCoreAttention):  # a tree spec again
+    """Our core attention, with TE's checkpoint keys where it replaces one that has them, and
+    the replaced one kept for the batches that are not trees (``stock_core_attention``), except
+    megatron's local ``DotProductAttention``: it takes no THD batch, and on sbhd it reads neither
+    verl's ``[b, s]`` key-padding masks nor a missing mask off the GPU, so our kernels keep
+    serving those batches on the local spec. ``layer_config``: the per-layer config rewrite of
+    a known self-attention subclass. A tree core attention spec comes back as it is (with
+    ``backend`` where given)."""
+    stock_cls = spec_class(stock_core)
+    if isinstance(stock_cls, type) and issubclass(stock_cls, TreeCoreAttention):
         params = dict(getattr(stock_core, "params", None) or {})
         if backend is not None:
             params["backend"] = backend
-        return ModuleSpec(module=converted, params=params)
-    cls = TreeCoreAttentionTEState if _carries_extra_state(stock_core) else TreeCoreAttention
+        return ModuleSpec(module=stock_cls, params=params)
+    if layer_config is None:  # a known self-attention subclass vouches for its core attention
+        refusal = bridge_core_attention_refusal(stock_cls)
+        if refusal is not None:
+            raise NotImplementedError(f"cannot convert {refusal}")
+    cls = TreeCoreAttentionTEState if _carries_extra_state(stock_cls) else TreeCoreAttention
     params = {} if backend is None else {"backend": backend}
-    if not _is_local_core_attention(stock_core):
-        params["stock_core_attention"] = stock_core  # runs the batches that are not trees
+    if not (isinstance(stock_cls, type) and issubclass(stock_cls, DotProductAttention)):
+        params["stock_core_attention"] = stock_core
     if layer_config is not None:
         params["layer_config"] = layer_config
     return ModuleSpec(module=cls, params=params)
