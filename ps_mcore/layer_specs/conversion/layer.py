@@ -31,17 +31,21 @@ from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter
 from ps_mcore.layer_specs.modules.self_attention import TreeSelfAttention
 
 
+def _is_subclass(cls: Any, base) -> bool:
+    """Whether ``cls`` (a spec's module: a class, or a factory function) is a class derived from
+    ``base`` (a class or a tuple of them)."""
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
 def is_identity(spec: Any) -> bool:
     """Whether ``spec`` builds an ``IdentityOp`` (a layer slot left empty)."""
-    cls = spec_class(spec)
-    return isinstance(cls, type) and issubclass(cls, IdentityOp)
+    return _is_subclass(spec_class(spec), IdentityOp)
 
 
 def _carries_extra_state(cls: Any) -> bool:
     """Whether the stock core attention class has a ``_extra_state`` checkpoint key (TE's
     DotProductAttention does; Megatron's local one does not)."""
-    return isinstance(cls, type) and issubclass(cls, torch.nn.Module) and (
-        cls.get_extra_state is not torch.nn.Module.get_extra_state)
+    return _is_subclass(cls, torch.nn.Module) and cls.get_extra_state is not torch.nn.Module.get_extra_state
 
 
 def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> ModuleSpec:
@@ -53,7 +57,7 @@ def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> 
     a known self-attention subclass. A tree core attention spec comes back as it is (with
     ``backend`` where given)."""
     stock_cls = spec_class(stock_core)
-    if isinstance(stock_cls, type) and issubclass(stock_cls, TreeCoreAttention):
+    if _is_subclass(stock_cls, TreeCoreAttention):
         params = dict(getattr(stock_core, "params", None) or {})
         if backend is not None:
             params["backend"] = backend
@@ -64,7 +68,7 @@ def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> 
             raise NotImplementedError(f"cannot convert {refusal}")
     cls = TreeCoreAttentionTEState if _carries_extra_state(stock_cls) else TreeCoreAttention
     params = {} if backend is None else {"backend": backend}
-    if not (isinstance(stock_cls, type) and issubclass(stock_cls, DotProductAttention)):
+    if not _is_subclass(stock_cls, DotProductAttention):
         params["stock_core_attention"] = stock_core
     if layer_config is not None:
         params["layer_config"] = layer_config
@@ -76,7 +80,7 @@ def _tree_self_attention(cls: Any, where: str) -> tuple[type, Any]:
     attention needs (None: the layer's config as it is). Known subclasses of megatron's
     ``SelfAttention`` (Megatron-Bridge's, ``conversion.bridge_attention.bridge_self_attention``) get their
     tree version; any other subclass is refused."""
-    if isinstance(cls, type) and issubclass(cls, SelfAttention) and cls is not SelfAttention and not (
+    if _is_subclass(cls, SelfAttention) and cls is not SelfAttention and not (
             issubclass(cls, (TreeSelfAttention, MLASelfAttention))):
         known = bridge_self_attention(cls)
         if known is not None:
@@ -85,7 +89,7 @@ def _tree_self_attention(cls: Any, where: str) -> tuple[type, Any]:
 
 
 def _tree_self_attention_class(cls: Any, where: str) -> type:
-    if isinstance(cls, type) and issubclass(cls, MLASelfAttention):
+    if _is_subclass(cls, MLASelfAttention):
         if cls is MLASelfAttention:
             return TreeMLASelfAttention
         if issubclass(cls, TreeMLASelfAttention):
@@ -96,7 +100,7 @@ def _tree_self_attention_class(cls: Any, where: str) -> type:
         )
     if cls is SelfAttention:
         return TreeSelfAttention
-    if isinstance(cls, type) and issubclass(cls, TreeSelfAttention):
+    if _is_subclass(cls, TreeSelfAttention):
         return cls
     raise NotImplementedError(
         f"cannot convert self attention {getattr(cls, '__name__', cls)!r} ({where}): to_tree_spec "
@@ -179,7 +183,7 @@ def _tree_moe_submodules(submodules):
     router = submodules.router
     if router is TopKRouter:
         router = TreeTopKRouter
-    elif not (isinstance(router, type) and issubclass(router, TreeTopKRouter)):
+    elif not _is_subclass(router, TreeTopKRouter):
         raise NotImplementedError(
             f"cannot make MoE router {getattr(router, '__name__', router)!r} tree-aware: "
             "to_tree_spec swaps megatron's TopKRouter only"
