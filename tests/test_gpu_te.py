@@ -119,6 +119,16 @@ def _fp32_reference(tree):
     return ref
 
 
+def _weighted_backward(model, logprobs, seqs):
+    """``(log-probs, {name: gradient})`` of ``logprobs(model, seqs)`` under a per-sample weighted
+    loss (sample i weighs 0.5 + i), from zeroed gradients; both in fp32."""
+    model.zero_grad(set_to_none=True)
+    lp = logprobs(model, seqs)
+    weights = torch.cat([torch.full((len(s),), 0.5 + i, device=lp.device) for i, s in enumerate(seqs)])
+    (lp.float() * weights).sum().backward()
+    return lp.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("fusion", [True, False])
 def test_tree_matches_stock_te_on_the_unshared_batch(fusion):
     """bf16 log-probs and gradients of a per-sample weighted loss: tree model on the forest
@@ -129,14 +139,10 @@ def test_tree_matches_stock_te_on_the_unshared_batch(fusion):
     kernels). A wrong position or mask gives O(1) differences."""
     _, _, stock, tree = _pair(fusion)
     seqs = _forest()
-    weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
     fp32 = _fp32_reference(tree)
-    runs = {}
-    for name, model, logprobs in (("stock", stock, _stock_thd_logprobs), ("tree", tree, _tree_logprobs),
-                                  ("fp32", fp32, _stock_thd_logprobs)):
-        lp = logprobs(model, seqs)
-        (lp.float() * weights).sum().backward()
-        runs[name] = (lp.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()})
+    runs = {name: _weighted_backward(model, logprobs, seqs)
+            for name, model, logprobs in (("stock", stock, _stock_thd_logprobs), ("tree", tree, _tree_logprobs),
+                                          ("fp32", fp32, _stock_thd_logprobs))}
     (ref, g_stock), (got, g_tree), (_, g32) = runs["stock"], runs["tree"], runs["fp32"]
     diff = (got - ref).abs()
     assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02, (float(diff.max()), float(diff.mean()))
@@ -186,13 +192,7 @@ def test_batches_that_are_not_trees_run_te_attention_bit_for_bit(fusion):
     assert all(type(layer.self_attention.core_attention.stock_core_attention).__name__ == "TEDotProductAttention"
                for layer in tree.decoder.layers)
     seqs = _forest()
-    weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
-    runs = []
-    for model in (tree, stock, stock, stock):
-        model.zero_grad(set_to_none=True)
-        lp = _stock_thd_logprobs(model, seqs)
-        (lp.float() * weights).sum().backward()
-        runs.append((lp.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    runs = [_weighted_backward(model, _stock_thd_logprobs, seqs) for model in (tree, stock, stock, stock)]
     (lp_tree, g_tree), (lp_stock, g_stock), *again = runs
     assert torch.equal(lp_tree, lp_stock)
     _assert_grads_within_run_to_run(g_tree, g_stock, [g for _, g in again])
@@ -223,16 +223,12 @@ def test_packed_rope_is_megatrons_unfused_rope_bit_for_bit_in_bf16(monkeypatch):
 
     _, _, _, tree = _pair(fusion=False)
     seqs = _forest()
-    weights = torch.cat([torch.full((len(s),), 0.5 + i, device="cuda") for i, s in enumerate(seqs)])
     applied, apply = [], self_attention.PackedRope.apply
     monkeypatch.setattr(self_attention.PackedRope, "apply", lambda rope, q, k: applied.append(1) or apply(rope, q, k))
     runs = []
     for packed in (True, False, False, False):
         monkeypatch.setattr(self_attention, "_unfused_rope_is_megatrons", lambda: packed)
-        tree.zero_grad(set_to_none=True)
-        lp = _tree_logprobs(tree, seqs)
-        (lp.float() * weights).sum().backward()
-        runs.append((lp.detach(), {n: p.grad.float() for n, p in tree.named_parameters()}))
+        runs.append(_weighted_backward(tree, _tree_logprobs, seqs))
         assert len(applied) == tree.config.num_layers  # once per layer, in the packed run only
     (lp_packed, g_packed), (lp_megatron, g_megatron), *again = runs
     torch.testing.assert_close(lp_packed, lp_megatron, rtol=0, atol=0)
