@@ -352,6 +352,7 @@ class RunSettings:
     lr: float = 1e-6
     pg_groups: int = 1
     tiny: bool = False
+    fused_kernels: bool = False
 
 
 def compose_config(engine: str, model_dir: str, config: str, settings: RunSettings):
@@ -382,6 +383,7 @@ def compose_config(engine: str, model_dir: str, config: str, settings: RunSettin
         arr.actor.optim.lr = settings.lr
         arr.actor.optim.total_training_steps = 10_000
         arr.actor.use_prefix_grouper = config != "stock"
+        arr.model.use_fused_kernels = settings.fused_kernels
         if config in PS_CONFIGS:
             arr.actor.prefix_grouper = {"mode": "arbitrary_prefix", "min_prefix_len": 8, **PS_CONFIGS[config]}
         if engine == "fsdp":
@@ -661,8 +663,10 @@ def run_settings(args, lr: float | None = None) -> RunSettings:
     micro-batches per tiny batch)."""
     lr = args.lr if lr is None else lr
     if args.tiny:
-        return RunSettings(device="cpu", max_token_len=256, lr=lr, pg_groups=args.pg_groups, tiny=True)
-    return RunSettings(device="cuda", max_token_len=args.max_token_len, lr=lr, pg_groups=args.pg_groups)
+        return RunSettings(device="cpu", max_token_len=256, lr=lr, pg_groups=args.pg_groups, tiny=True,
+                           fused_kernels=args.fused_kernels)
+    return RunSettings(device="cuda", max_token_len=args.max_token_len, lr=lr, pg_groups=args.pg_groups,
+                       fused_kernels=args.fused_kernels)
 
 
 def start(tiny: bool) -> str:
@@ -1244,6 +1248,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="untimed mini-batches per cell (default 1)")
     p.add_argument("--iters", type=int, default=None, help="timed mini-batches per cell (default 3; --quick: 2)")
     p.add_argument("--max-token-len", type=int, default=16384, help="ppo_max_token_len_per_gpu (and log-prob budgets)")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="verl's fused LM-head kernels in every configuration (actor_rollout_ref.model."
+                        "use_fused_kernels): log-probs and entropy without the [tokens, vocab] logits, so "
+                        "larger budgets fit")
     p.add_argument("--pg-groups", type=int, default=1, help="PrefixGrouper: groups per fixed micro-batch")
     p.add_argument("--ref-samples", type=int, default=8, help="sequences per batch in the fp32 reference (0: none)")
     p.add_argument("--lr", type=float, default=None, help="actor lr (default 1e-6; 1e-5 with --curves, 1e-3 with --tiny --curves)")
@@ -1266,6 +1274,10 @@ def parse_args(argv=None):
     for name, given in (("--profile", args.profile), ("--profile-idle", args.profile_idle)):
         if given and (args.tiny or args.curves):
             p.error(f"{name} times the benchmark's phases on the GPU: not with --tiny or --curves")
+    if args.tiny and args.fused_kernels and "fsdp" in args.engines:
+        p.error("--tiny --fused-kernels runs the megatron engine only (--engines megatron): verl 0.8.0's FSDP2 "
+                "gives an untied LM head, the tiny model's, an FSDP unit of its own, and its fused forward "
+                "then reads that head's sharded weight")
     if args.curves and len(args.models) != 1:
         p.error("--curves runs one model: give one to --models")
     if not any(model_engines(m, args.engines) for m in args.models):

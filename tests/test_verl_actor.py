@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FP32_TOL = 1e-5  # fp32 on a CPU: shared rows only reorder sums (the benchmark's TINY_ATOL / TINY_RTOL)
 
 
-def run_tiny(*args: str) -> str:
-    """``verl_actor.py --tiny *args``'s output from the table headed ``title`` on; exit 0 asserted."""
+def run_tiny(*args: str, stderr: bool = False):
+    """``verl_actor.py --tiny *args``'s stdout (``(stdout, stderr)`` with ``stderr``); exit 0 asserted."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), "--tiny", *args],
                           capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return (proc.stdout, proc.stderr) if stderr else proc.stdout
 
 
 def table_rows(table: str) -> list[list[str]]:
@@ -67,6 +67,22 @@ def test_tiny_moe_megatron_matches_stock():
     rows = check_cells(run_tiny("--engines", "megatron", "--models", "tiny-moe"), 3)
     for model, engine, config, batch, n, t, *_ in rows:
         assert (model, engine, config) == ("tiny-moe", "megatron", "ps") and int(t) < int(n), rows
+
+
+@pytest.mark.slow  # ~10 s of CPU (4 Megatron worker builds)
+def test_tiny_fused_kernels_megatron_match_stock():
+    """``--fused-kernels``: verl's fused LM head (``use_fused_kernels``) in both
+    configurations on the Megatron engine, its kernel verl's torch one on the CPU; the kernel
+    ran, and every output, loss and gradient still equals stock's. With the FSDP2 engine
+    ``--tiny`` refuses the option by name."""
+    out, err = run_tiny("--fused-kernels", "--engines", "megatron", stderr=True)
+    rows = check_cells(out, 3)
+    assert {(row[1], row[2]) for row in rows} == {("megatron", "ps")}, rows
+    calls = [line for line in err.splitlines() if line.startswith("CPU fused LM-head kernel:")]
+    assert calls and all(int(line.split()[4]) > 0 for line in calls), err[-2000:]
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), "--tiny", "--fused-kernels"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and "--fused-kernels runs the megatron engine only" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.slow  # ~50 s of CPU (6 worker builds over 2 engines, 2 steps each)

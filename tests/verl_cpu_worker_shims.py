@@ -19,12 +19,19 @@ What each shim stands in for (all hardware or fp32 gaps, none changes the math):
   optimizer, grad-norm and multi-tensor helpers allocate ``device="cuda"`` tensors
   (redirected to the CPU); verl's ``McoreEngineConfig`` accepts only bf16/fp16 and its
   optimizer config forces ``bf16`` (fp32 allowed here: exactness is checked in fp32).
+* Megatron's fused LM head (``use_fused_kernels``): verl's Triton ``linear_cross_entropy``
+  (CUDA) is ``megatron_shims.cpu_linear_cross_entropy``, verl's torch kernel; a process that
+  called it says how often on stderr when it exits.
 * Megatron MoE (``megatron_shims.enable_cpu_moe``): the alltoall dispatcher's side CUDA
   stream and host copies; mbridge asks for grouped-GEMM experts (TE's or the ``grouped_gemm``
   CUDA kernels), here megatron's ``SequentialMLP`` (the same experts, one GEMM each).
 """
 
 from __future__ import annotations
+
+import atexit
+import functools
+import sys
 
 import torch
 
@@ -99,12 +106,18 @@ def _megatron_on_cpu() -> None:
     from megatron.core.optimizer import clip_grads, optimizer
     from verl.workers.engine.megatron import transformer_impl
 
-    from megatron_shims import enable_cpu_moe, init_cpu_megatron
+    from verl.models.mcore import model_forward_fused
+
+    from megatron_shims import cpu_linear_cross_entropy, enable_cpu_moe, init_cpu_megatron
     from ps_mcore.layer_specs import to_tree_spec
     from verl_batches import cpu_forward_backward_func
 
     init_cpu_megatron()
     enable_cpu_moe()
+    rows = []  # one entry per call: the rows the kernel saw
+    model_forward_fused.linear_cross_entropy = functools.partial(cpu_linear_cross_entropy, rows_seen=rows)
+    atexit.register(lambda: rows and print(f"CPU fused LM-head kernel: {len(rows)} calls, {sum(rows)} rows",
+                                           file=sys.stderr))
     torch.nn.Module.cuda = lambda self, device=None: self
     stock_block_spec = llm_bridge.get_gpt_decoder_block_spec
 
