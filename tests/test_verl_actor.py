@@ -39,6 +39,14 @@ def run_tiny(*args: str, stderr: bool = False):
     return (proc.stdout, proc.stderr) if stderr else proc.stdout
 
 
+def refused(*args: str) -> str:
+    """``verl_actor.py *args``'s stderr; exit 2 (argparse's refusal) asserted."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stderr
+
+
 def table_rows(table: str) -> list[list[str]]:
     """The cells of a markdown table's body rows (engine rows only)."""
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()
@@ -80,9 +88,7 @@ def test_tiny_fused_kernels_megatron_match_stock():
     assert {(row[1], row[2]) for row in rows} == {("megatron", "ps")}, rows
     calls = [line for line in err.splitlines() if line.startswith("CPU fused LM-head kernel:")]
     assert calls and all(int(line.split()[4]) > 0 for line in calls), err[-2000:]
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), "--tiny", "--fused-kernels"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 2 and "--fused-kernels runs the megatron engine only" in proc.stderr, proc.stderr[-2000:]
+    assert "--fused-kernels runs the megatron engine only" in refused("--tiny", "--fused-kernels")
 
 
 @pytest.mark.slow  # ~50 s of CPU (6 worker builds over 2 engines, 2 steps each)
@@ -112,10 +118,8 @@ def test_profile_is_a_gpu_benchmark_option(option):
     with ``--tiny`` (and ``--curves``), and their tables follow the engines' tables in the
     report."""
     for extra in (["--tiny"], ["--curves", "2"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), *extra,
-                               option, "update"], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert proc.returncode == 2 and f"{option} times" in proc.stderr, proc.stderr[-2000:]
+        stderr = refused(*extra, option, "update")
+        assert f"{option} times" in stderr, stderr[-2000:]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import verl_actor
 

@@ -104,9 +104,8 @@ def _megatron_on_cpu() -> None:
     from mbridge.models.qwen2 import Qwen2Bridge
     from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import clip_grads, optimizer
-    from verl.workers.engine.megatron import transformer_impl
-
     from verl.models.mcore import model_forward_fused
+    from verl.workers.engine.megatron import transformer_impl
 
     from megatron_shims import cpu_linear_cross_entropy, enable_cpu_moe, init_cpu_megatron
     from ps_mcore.layer_specs import to_tree_spec
