@@ -24,28 +24,22 @@ from megatron.core.transformer.spec_utils import ModuleSpec, get_module
 
 from ps_mcore.layer_specs.conversion.bridge_attention import bridge_core_attention_refusal, bridge_self_attention
 from ps_mcore.layer_specs.conversion.recurrent import tree_recurrent_spec
-from ps_mcore.layer_specs.conversion.spec_class import spec_class
+from ps_mcore.layer_specs.conversion.spec_class import is_subclass, spec_class
 from ps_mcore.layer_specs.modules.core_attention import TreeCoreAttention, TreeCoreAttentionTEState
 from ps_mcore.layer_specs.modules.mla import TreeMLASelfAttention
 from ps_mcore.layer_specs.modules.moe_router import TreeTopKRouter
 from ps_mcore.layer_specs.modules.self_attention import TreeSelfAttention
 
 
-def _is_subclass(cls: Any, base) -> bool:
-    """Whether ``cls`` (a spec's module: a class, or a factory function) is a class derived from
-    ``base`` (a class or a tuple of them)."""
-    return isinstance(cls, type) and issubclass(cls, base)
-
-
 def is_identity(spec: Any) -> bool:
     """Whether ``spec`` builds an ``IdentityOp`` (a layer slot left empty)."""
-    return _is_subclass(spec_class(spec), IdentityOp)
+    return is_subclass(spec_class(spec), IdentityOp)
 
 
 def _carries_extra_state(cls: Any) -> bool:
     """Whether the stock core attention class has a ``_extra_state`` checkpoint key (TE's
     DotProductAttention does; Megatron's local one does not)."""
-    return _is_subclass(cls, torch.nn.Module) and cls.get_extra_state is not torch.nn.Module.get_extra_state
+    return is_subclass(cls, torch.nn.Module) and cls.get_extra_state is not torch.nn.Module.get_extra_state
 
 
 def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> ModuleSpec:
@@ -57,7 +51,7 @@ def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> 
     a known self-attention subclass. A tree core attention spec comes back as it is (with
     ``backend`` where given)."""
     stock_cls = spec_class(stock_core)
-    if _is_subclass(stock_cls, TreeCoreAttention):
+    if is_subclass(stock_cls, TreeCoreAttention):
         params = dict(getattr(stock_core, "params", None) or {})
         if backend is not None:
             params["backend"] = backend
@@ -68,7 +62,7 @@ def _tree_core_spec(stock_core: Any, backend: str | None, layer_config=None) -> 
             raise NotImplementedError(f"cannot convert {refusal}")
     cls = TreeCoreAttentionTEState if _carries_extra_state(stock_cls) else TreeCoreAttention
     params = {} if backend is None else {"backend": backend}
-    if not _is_subclass(stock_cls, DotProductAttention):
+    if not is_subclass(stock_cls, DotProductAttention):
         params["stock_core_attention"] = stock_core
     if layer_config is not None:
         params["layer_config"] = layer_config
@@ -80,7 +74,7 @@ def _tree_self_attention(cls: Any, where: str) -> tuple[type, Any]:
     attention needs (None: the layer's config as it is). Known subclasses of megatron's
     ``SelfAttention`` (Megatron-Bridge's, ``conversion.bridge_attention.bridge_self_attention``) get their
     tree version; any other subclass is refused."""
-    if _is_subclass(cls, SelfAttention) and cls is not SelfAttention and not (
+    if is_subclass(cls, SelfAttention) and cls is not SelfAttention and not (
             issubclass(cls, (TreeSelfAttention, MLASelfAttention))):
         known = bridge_self_attention(cls)
         if known is not None:
@@ -89,7 +83,7 @@ def _tree_self_attention(cls: Any, where: str) -> tuple[type, Any]:
 
 
 def _tree_self_attention_class(cls: Any, where: str) -> type:
-    if _is_subclass(cls, MLASelfAttention):
+    if is_subclass(cls, MLASelfAttention):
         if cls is MLASelfAttention:
             return TreeMLASelfAttention
         if issubclass(cls, TreeMLASelfAttention):
@@ -100,7 +94,7 @@ def _tree_self_attention_class(cls: Any, where: str) -> type:
         )
     if cls is SelfAttention:
         return TreeSelfAttention
-    if _is_subclass(cls, TreeSelfAttention):
+    if is_subclass(cls, TreeSelfAttention):
         return cls
     raise NotImplementedError(
         f"cannot convert self attention {getattr(cls, '__name__', cls)!r} ({where}): to_tree_spec "
@@ -183,7 +177,7 @@ def _tree_moe_submodules(submodules):
     router = submodules.router
     if router is TopKRouter:
         router = TreeTopKRouter
-    elif not _is_subclass(router, TreeTopKRouter):
+    elif not is_subclass(router, TreeTopKRouter):
         raise NotImplementedError(
             f"cannot make MoE router {getattr(router, '__name__', router)!r} tree-aware: "
             "to_tree_spec swaps megatron's TopKRouter only"

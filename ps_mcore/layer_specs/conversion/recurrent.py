@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ps_mcore.layer_specs.conversion.spec_class import spec_class
+from ps_mcore.layer_specs.conversion.spec_class import is_subclass, spec_class
 
 # stock class (module, name) -> tree class (module, name). Add a recurrent layer type here.
 TREE_MIXERS: dict[tuple[str, str], tuple[str, str]] = {
@@ -31,7 +31,7 @@ def _stock_class(cls: type) -> tuple[str, str] | None:
     for module_name, class_name in TREE_MIXERS:
         module = sys.modules.get(module_name)  # a spec holding the class imported its module
         stock = getattr(module, class_name, None) if module is not None else None
-        if stock is not None and isinstance(cls, type) and issubclass(cls, stock):
+        if stock is not None and is_subclass(cls, stock):
             return module_name, class_name
     return None
 

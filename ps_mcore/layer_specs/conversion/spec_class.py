@@ -16,3 +16,9 @@ def spec_class(spec: Any) -> Any:
     while isinstance(spec, functools.partial):
         spec = spec.func
     return spec
+
+
+def is_subclass(cls: Any, base) -> bool:
+    """Whether ``cls`` (a spec's module: a class, or a factory function) is a class derived from
+    ``base`` (a class or a tuple of them)."""
+    return isinstance(cls, type) and issubclass(cls, base)
