@@ -662,11 +662,10 @@ def run_settings(args, lr: float | None = None) -> RunSettings:
     """The workers' settings: ``--tiny`` on the CPU with a 256-token budget (several
     micro-batches per tiny batch)."""
     lr = args.lr if lr is None else lr
+    common = dict(lr=lr, pg_groups=args.pg_groups, fused_kernels=args.fused_kernels)
     if args.tiny:
-        return RunSettings(device="cpu", max_token_len=256, lr=lr, pg_groups=args.pg_groups, tiny=True,
-                           fused_kernels=args.fused_kernels)
-    return RunSettings(device="cuda", max_token_len=args.max_token_len, lr=lr, pg_groups=args.pg_groups,
-                       fused_kernels=args.fused_kernels)
+        return RunSettings(device="cpu", max_token_len=256, tiny=True, **common)
+    return RunSettings(device="cuda", max_token_len=args.max_token_len, **common)
 
 
 def start(tiny: bool) -> str:
