@@ -734,6 +734,32 @@ def test_compiled_tree_model_matches_eager_without_recompiling_per_plan():
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs  # no recompile for new plans
 
 
+def test_plain_call_skips_tree_arguments_and_clears_the_tree_batch(models, monkeypatch):
+    """A call without a tree batch goes straight to Megatron's forward (no signature binding in
+    every layer) and leaves no tree batch behind for the MoE router of the layer; a tree batch
+    by keyword, or any call with positional arguments, still binds and checks."""
+    from ps_mcore.layer_specs.modules import self_attention
+    from ps_mcore.layer_specs.modules.tree_context import current_tree_batch
+
+    cfg, _, tree = models
+    plan = _plan(FORESTS["random3"])
+    attn = tree.decoder.layers[0].self_attention
+    hidden = torch.randn(plan.num_tokens, 1, cfg.hidden_size)
+    psp = TreePackedSeqParams.from_plan(plan)
+    bound = []
+    tree_arguments = self_attention.TreeSelfAttention._tree_arguments
+    monkeypatch.setattr(self_attention.TreeSelfAttention, "_tree_arguments",
+                        lambda self, args, kwargs: (bound.append(1), tree_arguments(self, args, kwargs))[1])
+    with torch.no_grad():
+        attn(hidden, attention_mask=None, packed_seq_params=psp)
+        assert current_tree_batch() is psp and bound == [1]
+        plain, _ = attn(hidden, attention_mask=None, packed_seq_params=None)  # as TransformerLayer calls it
+        assert current_tree_batch() is None and bound == [1]
+        again, _ = attn(hidden, None, None)  # positional: bound and checked
+        assert bound == [1, 1]
+    torch.testing.assert_close(plain, again, rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------- refusals
 
 

@@ -178,6 +178,15 @@ class PackedRope:
         return cos, sin
 
 
+def _plain_training_call(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``SelfAttention.forward`` call carries no tree batch and no inference cache,
+    as Megatron's ``TransformerLayer`` calls it (hidden states positional, the rest by
+    keyword): a batch that is not a tree then skips the signature binding, which costs host
+    time in every layer of a call that is host-bound anyway (a few hundred rows)."""
+    return (len(args) <= 1 and kwargs.get("inference_context") is None and kwargs.get("inference_params") is None
+            and not any(isinstance(v, TreePackedSeqParams) for v in kwargs.values()))
+
+
 class TreeSelfAttention(SelfAttention):
     """``SelfAttention`` that applies tree RoPE for :class:`TreePackedSeqParams` batches.
 
@@ -240,6 +249,10 @@ class TreeSelfAttention(SelfAttention):
 
     def forward(self, *args, **kwargs):
         """Same arguments as ``SelfAttention.forward``; returns ``(output, bias)``."""
+        if _plain_training_call(args, kwargs):  # not a tree: the parent's forward, no binding
+            set_current_tree_batch(None)
+            self._pending_rope = None
+            return super().forward(*args, **kwargs)
         args, kwargs = self._tree_arguments(args, kwargs)
         out = super().forward(*args, **kwargs)
         self._check_rope_applied()
