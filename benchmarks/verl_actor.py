@@ -44,7 +44,9 @@ fp32 Hugging Face forward of the same weights (``--ref-samples`` sequences). MoE
 the Megatron engine only and load no HF weights (Megatron's seeded init, identical for both
 configurations; no fp32 reference).
 
-Harness settings that differ from verl's defaults, the same for every configuration:
+The CUDA allocator runs with expandable segments, as a training job's actor phases do (verl
+turns them on at the end of every weight sync to the rollout). Harness settings that differ
+from verl's defaults, the same for every configuration:
 ``attn_implementation=varlen_fa2`` (FSDP; the machine has no flash-attn, see
 ``verl_flash_fallback.py``), TE ``attention_backend=fused`` (Megatron, cuDNN's fused
 attention; verl's ``flash`` needs flash-attn inside TE, and ``auto`` falls back to TE's
@@ -673,6 +675,13 @@ def start(tiny: bool) -> str:
     shims of tests/verl_cpu_worker_shims.py) and its world of one."""
     if not tiny:
         init_world("cuda")
+        # verl's ActorRolloutRefWorker.update_weights ends every weight sync (before the first
+        # step and after each update) with set_expandable_segments(True), so a training job's
+        # actor phases run on an allocator with expandable segments. No rollout runs here: set
+        # the same, or a call near the card's memory fails on fragmentation instead.
+        from verl.utils.device import set_expandable_segments
+
+        set_expandable_segments(True)
         return "cuda"
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
     from verl_cpu_worker_shims import install_cpu_worker_shims
@@ -958,7 +967,8 @@ def benchmark(args) -> int:
     sizes = batch_sizes(args)
     report = [f"verl 0.8.0 actor worker, one GPU ({torch.cuda.get_device_name()}), torch {torch.__version__}, "
               f"date {time.strftime('%Y-%m-%d')}, command `python {' '.join(sys.argv)}`; token budget "
-              f"{args.max_token_len}, warm-up {args.warmup}, timed {args.iters} mini-batches per cell"]
+              f"{args.max_token_len}, warm-up {args.warmup}, timed {args.iters} mini-batches per cell; "
+              "CUDA allocator with expandable segments (as verl's training step)"]
     by_engine: dict[str, list[Cell]] = {e: [] for e in args.engines}
     profiles: list[str] = []
     for model in args.models:
