@@ -178,7 +178,7 @@ class PackedRope:
         return cos, sin
 
 
-def _plain_training_call(args: tuple, kwargs: dict) -> bool:
+def _plain_call(args: tuple, kwargs: dict) -> bool:
     """Whether a ``SelfAttention.forward`` call carries no tree batch and no inference cache,
     as Megatron's ``TransformerLayer`` calls it (hidden states positional, the rest by
     keyword): a batch that is not a tree then skips the signature binding, which costs host
@@ -249,7 +249,7 @@ class TreeSelfAttention(SelfAttention):
 
     def forward(self, *args, **kwargs):
         """Same arguments as ``SelfAttention.forward``; returns ``(output, bias)``."""
-        if _plain_training_call(args, kwargs):  # not a tree: the parent's forward, no binding
+        if _plain_call(args, kwargs):  # not a tree: the parent's forward, no binding
             set_current_tree_batch(None)
             self._pending_rope = None
             return super().forward(*args, **kwargs)
