@@ -284,7 +284,10 @@ def seq_last_mask(nested):
 
 def assert_outputs(stock, tree, keys=("log_probs", "entropy"), scale: float = 1.0):
     """Patched step outputs equal stock (fp32 rtol 1e-5, atol 1e-6, both times ``scale``) with
-    identical jagged offsets."""
+    identical jagged offsets. A value head's outputs get ``atol`` 1e-5 of their largest
+    magnitude instead (the rule of :func:`assert_grads`): they are O(1) sums of hidden features
+    with no softmax to damp the reordered sums, and cross zero (measured noise up to 1.1e-6 of
+    the largest value, which 1e-6 absolute does not cover)."""
     for key in keys:
         a, b = stock["model_output"][key], tree["model_output"][key]
         assert torch.equal(a.offsets(), b.offsets()), key
@@ -294,7 +297,8 @@ def assert_outputs(stock, tree, keys=("log_probs", "entropy"), scale: float = 1.
             keep = seq_last_mask(a)
             assert torch.all(vb[~keep] == 0)
             va, vb = va[keep], vb[keep]
-        torch.testing.assert_close(vb, va, rtol=scale * RTOL, atol=scale * ATOL)
+        atol = RTOL * float(va.abs().max()) if key == "values" else ATOL
+        torch.testing.assert_close(vb, va, rtol=scale * RTOL, atol=scale * atol)
 
 
 def assert_grads(g_stock, g_tree):
