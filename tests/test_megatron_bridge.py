@@ -136,13 +136,15 @@ def test_tree_run_equals_stock_provider_model(family, forest):
 
 def assert_tree_equals_stock(stock, tree, seqs) -> None:
     """The tree model on the forest of ``seqs`` equals the stock model on the unshared batch:
-    logits, and every gradient of a per-sample-weighted log-prob loss (fp32)."""
+    logits, and every gradient of a per-sample-weighted log-prob loss (fp32). Logits within
+    1e-5 of their largest magnitude (at least 2e-5): reordered fp32 sums differ by up to 2.6e-6
+    of it (Gemma 3's logits reach 9)."""
     weights = _weights(seqs)
     for m in (stock, tree):
         m.zero_grad(set_to_none=True)
     plan, logits, tree_total = _tree_loss(tree, seqs, weights)
     ref, stock_total = _stock_loss(stock, seqs, weights)
-    torch.testing.assert_close(plan.unpack(logits), ref, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(plan.unpack(logits), ref, rtol=1e-5, atol=max(2e-5, 1e-5 * float(ref.abs().max())))
     if all(len(s) == 1 for s in seqs):
         return  # nothing to predict
     tree_total.backward()
