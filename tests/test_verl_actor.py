@@ -29,20 +29,24 @@ ROOT = Path(__file__).resolve().parents[1]
 FP32_TOL = 1e-5  # fp32 on a CPU: shared rows only reorder sums (the benchmark's TINY_ATOL / TINY_RTOL)
 
 
-def run_tiny(*args: str, stderr: bool = False):
-    """``verl_actor.py --tiny *args``'s stdout (``(stdout, stderr)`` with ``stderr``); exit 0 asserted."""
+def run_script(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    """``benchmarks/verl_actor.py *args`` in a process of its own (no torchrun variables)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), "--tiny", *args],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def run_tiny(*args: str, stderr: bool = False):
+    """``verl_actor.py --tiny *args``'s stdout (``(stdout, stderr)`` with ``stderr``); exit 0 asserted."""
+    proc = run_script("--tiny", *args, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return (proc.stdout, proc.stderr) if stderr else proc.stdout
 
 
 def refused(*args: str) -> str:
     """``verl_actor.py *args``'s stderr; exit 2 (argparse's refusal) asserted."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "verl_actor.py"), *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_script(*args, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stderr
 
