@@ -347,6 +347,12 @@ CONFIGS = {"fsdp": ("stock", "pg", "ps", "ps-pieces"), "megatron": ("stock", "ps
 PS_CONFIGS = {"ps": {}, "ps-pieces": {"cross_microbatch": False}}
 
 
+# ``--recompute`` on the Megatron engine: every layer's input kept, the layer rerun in backward
+# (megatron.training's --recompute-granularity full --recompute-method uniform
+# --recompute-num-layers 1), as verl's long-context Megatron recipes set it
+MEGATRON_FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
 @dataclass
 class RunSettings:
     device: str
@@ -355,6 +361,7 @@ class RunSettings:
     pg_groups: int = 1
     tiny: bool = False
     fused_kernels: bool = False
+    recompute: bool = False
 
 
 def compose_config(engine: str, model_dir: str, config: str, settings: RunSettings):
@@ -397,11 +404,13 @@ def compose_config(engine: str, model_dir: str, config: str, settings: RunSettin
                     section.mixed_precision = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
                     section.model_dtype = "fp32"
                     section.use_torch_compile = False
-                arr.model.enable_gradient_checkpointing = False
+                arr.model.enable_gradient_checkpointing = settings.recompute
         else:
             for section in (arr.actor.megatron, arr.ref.megatron):
                 # module docstring: never a stock baseline on TE's unfused attention
                 section.override_transformer_config.attention_backend = "auto" if settings.tiny else "fused"
+                if settings.recompute:
+                    section.override_transformer_config.update(MEGATRON_FULL_RECOMPUTE)
             if settings.tiny:
                 from verl_cpu_worker_shims import MEGATRON_CPU_TRANSFORMER_CONFIG, TINY_MEGATRON_OVERRIDES
 
@@ -664,7 +673,7 @@ def run_settings(args, lr: float | None = None) -> RunSettings:
     """The workers' settings: ``--tiny`` on the CPU with a 256-token budget (several
     micro-batches per tiny batch)."""
     lr = args.lr if lr is None else lr
-    common = dict(lr=lr, pg_groups=args.pg_groups, fused_kernels=args.fused_kernels)
+    common = dict(lr=lr, pg_groups=args.pg_groups, fused_kernels=args.fused_kernels, recompute=args.recompute)
     if args.tiny:
         return RunSettings(device="cpu", max_token_len=256, tiny=True, **common)
     return RunSettings(device="cuda", max_token_len=args.max_token_len, **common)
@@ -1261,6 +1270,10 @@ def parse_args(argv=None):
                    help="verl's fused LM-head kernels in every configuration (actor_rollout_ref.model."
                         "use_fused_kernels): log-probs and entropy without the [tokens, vocab] logits, so "
                         "larger budgets fit")
+    p.add_argument("--recompute", action="store_true",
+                   help="full activation recompute in every configuration: Megatron's full recompute of every "
+                        "layer (uniform, 1 layer per checkpoint); FSDP2 checkpoints every layer either way on the "
+                        "GPU (verl's default enable_gradient_checkpointing), and with --tiny only with this option")
     p.add_argument("--pg-groups", type=int, default=1, help="PrefixGrouper: groups per fixed micro-batch")
     p.add_argument("--ref-samples", type=int, default=8, help="sequences per batch in the fp32 reference (0: none)")
     p.add_argument("--lr", type=float, default=None, help="actor lr (default 1e-6; 1e-5 with --curves, 1e-3 with --tiny --curves)")

@@ -66,10 +66,31 @@ def check_cells(out: str, count: int) -> list[list[str]]:
     return rows
 
 
+def recomputed_layers(stderr: str) -> dict[str, int]:
+    """Layer forwards each engine reran inside a backward pass (the CPU shims' count)."""
+    line = [x for x in stderr.splitlines() if x.startswith("CPU layer forwards recomputed in backward:")][-1]
+    counts = line.split(":", 1)[1].split(",")
+    return {engine: int(n) for n, engine in (c.split() for c in counts)}
+
+
 @pytest.mark.slow  # ~80 s of CPU (10 worker builds over 2 engines; 3 min wall on a busy 2-core box)
 def test_tiny_actor_worker_matches_stock():
-    rows = check_cells(run_tiny(), 9)
+    out, err = run_tiny(stderr=True)
+    rows = check_cells(out, 9)
     assert {row[0] for row in rows} == {"tiny"}
+    assert recomputed_layers(err) == {"megatron": 0, "fsdp": 0}
+
+
+@pytest.mark.slow  # ~25 s of CPU (8 worker builds over 2 engines)
+def test_tiny_recompute_matches_stock():
+    """``--recompute``: Megatron's full recompute of every layer and FSDP2's gradient
+    checkpointing in both configurations; layers were rerun in backward on both engines, and
+    every output, loss and gradient still equals stock's."""
+    out, err = run_tiny("--recompute", "--configs", "stock", "ps", stderr=True)
+    rows = check_cells(out, 6)
+    assert {(row[1], row[2]) for row in rows} == {("fsdp", "ps"), ("megatron", "ps")}, rows
+    counts = recomputed_layers(err)
+    assert counts["megatron"] > 0 and counts["fsdp"] > 0, err[-2000:]
 
 
 @pytest.mark.slow  # ~15 s of CPU (4 Megatron worker builds)

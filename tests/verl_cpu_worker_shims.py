@@ -19,9 +19,15 @@ What each shim stands in for (all hardware or fp32 gaps, none changes the math):
   optimizer, grad-norm and multi-tensor helpers allocate ``device="cuda"`` tensors
   (redirected to the CPU); verl's ``McoreEngineConfig`` accepts only bf16/fp16 and its
   optimizer config forces ``bf16`` (fp32 allowed here: exactness is checked in fp32).
+* Megatron's full recompute (``--recompute``) saves and restores the CUDA RNG state around the
+  rerun layer (``megatron_shims.enable_cpu_recompute``: none on the CPU, and no dropout).
 * Megatron's fused LM head (``use_fused_kernels``): verl's Triton ``linear_cross_entropy``
   (CUDA) is ``megatron_shims.cpu_linear_cross_entropy``, verl's torch kernel; a process that
   called it says how often on stderr when it exits.
+* Activation recompute (``--recompute``), not a shim but its witness: a process that reran
+  decoder layers inside a backward pass (Megatron's full recompute: its ``TransformerLayer``;
+  HF's gradient checkpointing: each layer's attention module) says how often on stderr when it
+  exits.
 * Megatron MoE (``megatron_shims.enable_cpu_moe``): the alltoall dispatcher's side CUDA
   stream and host copies; mbridge asks for grouped-GEMM experts (TE's or the ``grouped_gemm``
   CUDA kernels), here megatron's ``SequentialMLP`` (the same experts, one GEMM each).
@@ -107,12 +113,13 @@ def _megatron_on_cpu() -> None:
     from verl.models.mcore import model_forward_fused
     from verl.workers.engine.megatron import transformer_impl
 
-    from megatron_shims import cpu_linear_cross_entropy, enable_cpu_moe, init_cpu_megatron
+    from megatron_shims import cpu_linear_cross_entropy, enable_cpu_moe, enable_cpu_recompute, init_cpu_megatron
     from ps_mcore.layer_specs import to_tree_spec
     from verl_batches import cpu_forward_backward_func
 
     init_cpu_megatron()
     enable_cpu_moe()
+    enable_cpu_recompute()
     rows = []  # one entry per call: the rows the kernel saw
     model_forward_fused.linear_cross_entropy = functools.partial(cpu_linear_cross_entropy, rows_seen=rows)
     atexit.register(lambda: rows and print(f"CPU fused LM-head kernel: {len(rows)} calls, {sum(rows)} rows",
@@ -137,8 +144,32 @@ def _megatron_on_cpu() -> None:
         module.torch = _CpuTorch()
 
 
+def _count_recomputed_layers() -> None:
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    recomputed = {"megatron": 0, "hf": 0}
+
+    def hf_attention(module) -> bool:  # a checkpointed HF layer reruns its forward, not __call__: its attention is called
+        kind = type(module)
+        return kind.__module__.startswith("transformers.models.") and kind.__name__.endswith("Attention")
+
+    def count(module, args):
+        # -1 outside autograd's engine: a layer run by a backward pass is a recompute
+        if torch._C._current_graph_task_id() != -1:
+            if isinstance(module, TransformerLayer):
+                recomputed["megatron"] += 1
+            elif isinstance(module, GradientCheckpointingLayer) or hf_attention(module):
+                recomputed["hf"] += 1
+
+    torch.nn.modules.module.register_module_forward_pre_hook(count)
+    atexit.register(lambda: print("CPU layer forwards recomputed in backward: "
+                                  f"{recomputed['megatron']} megatron, {recomputed['hf']} fsdp", file=sys.stderr))
+
+
 def install_cpu_worker_shims() -> None:
     """Everything above (idempotent enough for one process: call once)."""
+    _count_recomputed_layers()
     _register_engines_for_cpu()
     _cpu_memory_stats()
     _megatron_fp32()
