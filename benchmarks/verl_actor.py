@@ -55,7 +55,9 @@ unfused O(S^2)-memory attention where TE finds neither, a baseline nobody trains
 ``auto`` on the CPU), and ``USE_HUB_KERNELS=0``
 (transformers >= 5.2x swaps layers for kernels fetched from the Hugging Face hub when the
 ``kernels`` package is installed; offline that fails at ``model.train()``, and online it would
-change the model under both sides).
+change the model under both sides). FSDP2 checkpoints every layer (verl's default
+``enable_gradient_checkpointing``); the Megatron engine keeps every layer's activations unless
+``--recompute`` turns on Megatron's full recompute, as verl's long-context Megatron recipes do.
 
     python benchmarks/verl_actor.py --quick --engines fsdp          # GPU
     python benchmarks/verl_actor.py --quick --engines megatron
@@ -63,6 +65,7 @@ change the model under both sides).
     python benchmarks/verl_actor.py --quick --engines megatron --batches pg-8k --profile update   # where it goes
     python benchmarks/verl_actor.py --quick --scale 4 --engines megatron --batches agent --profile-idle update   # what the GPU waits for
     python benchmarks/verl_actor.py --quick --scale 4 --batches gsm8k agent pg-4k   # several budgets per mini-batch
+    python benchmarks/verl_actor.py --quick --scale 4 --engines megatron --fused-kernels --recompute   # 16k on 80 GB
     python benchmarks/verl_actor.py --quick --configs stock ps --both-orders --batches no-sharing floor   # no order bias
     python benchmarks/verl_actor.py --tiny                          # CPU exactness check (CI)
     python benchmarks/verl_actor.py --tiny --engines megatron --models tiny-moe
