@@ -1275,8 +1275,9 @@ def parse_args(argv=None):
                         "larger budgets fit")
     p.add_argument("--recompute", action="store_true",
                    help="full activation recompute in every configuration: Megatron's full recompute of every "
-                        "layer (uniform, 1 layer per checkpoint); FSDP2 checkpoints every layer either way on the "
-                        "GPU (verl's default enable_gradient_checkpointing), and with --tiny only with this option")
+                        "layer (uniform, 1 layer per checkpoint). FSDP2 checkpoints every layer on the GPU either "
+                        "way (verl's default enable_gradient_checkpointing); --tiny turns that off unless this "
+                        "option is given")
     p.add_argument("--pg-groups", type=int, default=1, help="PrefixGrouper: groups per fixed micro-batch")
     p.add_argument("--ref-samples", type=int, default=8, help="sequences per batch in the fp32 reference (0: none)")
     p.add_argument("--lr", type=float, default=None, help="actor lr (default 1e-6; 1e-5 with --curves, 1e-3 with --tiny --curves)")

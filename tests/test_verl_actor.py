@@ -67,7 +67,7 @@ def check_cells(out: str, count: int) -> list[list[str]]:
 
 
 def recomputed_layers(stderr: str) -> dict[str, int]:
-    """Layer forwards each engine reran inside a backward pass (the CPU shims' count)."""
+    """Layers each engine reran inside a backward pass (the CPU shims' count)."""
     line = [x for x in stderr.splitlines() if x.startswith("CPU layer forwards recomputed in backward:")][-1]
     counts = line.split(":", 1)[1].split(",")
     return {engine: int(n) for n, engine in (c.split() for c in counts)}
