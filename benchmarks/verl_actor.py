@@ -65,7 +65,7 @@ change the model under both sides). FSDP2 checkpoints every layer (verl's defaul
     python benchmarks/verl_actor.py --quick --engines megatron --batches pg-8k --profile update   # where it goes
     python benchmarks/verl_actor.py --quick --scale 4 --engines megatron --batches agent --profile-idle update   # what the GPU waits for
     python benchmarks/verl_actor.py --quick --scale 4 --batches gsm8k agent pg-4k   # several budgets per mini-batch
-    python benchmarks/verl_actor.py --quick --scale 4 --engines megatron --fused-kernels --recompute   # 16k on 80 GB
+    python benchmarks/verl_actor.py --quick --scale 4 --engines megatron --fused-kernels --recompute   # full activation recompute
     python benchmarks/verl_actor.py --quick --configs stock ps --both-orders --batches no-sharing floor   # no order bias
     python benchmarks/verl_actor.py --tiny                          # CPU exactness check (CI)
     python benchmarks/verl_actor.py --tiny --engines megatron --models tiny-moe
