@@ -951,3 +951,28 @@ def test_fused_kernels_refusals_name_the_feature(fused_env, monkeypatch):
         assert "not verl's fused GPTModel forward" in megatron_fused_refusal(model, {})
     finally:
         model.__dict__.update(patched)
+
+
+def test_fused_forward_is_recognised_through_wrappers(fused_env, monkeypatch):
+    """verl's fused GPTModel forward is still recognised when a profiler or decorator wraps the
+    module's function (``functools.wraps``, as ``--profile-idle`` does) or the instance's: the
+    tree path runs, where an identity check would fall back to verl's stock fused forward."""
+    import functools
+
+    from verl.models.mcore import model_forward_fused as fused
+
+    from ps_mcore.integrations.verl_common.megatron import megatron_fused_refusal, verl_fused_call_kwargs
+
+    _, model, _ = fused_env
+    if "_verl_fused_forward_mode" in model.__dict__:  # verl 0.9.1 on megatron-core >= 0.18: a hook, no forward
+        pytest.skip("this verl marks its fused forward by an attribute")
+    original = fused._fused_GPTModel_forward
+    wrapped = functools.wraps(original)(lambda *a, **k: original(*a, **k))
+    monkeypatch.setattr(fused, "_fused_GPTModel_forward", wrapped)
+    assert megatron_fused_refusal(model, {}) is None
+    assert verl_fused_call_kwargs(model, 0.5) == {"temperature": 0.5}
+    bound = model.__dict__["forward"]
+    monkeypatch.setitem(model.__dict__, "forward", functools.wraps(bound.__func__)(lambda *a, **k: None).__get__(model))
+    assert verl_fused_call_kwargs(model, 0.5) == {"temperature": 0.5}
+    monkeypatch.setitem(model.__dict__, "forward", (lambda self: None).__get__(model))
+    assert "not verl's fused GPTModel forward" in megatron_fused_refusal(model, {})

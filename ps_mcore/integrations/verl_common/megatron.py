@@ -363,7 +363,9 @@ def verl_fused_call_kwargs(model, temperature: float) -> dict | None:
     if mode_attr is not None and getattr(inner, mode_attr, None) == getattr(fused, "_HOOK_MODE", None):
         return dict(output_processor=fused.fused_output_processor,
                     output_processor_context=fused.FusedOutputProcessorContext(temperature=temperature))
-    if getattr(inner.__dict__.get("forward"), "__func__", None) is fused._fused_GPTModel_forward:
+    # unwrapped on both sides: a decorator or a profiler may wrap either (functools.wraps style)
+    forward = getattr(inner.__dict__.get("forward"), "__func__", None)
+    if forward is not None and inspect.unwrap(forward) is inspect.unwrap(fused._fused_GPTModel_forward):
         return dict(temperature=temperature)
     return None
 
