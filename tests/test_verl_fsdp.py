@@ -591,6 +591,29 @@ def test_fallback_fused_kernels_liger_backend(impl, fused_model):
     _fallback_case(impl, fused_model(backend="liger"), data, _setting("prompt_only"), "fused_kernels_backend='liger'")
 
 
+def test_fused_forward_is_recognised_through_wrappers(monkeypatch):
+    """verl's dense fused forward wrapped by a profiler or decorator (``functools.wraps``),
+    on the class or in verl's module, still selects verl's kernel: an identity check would send
+    the model to the stock fused forward."""
+    import functools
+
+    from verl.models.transformers import dense_common
+
+    from ps_mcore.integrations.verl_common.fused import fused_kernel, torch_fused_kernel, triton_fused_kernel
+
+    def wrap(fn):
+        return functools.wraps(fn)(lambda *a, **k: fn(*a, **k))
+
+    model = make_model(seed=6)
+    monkeypatch.setattr(type(model), "forward", wrap(dense_common.forward_with_torch_backend))
+    assert fused_kernel(type(model)) is torch_fused_kernel
+    monkeypatch.setattr(dense_common, "forward_with_triton_backend", wrap(dense_common.forward_with_triton_backend))
+    monkeypatch.setattr(type(model), "forward", dense_common.forward_with_triton_backend.__wrapped__)
+    assert fused_kernel(type(model)) is triton_fused_kernel
+    monkeypatch.setattr(type(model), "forward", wrap(lambda self, *a, **k: None))
+    assert fused_kernel(type(model)) is None
+
+
 def test_fallback_fused_forward_of_another_model(impl, monkeypatch):
     """A fused forward that is not verl's dense one (the VLM models have their own): stock."""
     model = make_model(seed=6)

@@ -23,6 +23,7 @@ call by :func:`on_labelled_rows` (``ps_mcore.integrations.verl_common.megatron``
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -83,10 +84,10 @@ def fused_kernel(cls: type) -> Callable | None:
     """
     from verl.models.transformers import dense_common
 
-    forward = _stock_forward(cls)
-    if forward is dense_common.forward_with_torch_backend:
+    forward = inspect.unwrap(_stock_forward(cls))  # a profiler or decorator may wrap either side
+    if forward is inspect.unwrap(dense_common.forward_with_torch_backend):
         return torch_fused_kernel
-    if forward is dense_common.forward_with_triton_backend:
+    if forward is inspect.unwrap(dense_common.forward_with_triton_backend):
         return triton_fused_kernel
     return None
 
