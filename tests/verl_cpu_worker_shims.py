@@ -146,11 +146,11 @@ def _megatron_on_cpu() -> None:
 
 def _count_recomputed_layers() -> None:
     from megatron.core.transformer.transformer_layer import TransformerLayer
-    from transformers.modeling_layers import GradientCheckpointingLayer
 
-    recomputed = {"megatron": 0, "hf": 0}
+    recomputed = {"megatron": 0, "fsdp": 0}
 
-    def hf_attention(module) -> bool:  # a checkpointed HF layer reruns its forward, not __call__: its attention is called
+    def hf_attention(module) -> bool:
+        # one per HF decoder layer: a checkpointed layer reruns its forward, not its __call__
         kind = type(module)
         return kind.__module__.startswith("transformers.models.") and kind.__name__.endswith("Attention")
 
@@ -159,12 +159,12 @@ def _count_recomputed_layers() -> None:
         if torch._C._current_graph_task_id() != -1:
             if isinstance(module, TransformerLayer):
                 recomputed["megatron"] += 1
-            elif isinstance(module, GradientCheckpointingLayer) or hf_attention(module):
-                recomputed["hf"] += 1
+            elif hf_attention(module):
+                recomputed["fsdp"] += 1
 
     torch.nn.modules.module.register_module_forward_pre_hook(count)
     atexit.register(lambda: print("CPU layer forwards recomputed in backward: "
-                                  f"{recomputed['megatron']} megatron, {recomputed['hf']} fsdp", file=sys.stderr))
+                                  f"{recomputed['megatron']} megatron, {recomputed['fsdp']} fsdp", file=sys.stderr))
 
 
 def install_cpu_worker_shims() -> None:
