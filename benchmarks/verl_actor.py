@@ -727,8 +727,21 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, warmup: int, iters: int, device: str):
-    """(median seconds, peak GiB above the start, last result)."""
+def _alloc_retries(device) -> int:
+    """The CUDA caching allocator's retries so far: each time a request found no free memory,
+    it released its cached blocks (waiting for the GPU) and tried again."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device == "cuda" else 0
+
+
+@dataclass
+class Timing:
+    seconds: float  # median of the timed calls
+    peak: float  # GiB above what was allocated before the timed calls
+    retries: int  # allocator retries during the timed calls
+    result: object  # the last call's
+
+
+def timed(fn, warmup: int, iters: int, device: str) -> Timing:
     result = None
     for _ in range(warmup):
         result = fn()
@@ -737,6 +750,7 @@ def timed(fn, warmup: int, iters: int, device: str):
         gc.collect()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    retries = _alloc_retries(device)
     times = []
     for _ in range(iters):
         _sync(device)
@@ -745,7 +759,7 @@ def timed(fn, warmup: int, iters: int, device: str):
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda" else float("nan")
-    return float(np.median(times)), peak, result
+    return Timing(float(np.median(times)), peak, _alloc_retries(device) - retries, result)
 
 
 def response_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -805,6 +819,7 @@ class Cell:
     vs_stock: float = float("nan")
     vs_fp32: float = float("nan")
     micro_batches: float = float("nan")  # forward_step calls per timed call
+    alloc_retries: int = 0  # the CUDA allocator's retries in the timed calls (every run of the cell)
 
 
 def run_engine_model(engine: str, model: str, model_dir: str, batches: list[Batch], args, settings,
@@ -843,7 +858,8 @@ def mean_of_runs(cells: list[Cell]) -> list[Cell]:
     for same in runs.values():
         times = [c.seconds for c in same if not math.isnan(c.seconds)]
         merged.append(replace(same[0], seconds=float(np.mean(times)) if times else math.nan,
-                              peak=_largest(c.peak for c in same), vs_fp32=_largest(c.vs_fp32 for c in same)))
+                              peak=_largest(c.peak for c in same), vs_fp32=_largest(c.vs_fp32 for c in same),
+                              alloc_retries=sum(c.alloc_retries for c in same)))
     return merged
 
 
@@ -894,7 +910,7 @@ def run_phases(workers, model, config, batches, plans, args, device, refs, old_l
                 fn = lambda b=batch, lp=lp: workers.update(b, lp)  # noqa: E731
             try:
                 with counted_calls(workers.engine_for(phase), "forward_step") as steps:
-                    seconds, peak, result = timed(fn, args.warmup, args.iters, device)
+                    timing = timed(fn, args.warmup, args.iters, device)
             except torch.OutOfMemoryError as e:
                 oom = ". ".join(str(e).split(". ")[:2])  # used outside the handler, once its frames are freed
             else:
@@ -904,8 +920,9 @@ def run_phases(workers, model, config, batches, plans, args, device, refs, old_l
                 free_memory()
                 cells.append(Cell(model, batch.name, config, phase, n, t, math.nan, math.nan, ideal))
                 continue
+            seconds, peak, result = timing.seconds, timing.peak, timing.result
             cell = Cell(model, batch.name, config, phase, n, t, seconds, peak, ideal,
-                        micro_batches=len(steps) / (args.warmup + args.iters))
+                        micro_batches=len(steps) / (args.warmup + args.iters), alloc_retries=timing.retries)
             if phase == "old":
                 old[batch.name] = result
                 old_lp[config, batch.name] = result[0]
@@ -916,7 +933,8 @@ def run_phases(workers, model, config, batches, plans, args, device, refs, old_l
                     cell.vs_fp32 = response_diff(result[0][:s, : ref.size(1)], ref, mask[:s, : ref.size(1)])
             cells.append(cell)
             print(f"  {batch.name:>10} {config:>5} {PHASE_NAMES[phase]:>20}: {seconds:.3f} s "
-                  f"({n / seconds:,.0f} tok/s, peak {peak:.1f} GiB)", flush=True)
+                  f"({n / seconds:,.0f} tok/s, peak {peak:.1f} GiB"
+                  + (f", {timing.retries} allocator retries" if timing.retries else "") + ")", flush=True)
             if phase in args.profile:
                 profiles.append(profile_steps({config: fn}, f"profile: {label} {batch.name} "
                                               f"{PHASE_NAMES[phase]}, {config}", iters=1))
@@ -958,6 +976,18 @@ def table(cells: list[Cell]) -> str:
                      float("nan") if floor is None else floor, counted,
                      c.vs_stock, c.vs_fp32])
     return format_table(HEADERS, rows)
+
+
+def retries_note(cells: list[Cell]) -> str:
+    """A line under the table naming the cells whose timed calls ran out of free GPU memory: the
+    allocator then released its cache and retried, so such a time includes that wait and moves
+    with what ran before it in the process; empty when none did."""
+    hit = [f"{c.model} {c.batch} {c.config} {PHASE_NAMES[c.phase]} ({c.alloc_retries})" for c in cells
+           if c.alloc_retries]
+    if not hit:
+        return ""
+    return ("\n\nAllocator retries in the timed calls (the card's memory ran out, the CUDA allocator released "
+            "its cache and retried; these times include that and are not comparable): " + ", ".join(hit))
 
 
 QUICK = dict(models=["qwen2.5-1.5b"], batches=list(BATCHES), warmup=1, iters=2,
@@ -1008,7 +1038,8 @@ def write_report(header: list[str], by_engine: dict[str, list[Cell]], path: str 
                  profiles: list[str] = ()) -> str:
     """The header, one table per engine and the ``--profile`` tables, written to ``path`` (if
     given) and returned."""
-    text = "\n".join(header + [f"\n### {e}\n\n" + table(cells) for e, cells in by_engine.items() if cells]
+    text = "\n".join(header + [f"\n### {e}\n\n" + table(cells) + retries_note(cells)
+                                for e, cells in by_engine.items() if cells]
                      + [f"\n{p}" for p in profiles])
     if path:
         with open(path, "w") as f:

@@ -171,6 +171,27 @@ def test_floor_counted_ideal_column():
     assert float(row[verl_actor.HEADERS.index("meas/ideal, floor counted")]) == pytest.approx(counted, rel=1e-2)
 
 
+def test_allocator_retries_are_named_under_the_table():
+    """A cell whose timed calls made the CUDA allocator release its cache and retry is named
+    under its engine's table with the retries of all its runs; a report without any has no note."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import verl_actor
+
+    def cell(config, retries):
+        return verl_actor.Cell("m", "agent", config, "update", 10, 5, 1.0, 1.0, 2.0, alloc_retries=retries)
+
+    cells = verl_actor.mean_of_runs([cell("stock", 30), cell("ps", 0), cell("ps", 0), cell("stock", 6)])
+    assert [c.alloc_retries for c in cells] == [36, 0]
+    text = verl_actor.write_report(["header"], {"megatron": cells}, None)
+    note = text.splitlines()[-1]
+    assert note.startswith("Allocator retries in the timed calls") and note.endswith("m agent stock update_actor (36)")
+    assert "ps update_actor" not in note
+    clean = verl_actor.write_report(["header"], {"megatron": [cell("stock", 0), cell("ps", 0)]}, None)
+    assert "Allocator retries" not in clean
+    timing = verl_actor.timed(lambda: 7, warmup=1, iters=3, device="cpu")
+    assert (timing.retries, timing.result) == (0, 7) and timing.seconds >= 0
+
+
 def fake_model_benchmark(args) -> None:
     """A stand-in for one model's GPU benchmark: its report, or a failure without one."""
     if args.models == ["broken"]:
@@ -378,7 +399,8 @@ def test_configurations_run_in_the_order_given(monkeypatch):
 
     # --both-orders: ps, stock, stock, ps; each cell the mean of its two runs
     seconds = iter([1.0, 2.0, 4.0, 3.0])
-    monkeypatch.setattr(verl_actor, "timed", lambda fn, warmup, iters, device: (next(seconds), 0.5, fn()))
+    monkeypatch.setattr(verl_actor, "timed",
+                        lambda fn, warmup, iters, device: verl_actor.Timing(next(seconds), 0.5, 0, fn()))
     args.both_orders = True
     FakeWorkers.closed.clear()
     cells = verl_actor.run_engine_model("fsdp", "qwen2.5-0.5b", "dir", batches, args, settings, {}, [])
