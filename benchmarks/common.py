@@ -231,20 +231,26 @@ def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iter
     """Where one step's time goes, per step in ms: CUDA kernel time by kind, the wall time the
     kernels leave uncovered (launch latency, host work, syncs), and the ``top_kernels`` kernels
     that take the most time over all steps. One column per step."""
-    columns, per_kernel = {}, {}
+    columns, per_kernel, lost = {}, {}, []
     for label, step in named_steps.items():
         per_kernel[label] = {}
-        kinds, wall, _ = step_kernels(step, iters, per_kernel[label])
+        kinds, wall, launched = step_kernels(step, iters, per_kernel[label])
         kernels = sum(kinds.values())
         columns[label] = {**kinds, "all kernels": kernels, "wall": wall, "uncovered": wall - kernels}
+        if not launched:  # a GPU step always launches kernels: the profiler lost its trace
+            lost.append(label)
+            columns[label] = {"wall": wall}
     rows_order = [k for k, _ in KERNEL_KINDS] + ["other", "all kernels", "wall", "uncovered"]
-    rows = [[kind] + [columns[c].get(kind, 0.0) for c in columns] for kind in rows_order]
+    rows = [[kind] + [columns[c].get(kind, 0.0 if c not in lost else math.nan) for c in columns]
+            for kind in rows_order]
     names = sorted({n for times in per_kernel.values() for n in times},
                    key=lambda n: -sum(times.get(n, 0.0) for times in per_kernel.values()))[:top_kernels]
-    top = [[n[:90]] + [per_kernel[c].get(n, 0.0) for c in columns] for n in names]
+    top = [[n[:90]] + [math.nan if c in lost else per_kernel[c].get(n, 0.0) for c in columns] for n in names]
     syncs = [[label, count, where] for label, step in named_steps.items() for where, count in host_syncs(step)]
+    note = (f"\n\nThe profiler recorded no kernels for {', '.join(lost)}: its trace of the step was lost, so "
+            "only the wall time is a measurement" if lost else "")
     return (
-        f"{title} (ms per step)\n\n" + markdown_table(["kind", *columns], rows)
+        f"{title} (ms per step)\n\n" + markdown_table(["kind", *columns], rows) + note
         + "\n\nkernels taking the most time (ms per step)\n\n" + markdown_table(["kernel", *columns], top)
         + "\n\nhost syncs per step (the GPU queue drains at each; source = innermost project frames)\n\n"
         + (markdown_table(["step", "syncs", "source"], syncs) if syncs else "none")
@@ -354,6 +360,8 @@ def gpu_idle_by_function(step: Callable[[], object], module_prefixes: tuple[str,
     if not ranges:
         return f"{title}: no profiled function ran"
     busy = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not busy:  # a GPU step always launches kernels: the trace lost them, and idle time is unknown
+        return f"{title}: the profiler recorded no kernels (its trace of the step was lost)"
     window, idle_total, by_name = idle_by_range(ranges, busy)
     names = sorted(by_name, key=lambda n: -by_name[n][0])[:top]
     rows = [[n, by_name[n][0] / 1e3, by_name[n][1] / 1e3, by_name[n][2]] for n in names]

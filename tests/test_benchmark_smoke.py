@@ -137,6 +137,24 @@ def test_gpu_idle_split_among_the_host_functions_running():
     assert backends.AttentionBackend.variant_refusal is method
 
 
+def test_a_step_whose_trace_was_lost_is_not_reported_idle(monkeypatch):
+    """A profiled step that recorded no kernels (the profiler lost its trace) shows its wall time
+    only, with a note, never as a step where the GPU idled throughout; the other steps keep
+    their figures."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    recorded = {"ok": ({"matmul": 6.0, "attention": 2.0}, 10.0, 40), "lost": ({}, 30.0, 0)}
+    monkeypatch.setattr(common, "step_kernels", lambda step, iters, top: recorded[step()])
+    monkeypatch.setattr(common, "host_syncs", lambda step: [])
+    text = common.profile_steps({"ok": lambda: "ok", "lost": lambda: "lost"}, "profile: t", iters=1)
+    rows = {r[0]: r[1:] for r in ([c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+                                  if line.startswith("|"))}
+    assert rows["all kernels"] == ["8", "-"] and rows["uncovered"] == ["2", "-"] and rows["wall"] == ["10", "30"]
+    assert rows["matmul"] == ["6", "-"]
+    assert "The profiler recorded no kernels for lost: its trace of the step was lost" in text
+
+
 def test_profile_options_need_the_gpu():
     """``--profile`` (CUDA profiler) is refused by name in the CPU runs."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
