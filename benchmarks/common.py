@@ -235,11 +235,12 @@ def profile_steps(named_steps: dict[str, Callable[[], object]], title: str, iter
     for label, step in named_steps.items():
         per_kernel[label] = {}
         kinds, wall, launched = step_kernels(step, iters, per_kernel[label])
-        kernels = sum(kinds.values())
-        columns[label] = {**kinds, "all kernels": kernels, "wall": wall, "uncovered": wall - kernels}
         if not launched:  # a GPU step always launches kernels: the profiler lost its trace
             lost.append(label)
             columns[label] = {"wall": wall}
+            continue
+        kernels = sum(kinds.values())
+        columns[label] = {**kinds, "all kernels": kernels, "wall": wall, "uncovered": wall - kernels}
     rows_order = [k for k, _ in KERNEL_KINDS] + ["other", "all kernels", "wall", "uncovered"]
     rows = [[kind] + [columns[c].get(kind, 0.0 if c not in lost else math.nan) for c in columns]
             for kind in rows_order]

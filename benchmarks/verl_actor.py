@@ -742,6 +742,7 @@ class Timing:
 
 
 def timed(fn, warmup: int, iters: int, device: str) -> Timing:
+    """``fn`` run ``warmup`` times untimed, then ``iters`` timed calls."""
     result = None
     for _ in range(warmup):
         result = fn()
