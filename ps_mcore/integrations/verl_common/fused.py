@@ -75,6 +75,12 @@ def _stock_forward(cls: type) -> Callable:
     return getattr(forward, "__ps_mcore_original__", forward) if getattr(forward, _TREE_FUSED, False) else forward
 
 
+def same_function(fn: Callable | None, target: Callable) -> bool:
+    """Whether ``fn`` is ``target`` once ``functools.wraps``-style wrappers (a profiler's ranges,
+    a user's decorator) are taken off either side."""
+    return fn is not None and inspect.unwrap(fn) is inspect.unwrap(target)
+
+
 def fused_kernel(cls: type) -> Callable | None:
     """The kernel behind ``cls.forward`` when it is verl's dense fused forward (torch or
     Triton backend), else None.
@@ -84,10 +90,10 @@ def fused_kernel(cls: type) -> Callable | None:
     """
     from verl.models.transformers import dense_common
 
-    forward = inspect.unwrap(_stock_forward(cls))  # a profiler or decorator may wrap either side
-    if forward is inspect.unwrap(dense_common.forward_with_torch_backend):
+    forward = _stock_forward(cls)
+    if same_function(forward, dense_common.forward_with_torch_backend):
         return torch_fused_kernel
-    if forward is inspect.unwrap(dense_common.forward_with_triton_backend):
+    if same_function(forward, dense_common.forward_with_triton_backend):
         return triton_fused_kernel
     return None
 

@@ -87,7 +87,7 @@ from ps_mcore.integrations.verl_common.engine import (
     prefix_aware,
     run_step_with_context,
 )
-from ps_mcore.integrations.verl_common.fused import labelled_statistics, on_labelled_rows
+from ps_mcore.integrations.verl_common.fused import labelled_statistics, on_labelled_rows, same_function
 from ps_mcore.integrations.verl_common.mtp import full_loss_mask, mtp_refusal, tree_mtp_training
 from ps_mcore.integrations.verl_common.vision import images_refusal, multi_modal_inputs_refusal, packed_images
 from ps_mcore.integrations.verl_common.schedule import lm_schedule_refusal, run_schedule_step, scheduler_for
@@ -363,9 +363,7 @@ def verl_fused_call_kwargs(model, temperature: float) -> dict | None:
     if mode_attr is not None and getattr(inner, mode_attr, None) == getattr(fused, "_HOOK_MODE", None):
         return dict(output_processor=fused.fused_output_processor,
                     output_processor_context=fused.FusedOutputProcessorContext(temperature=temperature))
-    # unwrapped on both sides: a decorator or a profiler may wrap either (functools.wraps style)
-    forward = getattr(inner.__dict__.get("forward"), "__func__", None)
-    if forward is not None and inspect.unwrap(forward) is inspect.unwrap(fused._fused_GPTModel_forward):
+    if same_function(getattr(inner.__dict__.get("forward"), "__func__", None), fused._fused_GPTModel_forward):
         return dict(temperature=temperature)
     return None
 
